@@ -1,0 +1,143 @@
+"""A small GPT language model trained with VarunaStrategy on a text this script generates.
+
+    python examples/gpt.py --devices 4 --pipeline-parallel-size 2 --micro-batch-size 2
+
+runs 2 pipeline stages x 2 data-parallel replicas on 4 CPU processes (gloo); on GPUs pass
+``--accelerator gpu``. The LM head is tied to the token embedding, so the first and last stages share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_varuna import CutPoint, VarunaStrategy
+
+
+def make_text(num_sentences: int = 2000, seed: int = 0) -> str:
+    """A deterministic toy corpus with learnable structure (subject-verb-object sentences)."""
+    g = torch.Generator().manual_seed(seed)
+    subjects = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher"]
+    verbs = ["sees", "likes", "follows", "draws", "finds", "greets"]
+    objects = ["the river", "a red ball", "the moon", "an apple", "the garden", "a quiet house"]
+    words = [subjects, verbs, objects]
+    sentences = [" ".join(w[torch.randint(len(w), (1,), generator=g).item()] for w in words) for _ in range(num_sentences)]
+    return ". ".join(sentences) + "."
+
+
+class CharDataset(Dataset):
+    """Fixed-length character windows of a text; the target is the window shifted by one."""
+
+    def __init__(self, text: str, block_size: int) -> None:
+        self.vocab = sorted(set(text))
+        ids = torch.tensor([self.vocab.index(c) for c in text])
+        n = (len(ids) - 1) // block_size
+        self.x = ids[: n * block_size].view(n, block_size)
+        self.y = ids[1 : n * block_size + 1].view(n, block_size)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, block_size: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+        self.register_buffer("mask", torch.triu(torch.ones(block_size, block_size, dtype=torch.bool), 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=self.mask[:t, :t], need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(L.LightningModule):
+    """A decoder-only transformer with a CutPoint after every block and the head tied to the embedding."""
+
+    def __init__(
+        self, vocab_size: int, block_size: int = 32, dim: int = 64, layers: int = 4, heads: int = 4,
+        dropout: float = 0.0, lr: float = 3e-3,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.tok = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Parameter(torch.zeros(1, block_size, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads, block_size, dropout) for _ in range(layers))
+        self.cuts = nn.ModuleList(CutPoint() for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[:, : idx.shape[1]]
+        for block, cut in zip(self.blocks, self.cuts):
+            x = cut(block(x))
+        return self.head(self.ln(x))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        idx, y = batch
+        loss = F.cross_entropy(self(idx).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        idx, y = batch
+        loss = F.cross_entropy(self(idx).flatten(0, 1), y.flatten())
+        self.log("val_loss", loss, prog_bar=True)
+        self.log("val_ppl", math.e ** loss.item())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=2)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--max-steps", type=int, default=60)
+    args = parser.parse_args()
+
+    L.seed_everything(0)
+    text = make_text()
+    data = CharDataset(text, block_size=32)
+    split = int(0.9 * len(data))
+    train, val = torch.utils.data.Subset(data, range(split)), torch.utils.data.Subset(data, range(split, len(data)))
+    model = GPT(len(data.vocab), layers=args.layers)
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=VarunaStrategy(
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            micro_batch_size=args.micro_batch_size,
+            schedule=args.schedule,
+        ),
+        max_steps=args.max_steps,
+        val_check_interval=args.max_steps // 2,
+        limit_val_batches=4,
+        enable_checkpointing=False,
+        logger=False,
+    )
+    trainer.fit(model, DataLoader(train, batch_size=args.batch_size), DataLoader(val, batch_size=args.batch_size))
+    if trainer.is_global_zero:
+        print(f"final metrics: { {k: round(v.item(), 4) for k, v in trainer.callback_metrics.items()} }")
+
+
+if __name__ == "__main__":
+    main()

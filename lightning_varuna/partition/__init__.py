@@ -1,0 +1,1 @@
+"""Partitioning: CutPoint discovery, segment costs, stage assignment and stage modules."""

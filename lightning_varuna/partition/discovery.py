@@ -1,0 +1,129 @@
+"""Find the CutPoints a forward pass goes through, check them, and time the segments between them."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from lightning_varuna.cutpoint import CutPoint
+from lightning_varuna.pipeline.microbatch import batch_size_of
+
+__all__ = ["SegmentProfile", "discover_cutpoints", "profile_segments"]
+
+
+@dataclass(frozen=True)
+class SegmentProfile:
+    """Measured cost of the segments between consecutive cutpoints of one forward + backward.
+
+    Segment ``i`` runs from cutpoint ``i - 1`` (or the model input) to cutpoint ``i`` (or the output),
+    so there is one segment more than there are cutpoints.
+    """
+
+    cutpoint_names: list[str]
+    forward_seconds: list[float]
+    backward_seconds: list[float]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.cutpoint_names) + 1
+
+    @property
+    def costs(self) -> list[float]:
+        """Forward + backward seconds of each segment."""
+        return [f + b for f, b in zip(self.forward_seconds, self.backward_seconds)]
+
+
+@contextmanager
+def _observe_cutpoints(module: nn.Module, batch_size: int, on_call: Any = None) -> Iterator[list[str]]:
+    """Record the names of the cutpoints called during a forward, checking each call's input."""
+    names = {cut: name for name, cut in module.named_modules() if isinstance(cut, CutPoint)}
+    order: list[str] = []
+
+    def observe(cut: CutPoint, x: object) -> None:
+        name = names[cut]
+        if name in order:
+            raise ValueError(
+                f"CutPoint `{name}` was called twice in one forward. Each CutPoint marks one place: "
+                "create one CutPoint instance per call site (e.g. one per block in an `nn.ModuleList`)."
+            )
+        if not isinstance(x, Tensor):
+            raise TypeError(
+                f"CutPoint `{name}` got a `{type(x).__name__}`; its input must be one tensor whose dim 0 is "
+                "the batch. Move the CutPoint to where a single activation tensor flows between blocks."
+            )
+        if x.dim() == 0 or x.shape[0] != batch_size:
+            raise ValueError(
+                f"CutPoint `{name}` got a tensor of shape {tuple(x.shape)} but the batch size is {batch_size}: "
+                "its input must keep the batch as dim 0."
+            )
+        order.append(name)
+        if on_call is not None:
+            on_call(x)
+
+    for cut in names:
+        cut._observer = observe
+    try:
+        yield order
+    finally:
+        for cut in names:
+            cut._observer = None
+
+
+def discover_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = None) -> list[str]:
+    """Run one forward without gradients and return the names of the cutpoints it went through, in order."""
+    with torch.no_grad(), _observe_cutpoints(module, batch_size_of(args)) as order:
+        module(*args, **(kwargs or {}))
+    return order
+
+
+def _float_leaves(output: Any) -> list[Tensor]:
+    return [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+
+
+def _time_one_step(module: nn.Module, args: tuple, kwargs: dict) -> tuple[list[str], list[float], list[float]]:
+    forward_marks: list[float] = []
+    backward_marks: list[float] = []
+
+    def mark(x: Tensor) -> None:
+        forward_marks.append(time.perf_counter())
+        if x.requires_grad:
+            x.register_hook(lambda grad: backward_marks.append(time.perf_counter()))
+
+    with _observe_cutpoints(module, batch_size_of(args), on_call=mark) as order:
+        start = time.perf_counter()
+        output = module(*args, **kwargs)
+        forward_end = time.perf_counter()
+    outputs = _float_leaves(output)
+    if outputs:
+        torch.autograd.backward([t.float().sum() for t in outputs])
+    backward_end = time.perf_counter()
+    module.zero_grad(set_to_none=True)
+
+    fwd_bounds = [start, *forward_marks, forward_end]
+    forward = [b - a for a, b in zip(fwd_bounds, fwd_bounds[1:])]
+    if len(backward_marks) == len(forward_marks):
+        # Gradients reach the cutpoints last-to-first; segment i's backward ends at cutpoint i-1's mark.
+        bwd_bounds = [forward_end, *backward_marks, backward_end]
+        backward = [b - a for a, b in zip(bwd_bounds, bwd_bounds[1:])][::-1]
+    else:
+        backward = [2 * f for f in forward]  # no gradient flows through some cutpoint: estimate
+    return order, forward, backward
+
+
+def profile_segments(module: nn.Module, args: tuple, kwargs: dict | None = None, *, repeats: int = 3) -> SegmentProfile:
+    """Time forward and backward of every segment between cutpoints (median of ``repeats`` steps)."""
+    kwargs = kwargs or {}
+    _time_one_step(module, args, kwargs)  # warm-up: allocator, lazy init
+    runs = [_time_one_step(module, args, kwargs) for _ in range(repeats)]
+    order = runs[0][0]
+    forward = [statistics.median(r[1][i] for r in runs) for i in range(len(order) + 1)]
+    backward = [statistics.median(r[2][i] for r in runs) for i in range(len(order) + 1)]
+    return SegmentProfile(cutpoint_names=order, forward_seconds=forward, backward_seconds=backward)

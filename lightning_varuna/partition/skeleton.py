@@ -1,0 +1,93 @@
+"""Keep only one stage's parameters in memory while the whole model stays traceable."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["ModelSkeleton"]
+
+
+@dataclass(frozen=True)
+class _Slot:
+    owner: str  # FQN of the module that holds the tensor
+    name: str  # attribute name in that module
+    fqn: str  # canonical FQN: the first name of a tensor shared by several modules (tied weights)
+    is_parameter: bool
+
+
+@dataclass(frozen=True)
+class _Spec:
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+
+class ModelSkeleton:
+    """The names, shapes and ties of every parameter and buffer of a model.
+
+    A rank that frees the parameters of the other stages can still trace the whole model: the skeleton
+    puts a zero-stride stand-in (one element of memory) into every slot while ``torch.export`` runs, then
+    puts the real tensors back.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._slots: list[_Slot] = []
+        self._specs: dict[str, _Spec] = {}
+        first_name: dict[int, str] = {}
+        for owner_name, owner in module.named_modules(remove_duplicate=False):
+            for table, is_parameter in ((owner._parameters, True), (owner._buffers, False)):
+                for name, tensor in table.items():
+                    if tensor is None:
+                        continue
+                    fqn = f"{owner_name}.{name}" if owner_name else name
+                    canonical = first_name.setdefault(id(tensor), fqn)
+                    self._slots.append(_Slot(owner_name, name, canonical, is_parameter))
+                    self._specs[canonical] = _Spec(
+                        tensor.shape, tensor.dtype, tensor.device, is_parameter and tensor.requires_grad
+                    )
+        self._aliases = {f"{s.owner}.{s.name}" if s.owner else s.name: s.fqn for s in self._slots}
+
+    def canonical(self, fqn: str) -> str:
+        """The canonical FQN of a (possibly tied) parameter or buffer name."""
+        return self._aliases.get(fqn, fqn)
+
+    @property
+    def parameter_names(self) -> list[str]:
+        return list(dict.fromkeys(s.fqn for s in self._slots if s.is_parameter))
+
+    def release(self, module: nn.Module, keep: set[str]) -> None:
+        """Drop every parameter and buffer whose canonical FQN is not in ``keep`` (frees their memory)."""
+        for slot in self._slots:
+            if slot.fqn not in keep:
+                table = self._table(module, slot)
+                table[slot.name] = None
+
+    @contextmanager
+    def stand_ins(self, module: nn.Module) -> Iterator[None]:
+        """Fill every slot with a memory-free stand-in of the right shape; restore the real tensors after."""
+        saved = [(slot, self._table(module, slot).get(slot.name)) for slot in self._slots]
+        made: dict[str, Tensor] = {}
+        for slot in self._slots:
+            if slot.fqn not in made:
+                spec = self._specs[slot.fqn]
+                stand_in = torch.empty((), dtype=spec.dtype, device=spec.device).expand(spec.shape)
+                made[slot.fqn] = (
+                    nn.Parameter(stand_in, requires_grad=spec.requires_grad) if slot.is_parameter else stand_in
+                )
+            self._table(module, slot)[slot.name] = made[slot.fqn]
+        try:
+            yield
+        finally:
+            for slot, tensor in saved:
+                self._table(module, slot)[slot.name] = tensor
+
+    @staticmethod
+    def _table(module: nn.Module, slot: _Slot) -> dict:
+        owner = module.get_submodule(slot.owner)
+        return owner._parameters if slot.is_parameter else owner._buffers

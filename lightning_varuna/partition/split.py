@@ -1,0 +1,184 @@
+"""Cut a model into pipeline stages at chosen CutPoints with ``torch.distributed.pipelining``'s tracer.
+
+The result is plain data (`PipelineGraph`: which values flow from which stage to which) plus the
+``GraphModule`` of one stage whose parameters are the model's own tensors.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+from torch.distributed.pipelining import pipeline
+from torch.utils._pytree import tree_leaves
+
+from lightning_varuna.cutpoint import CutPoint
+from lightning_varuna.partition.skeleton import ModelSkeleton
+
+__all__ = ["PipelineGraph", "Source", "TensorMeta", "split_into_stages"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a value comes from: model input leaf ``index`` (``stage is None``) or output ``index`` of ``stage``."""
+
+    stage: int | None
+    index: int
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+@dataclass
+class PipelineGraph:
+    """How one traced model is cut: identical on every rank, so each stage knows whom it talks to."""
+
+    stage_inputs: list[list[Source]]
+    stage_outputs: list[list[TensorMeta]]
+    output_sources: list[Source]
+    stage_parameters: list[set[str]]
+    edges: dict[tuple[int, int], list[int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # (producer, consumer) -> the producer's output indices it sends, in a fixed order.
+        edges: dict[tuple[int, int], set[int]] = {}
+        last = self.num_stages - 1
+        consumers = [(i, src) for i, sources in enumerate(self.stage_inputs) for src in sources]
+        consumers += [(last, src) for src in self.output_sources]
+        for consumer, src in consumers:
+            if src.stage is not None and src.stage != consumer:
+                edges.setdefault((src.stage, consumer), set()).add(src.index)
+        self.edges = {key: sorted(values) for key, values in sorted(edges.items())}
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_inputs)
+
+    def sends(self, stage: int) -> dict[int, list[int]]:
+        """Consumer stage -> output indices that ``stage`` sends to it."""
+        return {c: v for (p, c), v in self.edges.items() if p == stage}
+
+    def receives(self, stage: int) -> dict[int, list[int]]:
+        """Producer stage -> its output indices that ``stage`` receives."""
+        return {p: v for (p, c), v in self.edges.items() if c == stage}
+
+
+def _activate(module: nn.Module, boundaries: Sequence[str]) -> list[CutPoint]:
+    cuts = [module.get_submodule(name) for name in boundaries]
+    for cut in cuts:
+        cut._is_stage_boundary = True
+    return cuts
+
+
+def _source_of(node: Any, stage_of: dict[fx.Node, int], placeholders: list[fx.Node]) -> Source:
+    if not isinstance(node, fx.Node):
+        raise TypeError(f"A pipeline stage boundary carries a constant `{node!r}`; only tensors can cross stages.")
+    if node.op == "placeholder":
+        return Source(None, placeholders.index(node))
+    if node.op == "call_module":
+        return Source(stage_of[node], 0)
+    if node.op == "call_function" and node.target is operator.getitem:
+        return Source(stage_of[node.args[0]], node.args[1])
+    raise TypeError(f"Unexpected node `{node.format_node()}` between pipeline stages.")
+
+
+def _output_metas(stage_module: fx.GraphModule, stage: int) -> list[TensorMeta]:
+    output = next(n for n in stage_module.graph.nodes if n.op == "output")
+    values = output.args[0]
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    metas = []
+    for value in values:
+        fake = value.meta.get("val") if isinstance(value, fx.Node) else value
+        if not isinstance(fake, Tensor):
+            raise TypeError(
+                f"Stage {stage} passes a `{type(fake).__name__}` to a later stage; only tensors can cross "
+                "stages. Compute that value from tensors inside the stage that uses it."
+            )
+        metas.append(TensorMeta(fake.shape, fake.dtype))
+    return metas
+
+
+def _bind_real_tensors(stage_module: nn.Module, skeleton: ModelSkeleton, real: dict[str, Tensor]) -> None:
+    for name, _ in list(stage_module.named_parameters(remove_duplicate=False)):
+        owner, _, attr = name.rpartition(".")
+        stage_module.get_submodule(owner)._parameters[attr] = real[skeleton.canonical(name)]
+    for name, _ in list(stage_module.named_buffers(remove_duplicate=False)):
+        owner, _, attr = name.rpartition(".")
+        canonical = skeleton.canonical(name)
+        if canonical in real:
+            stage_module.get_submodule(owner)._buffers[attr] = real[canonical]
+
+
+def split_into_stages(
+    module: nn.Module,
+    skeleton: ModelSkeleton,
+    real_tensors: dict[str, Tensor],
+    args: tuple,
+    kwargs: dict,
+    boundaries: Sequence[str],
+    stage_index: int,
+) -> tuple[PipelineGraph, fx.GraphModule]:
+    """Trace ``module(*args, **kwargs)`` and cut it before each CutPoint named in ``boundaries``.
+
+    Args:
+        module: the whole model; slots of other stages may be empty (the skeleton fills them while tracing).
+        skeleton: names, shapes and ties of all the model's tensors.
+        real_tensors: canonical FQN -> tensor, for at least the parameters and buffers of ``stage_index``.
+        args: example positional inputs of one micro-batch.
+        kwargs: example keyword inputs of one micro-batch.
+        boundaries: names of the cutpoints where stages 1, 2, ... begin.
+        stage_index: the stage whose ``GraphModule`` to return.
+    """
+    cuts = _activate(module, boundaries)
+    try:
+        with skeleton.stand_ins(module), torch.autocast(args_device_type(args), enabled=False):
+            pipe = pipeline(module, mb_args=args, mb_kwargs=kwargs or None)
+    finally:
+        for cut in cuts:
+            cut._is_stage_boundary = False
+
+    graph = pipe.split_gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    num_leaves = len(tree_leaves((args, kwargs)))
+    if len(placeholders) != num_leaves:
+        raise TypeError(
+            f"The traced model takes {len(placeholders)} inputs but the forward call passed {num_leaves} values; "
+            "pass tensors (not Python numbers or None) as the forward's arguments."
+        )
+    stage_nodes = [n for n in graph.nodes if n.op == "call_module"]
+    stage_of = {node: k for k, node in enumerate(stage_nodes)}
+    stage_modules = [pipe.split_gm.get_submodule(node.target) for node in stage_nodes]
+    output = next(n for n in graph.nodes if n.op == "output")
+    outputs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+
+    pipeline_graph = PipelineGraph(
+        stage_inputs=[[_source_of(a, stage_of, placeholders) for a in node.args] for node in stage_nodes],
+        stage_outputs=[_output_metas(m, k) for k, m in enumerate(stage_modules)],
+        output_sources=[_source_of(a, stage_of, placeholders) for a in outputs],
+        stage_parameters=[
+            {skeleton.canonical(name) for name, _ in m.named_parameters(remove_duplicate=False)} for m in stage_modules
+        ],
+    )
+    if pipeline_graph.num_stages != len(boundaries) + 1:
+        raise ValueError(
+            f"Cutting at {len(boundaries)} CutPoint(s) gave {pipeline_graph.num_stages} stages instead of "
+            f"{len(boundaries) + 1}: some stage has no computation. Put work between consecutive CutPoints."
+        )
+    own = stage_modules[stage_index]
+    _bind_real_tensors(own, skeleton, real_tensors)
+    return pipeline_graph, own
+
+
+def args_device_type(args: Any) -> str:
+    """Device type of the first tensor in ``args`` (for autocast)."""
+    for leaf in tree_leaves(args):
+        if isinstance(leaf, Tensor):
+            return leaf.device.type
+    return "cpu"

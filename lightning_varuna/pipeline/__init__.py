@@ -1,0 +1,1 @@
+"""Pipeline execution: schedules, micro-batches, rank topology, the stage runtime and tied weights."""

@@ -1,0 +1,64 @@
+"""Split a batch into micro-batches along dim 0 and merge per-micro-batch results back."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["batch_size_of", "merge_microbatches", "microbatch_sizes", "split_microbatches"]
+
+
+def batch_size_of(batch: Any) -> int:
+    """Dim 0 of the first tensor in ``batch``."""
+    leaves, _ = tree_flatten(batch)
+    for leaf in leaves:
+        if isinstance(leaf, Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    raise TypeError("The batch holds no tensor with a batch dimension; cannot split it into micro-batches.")
+
+
+def microbatch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
+    """Sizes of the micro-batches: all ``micro_batch_size`` but a smaller last one if it doesn't divide."""
+    count = math.ceil(batch_size / micro_batch_size)
+    return [min(micro_batch_size, batch_size - i * micro_batch_size) for i in range(count)]
+
+
+def split_microbatches(batch: Any, micro_batch_size: int) -> list[Any]:
+    """Slice every tensor whose dim 0 is the batch size; other leaves are shared by all micro-batches."""
+    size = batch_size_of(batch)
+    leaves, spec = tree_flatten(batch)
+    chunks = []
+    start = 0
+    for n in microbatch_sizes(size, micro_batch_size):
+        chunk = [
+            leaf[start : start + n] if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == size else leaf
+            for leaf in leaves
+        ]
+        chunks.append(tree_unflatten(chunk, spec))
+        start += n
+    return chunks
+
+
+def merge_microbatches(outputs: list[Any], weights: list[float]) -> Any:
+    """Merge per-micro-batch step outputs leaf by leaf.
+
+    0-dim tensors (a mean loss) become their ``weights``-weighted sum, the batch mean when the weights are
+    the micro-batch sizes over the batch size; other tensors are concatenated along dim 0; anything else is
+    taken from the first micro-batch.
+    """
+    if all(o is None for o in outputs):
+        return None
+    flat = [tree_flatten(o) for o in outputs]
+    merged = []
+    for parts in zip(*(leaves for leaves, _ in flat)):
+        if isinstance(parts[0], Tensor) and parts[0].dim() == 0:
+            merged.append(sum(w * p.detach() for w, p in zip(weights, parts)))
+        elif isinstance(parts[0], Tensor):
+            merged.append(torch.cat([p.detach() for p in parts]))
+        else:
+            merged.append(parts[0])
+    return tree_unflatten(merged, flat[0][1])

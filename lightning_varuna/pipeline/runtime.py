@@ -1,0 +1,222 @@
+"""Run one stage's share of a pipeline schedule: its forwards and backwards, talking to the other stages
+with asynchronous point-to-point sends and receives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, fx
+from torch.utils._pytree import TreeSpec, tree_unflatten
+
+from lightning_varuna.partition.split import PipelineGraph, Source
+from lightning_varuna.pipeline.schedules import Action, Phase
+
+__all__ = ["StageRuntime"]
+
+_MAX_VALUES_PER_EDGE = 1024
+
+
+def _tag(microbatch: int, slot: int, phase: Phase) -> int:
+    return (microbatch * _MAX_VALUES_PER_EDGE + slot) * 2 + (phase is Phase.BACKWARD)
+
+
+def _carries_grad(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+class StageRuntime:
+    """Executes the forwards and backwards of one stage for the micro-batches of a batch.
+
+    The stage module may differ between micro-batches (a smaller last micro-batch is traced on its own);
+    all of them share one `PipelineGraph` layout, so the messages between stages are the same.
+
+    Args:
+        stage_index: the stage this rank runs.
+        stage_ranks: global rank of each stage of this rank's replica.
+        output_spec: pytree structure of the model's output, rebuilt on the last stage.
+        device: where received tensors are put.
+    """
+
+    def __init__(self, stage_index: int, stage_ranks: Sequence[int], output_spec: TreeSpec, device: torch.device):
+        self.stage_index = stage_index
+        self._ranks = list(stage_ranks)
+        self._output_spec = output_spec
+        self._device = device
+        self._received: dict[int, dict[tuple[int, int], Tensor]] = {}
+        self._sent: dict[int, dict[int, Tensor]] = {}
+        self._graphs: dict[int, PipelineGraph] = {}
+        self._grad_recvs: dict[int, list[tuple[int, int, Tensor, dist.Work]]] = {}
+        self._pending_sends: list[tuple[dist.Work, Tensor]] = []
+
+    @property
+    def num_stages(self) -> int:
+        return len(self._ranks)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def forward(
+        self,
+        microbatch: int,
+        graph: PipelineGraph,
+        module: fx.GraphModule,
+        model_inputs: Sequence[Any],
+        training: bool,
+    ) -> Any:
+        """Run this stage on one micro-batch and send its outputs on.
+
+        Returns:
+            On the last stage, the model's output for the micro-batch; ``None`` elsewhere.
+        """
+        received = self._receive_activations(microbatch, graph, training)
+        args = [self._lookup(src, model_inputs, received, None) for src in graph.stage_inputs[self.stage_index]]
+        outputs = module(*args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        metas = graph.stage_outputs[self.stage_index]
+        sent: dict[int, Tensor] = {}
+        for consumer, values in graph.sends(self.stage_index).items():
+            for slot, value in enumerate(values):
+                if value not in sent:
+                    # Autocast may have changed the dtype; the wire format is the traced one.
+                    sent[value] = outputs[value].to(metas[value].dtype)
+                self._isend(sent[value], consumer, _tag(microbatch, slot, Phase.FORWARD))
+        if training:
+            self._received[microbatch] = received
+            self._sent[microbatch] = sent
+            self._graphs[microbatch] = graph
+            self._post_grad_receives(microbatch, graph)
+        if not self.is_last_stage:
+            return None
+        leaves = [self._lookup(src, model_inputs, received, outputs) for src in graph.output_sources]
+        return tree_unflatten(leaves, self._output_spec)
+
+    def backward(self, microbatch: int, loss: Tensor | None) -> None:
+        """Back-propagate one micro-batch through this stage and send the input gradients back.
+
+        Args:
+            loss: on the last stage, the (already weighted) loss of the micro-batch.
+        """
+        graph = self._graphs.pop(microbatch)
+        received = self._received.pop(microbatch)
+        sent = self._sent.pop(microbatch)
+        tensors, grads = [], []
+        if loss is not None and loss.requires_grad:
+            tensors, grads = [loss], [torch.ones_like(loss)]
+        summed: dict[int, Tensor] = {}
+        for _, value, grad, work in self._grad_recvs.pop(microbatch, []):
+            work.wait()
+            summed[value] = summed[value] + grad if value in summed else grad
+        for value, grad in summed.items():
+            if sent[value].requires_grad:
+                tensors.append(sent[value])
+                grads.append(grad)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        for producer, values in graph.receives(self.stage_index).items():
+            for slot, value in enumerate(values):
+                tensor = received[(producer, value)]
+                if _carries_grad(tensor.dtype):
+                    grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+                    self._isend(grad, producer, _tag(microbatch, slot, Phase.BACKWARD))
+
+    def run(
+        self,
+        actions: Sequence[Action],
+        run_forward: Callable[[int], Any],
+        loss_of: Callable[[int, Any], Tensor | None],
+    ) -> list[Any]:
+        """Execute ``actions`` in order.
+
+        Args:
+            run_forward: runs the user's step for a micro-batch (which calls `forward`); returns its output.
+            loss_of: the weighted loss to back-propagate from a micro-batch's step output (last stage).
+
+        Returns:
+            Each micro-batch's step output (``None`` on stages other than the last).
+        """
+        results: dict[int, Any] = {}
+        try:
+            for action in actions:
+                if action.phase is Phase.FORWARD:
+                    results[action.microbatch] = run_forward(action.microbatch)
+                else:
+                    step_output = results[action.microbatch]
+                    self.backward(action.microbatch, loss_of(action.microbatch, step_output))
+        finally:
+            self.finish()
+        return [results[m] for m in sorted(results)]
+
+    def finish(self) -> None:
+        """Wait for every send of the batch and drop what is left of its state."""
+        for work, _ in self._pending_sends:
+            work.wait()
+        self._pending_sends.clear()
+        self._received.clear()
+        self._sent.clear()
+        self._graphs.clear()
+        self._grad_recvs.clear()
+
+    def _lookup(
+        self,
+        src: Source,
+        model_inputs: Sequence[Any],
+        received: dict[tuple[int, int], Tensor],
+        outputs: tuple | None,
+    ) -> Any:
+        if src.stage is None:
+            return model_inputs[src.index]
+        if src.stage == self.stage_index:
+            assert outputs is not None
+            return outputs[src.index]
+        return received[(src.stage, src.index)]
+
+    def _receive_activations(
+        self, microbatch: int, graph: PipelineGraph, training: bool
+    ) -> dict[tuple[int, int], Tensor]:
+        works = []
+        for producer, values in graph.receives(self.stage_index).items():
+            for slot, value in enumerate(values):
+                meta = graph.stage_outputs[producer][value]
+                buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
+                works.append(
+                    (
+                        (producer, value),
+                        buffer,
+                        self._irecv(buffer, producer, _tag(microbatch, slot, Phase.FORWARD)),
+                    )
+                )
+        received = {}
+        for key, buffer, work in works:
+            work.wait()
+            if training and _carries_grad(buffer.dtype):
+                buffer.requires_grad_()
+            received[key] = buffer
+        return received
+
+    def _post_grad_receives(self, microbatch: int, graph: PipelineGraph) -> None:
+        posted = []
+        for consumer, values in graph.sends(self.stage_index).items():
+            for slot, value in enumerate(values):
+                meta = graph.stage_outputs[self.stage_index][value]
+                if _carries_grad(meta.dtype):
+                    buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
+                    posted.append(
+                        (
+                            consumer,
+                            value,
+                            buffer,
+                            self._irecv(buffer, consumer, _tag(microbatch, slot, Phase.BACKWARD)),
+                        )
+                    )
+        self._grad_recvs[microbatch] = posted
+
+    def _isend(self, tensor: Tensor, stage: int, tag: int) -> None:
+        tensor = tensor.detach().contiguous()
+        self._pending_sends.append((dist.isend(tensor, self._ranks[stage], tag=tag), tensor))
+
+    def _irecv(self, buffer: Tensor, stage: int, tag: int) -> dist.Work:
+        return dist.irecv(buffer, self._ranks[stage], tag=tag)

@@ -1,0 +1,147 @@
+"""Pipeline schedules as data: per-stage lists of actions, plus a dry run that checks them.
+
+An action is a forward (``F``) or backward (``B``) of one micro-batch and prints as ``F3`` / ``B0``. A
+schedule is one action list per stage. Generators produce schedules; one runtime executes any of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Phase",
+    "Schedule",
+    "ScheduleError",
+    "dry_run",
+    "format_grid",
+    "forward_only",
+    "gpipe",
+    "one_f_one_b",
+]
+
+
+class Phase(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+@dataclass(frozen=True)
+class Action:
+    phase: Phase
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.phase.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        return cls(Phase(text[0]), int(text[1:]))
+
+
+Schedule = list[list[Action]]
+
+
+class ScheduleError(RuntimeError):
+    """A schedule that cannot run to completion."""
+
+
+def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
+    """Forwards only, in micro-batch order (validation, test, predict)."""
+    return [[Action(Phase.FORWARD, m) for m in range(num_microbatches)] for _ in range(num_stages)]
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """All forwards, then all backwards (GPipe): simple, keeps every micro-batch's activations."""
+    return [
+        [Action(Phase.FORWARD, m) for m in range(num_microbatches)]
+        + [Action(Phase.BACKWARD, m) for m in range(num_microbatches)]
+        for _ in range(num_stages)
+    ]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B: a warm-up of forwards, then alternate one forward and one backward, then drain backwards.
+
+    Stage ``s`` keeps at most ``num_stages - s`` micro-batches' activations alive.
+    """
+    schedule = []
+    for stage in range(num_stages):
+        warmup = min(num_stages - 1 - stage, num_microbatches)
+        actions = [Action(Phase.FORWARD, m) for m in range(warmup)]
+        for i in range(num_microbatches - warmup):
+            actions += [Action(Phase.FORWARD, warmup + i), Action(Phase.BACKWARD, i)]
+        actions += [Action(Phase.BACKWARD, m) for m in range(num_microbatches - warmup, num_microbatches)]
+        schedule.append(actions)
+    return schedule
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
+
+
+def _chain(num_stages: int) -> dict[int, set[int]]:
+    return {s: ({s - 1} if s else set()) for s in range(num_stages)}
+
+
+def dry_run(schedule: Schedule, producers: Mapping[int, set[int]] | None = None) -> list[list[Action | None]]:
+    """Execute ``schedule`` without a device and return the grid of ticks x stages.
+
+    A forward of stage ``s`` waits for the same micro-batch's forward on each of its ``producers`` (default:
+    the previous stage); a backward waits for its own forward and for the backwards of the stages it feeds.
+
+    Raises:
+        ScheduleError: the schedule deadlocks or is incomplete; the message shows the grid so far.
+    """
+    num_stages = len(schedule)
+    producers = producers if producers is not None else _chain(num_stages)
+    consumers = {s: {c for c, ps in producers.items() if s in ps} for s in range(num_stages)}
+    done: set[tuple[int, Phase, int]] = set()
+    position = [0] * num_stages
+    grid: list[list[Action | None]] = []
+
+    def ready(stage: int, action: Action) -> bool:
+        if action.phase is Phase.FORWARD:
+            return all((p, Phase.FORWARD, action.microbatch) in done for p in producers[stage])
+        return (stage, Phase.FORWARD, action.microbatch) in done and all(
+            (c, Phase.BACKWARD, action.microbatch) in done for c in consumers[stage]
+        )
+
+    while any(position[s] < len(schedule[s]) for s in range(num_stages)):
+        tick: list[Action | None] = [None] * num_stages
+        for stage in range(num_stages):
+            if position[stage] < len(schedule[stage]) and ready(stage, schedule[stage][position[stage]]):
+                tick[stage] = schedule[stage][position[stage]]
+        if not any(tick):
+            stuck = [
+                str(schedule[s][position[s]]) if position[s] < len(schedule[s]) else "-" for s in range(num_stages)
+            ]
+            raise ScheduleError(f"Schedule deadlocks; next action per stage: {stuck}\n{format_grid(grid)}")
+        for stage, action in enumerate(tick):
+            if action is not None:
+                done.add((stage, action.phase, action.microbatch))
+                position[stage] += 1
+        grid.append(tick)
+    _check_complete(schedule, done)
+    return grid
+
+
+def _check_complete(schedule: Sequence[Sequence[Action]], done: set[tuple[int, Phase, int]]) -> None:
+    for stage, actions in enumerate(schedule):
+        forwards = {a.microbatch for a in actions if a.phase is Phase.FORWARD}
+        backwards = {a.microbatch for a in actions if a.phase is Phase.BACKWARD}
+        if backwards and backwards != forwards:
+            raise ScheduleError(f"Stage {stage} runs backwards {sorted(backwards)} for forwards {sorted(forwards)}.")
+
+
+def format_grid(grid: Sequence[Sequence[Action | None]]) -> str:
+    """Render a tick x stage grid, one row per stage."""
+    if not grid:
+        return "(no action ran)"
+    rows = []
+    for stage in range(len(grid[0])):
+        cells = [str(tick[stage]) if tick[stage] is not None else "." for tick in grid]
+        rows.append(f"stage {stage}: " + " ".join(f"{c:>3}" for c in cells))
+    return "\n".join(rows)

@@ -1,0 +1,72 @@
+"""Rank arithmetic of a pipeline x data-parallel job and the process groups it needs.
+
+Global rank ``r`` runs stage ``r % P`` of replica ``r // P``: the stages of one replica are neighbours,
+so point-to-point traffic stays on a node and only the gradient all-reduce crosses nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+__all__ = ["Topology"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    rank: int
+
+    @classmethod
+    def from_world(
+        cls, world_size: int, rank: int, pipeline_parallel_size: int, data_parallel_size: int | None
+    ) -> Topology:
+        """Check that the world factors into pipeline x data parallel and return this rank's place in it."""
+        if world_size % pipeline_parallel_size:
+            raise ValueError(
+                f"The world size {world_size} is not a multiple of `pipeline_parallel_size={pipeline_parallel_size}`."
+                " Launch pipeline_parallel_size x data_parallel_size processes (`devices` x `num_nodes`)."
+            )
+        inferred = world_size // pipeline_parallel_size
+        if data_parallel_size is not None and data_parallel_size != inferred:
+            raise ValueError(
+                f"The world size {world_size} is not pipeline_parallel_size x data_parallel_size = "
+                f"{pipeline_parallel_size} x {data_parallel_size}. Launch "
+                f"{pipeline_parallel_size * data_parallel_size} processes or leave `data_parallel_size` unset."
+            )
+        return cls(pipeline_parallel_size, inferred, rank)
+
+    @property
+    def pp_rank(self) -> int:
+        """The pipeline stage this rank runs."""
+        return self.rank % self.pipeline_parallel_size
+
+    @property
+    def dp_rank(self) -> int:
+        """The data-parallel replica this rank belongs to."""
+        return self.rank // self.pipeline_parallel_size
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pipeline_parallel_size - 1
+
+    def stage_ranks(self, dp_rank: int | None = None) -> list[int]:
+        """Global ranks of the stages of one replica (default: this rank's), in stage order."""
+        dp_rank = self.dp_rank if dp_rank is None else dp_rank
+        return [dp_rank * self.pipeline_parallel_size + s for s in range(self.pipeline_parallel_size)]
+
+    def replica_ranks(self, pp_rank: int | None = None) -> list[int]:
+        """Global ranks that hold the same stage in every replica (default: this rank's stage)."""
+        pp_rank = self.pp_rank if pp_rank is None else pp_rank
+        return [d * self.pipeline_parallel_size + pp_rank for d in range(self.data_parallel_size)]
+
+    def new_groups(self, ranks_per_group: list[list[int]]) -> dist.ProcessGroup | None:
+        """Create every group (all ranks must call this alike) and return the one holding this rank."""
+        mine = None
+        for ranks in ranks_per_group:
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine

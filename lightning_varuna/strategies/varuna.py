@@ -1,0 +1,567 @@
+"""`VarunaStrategy`: pipeline x data parallel training of a LightningModule cut at its CutPoints."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from typing_extensions import override
+
+from lightning_varuna.partition.balance import balance_stages
+from lightning_varuna.partition.discovery import discover_cutpoints, profile_segments
+from lightning_varuna.partition.skeleton import ModelSkeleton
+from lightning_varuna.partition.split import PipelineGraph, split_into_stages
+from lightning_varuna.pipeline.microbatch import batch_size_of, merge_microbatches, split_microbatches
+from lightning_varuna.pipeline.runtime import StageRuntime
+from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
+from lightning_varuna.pipeline.shared_params import SharedParameters
+from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.strategies.step_logging import LogRecorder, replay
+
+__all__ = ["VarunaStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class _StageForwardDone(BaseException):
+    """Ends a user step on a stage that is not the last: the rest of the step needs the model's output.
+
+    A ``BaseException`` so that a user's ``except Exception`` around ``self(...)`` does not swallow it.
+    """
+
+
+class VarunaStrategy(ParallelStrategy):
+    """Pipeline x data parallel training of a LightningModule cut at its `CutPoint`s (Varuna).
+
+    The model is cut into ``pipeline_parallel_size`` stages at the cutpoints that balance the measured
+    compute of the stages; each rank keeps only its stage's parameters. Every batch from the DataLoader is
+    split into micro-batches of ``micro_batch_size`` that flow through the stages under ``schedule``;
+    gradients are averaged over the ``data_parallel_size`` replicas. Training matches single-device
+    training on the global batch (DataLoader batch x data_parallel_size).
+
+    Args:
+        pipeline_parallel_size: number of pipeline stages.
+        data_parallel_size: number of replicas of the pipeline; default: world size / pipeline_parallel_size.
+        micro_batch_size: rows per micro-batch; a last micro-batch may be smaller.
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        shared_weights: pairs of parameter names that must stay identical (Varuna's ``shared_weights``);
+            the second is tied to the first. Parameters already tied (``head.weight = emb.weight``) are found
+            on their own.
+        profile_repeats: steps timed per segment to balance the stages.
+    """
+
+    strategy_name = "varuna"
+
+    def __init__(
+        self,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int | None = None,
+        micro_batch_size: int = 1,
+        schedule: str = "1f1b",
+        shared_weights: list[tuple[str, str]] | None = None,
+        profile_repeats: int = 3,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        for name, value in (("pipeline_parallel_size", pipeline_parallel_size), ("micro_batch_size", micro_batch_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`VarunaStrategy({name}={value!r})` must be a positive integer.")
+        if data_parallel_size is not None and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
+            raise ValueError(f"`VarunaStrategy(data_parallel_size={data_parallel_size!r})` must be a positive integer.")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"`VarunaStrategy(schedule={schedule!r})` is unknown; choose one of {sorted(SCHEDULES)}.")
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.data_parallel_size = data_parallel_size
+        self.micro_batch_size = micro_batch_size
+        self.schedule = schedule
+        self.shared_weights = [tuple(pair) for pair in shared_weights or []]
+        self.profile_repeats = profile_repeats
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self.topology: Topology | None = None
+        self._dp_group: dist.ProcessGroup | None = None
+        self._pp_group: dist.ProcessGroup | None = None
+        self._stages: _StagePlan | None = None
+        self._parked_grads: dict[Tensor, Tensor] | None = None
+
+    # ----------------------------------------------------------------------------------------- processes
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # All stages of a replica read the same batches; replicas read disjoint ones.
+        assert self.topology is not None
+        return {"num_replicas": self.topology.data_parallel_size, "rank": self.topology.dp_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        self.topology = Topology.from_world(
+            self.world_size, self.global_rank, self.pipeline_parallel_size, self.data_parallel_size
+        )
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        topo = self.topology
+        self._dp_group = topo.new_groups([topo.replica_ranks(s) for s in range(topo.pipeline_parallel_size)])
+        self._pp_group = topo.new_groups([topo.stage_ranks(d) for d in range(topo.data_parallel_size)])
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        objects = [obj]
+        dist.broadcast_object_list(objects, src, group=_group.WORLD)
+        return objects[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -------------------------------------------------------------------------------------- partitioning
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._stages = self._partition(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _partition(self, trainer: pl.Trainer) -> _StagePlan:
+        module = self.lightning_module
+        assert module is not None and self.topology is not None
+        for keep, tie in self.shared_weights:
+            owner, _, name = tie.rpartition(".")
+            module.get_submodule(owner).register_parameter(name, module.get_parameter(keep))
+        args, kwargs = self._example_forward_inputs(trainer)
+        cutpoints = discover_cutpoints(module, args, kwargs)
+        num_stages = self.topology.pipeline_parallel_size
+        if num_stages > len(cutpoints) + 1:
+            raise ValueError(
+                f"`VarunaStrategy(pipeline_parallel_size={num_stages})` needs at least {num_stages - 1} CutPoints in "
+                f"the forward, but `{type(module).__name__}` calls {len(cutpoints)}: {cutpoints}. Use at most "
+                f"{len(cutpoints) + 1} stages or add CutPoints."
+            )
+        if num_stages > 1:
+            costs = (
+                profile_segments(module, args, kwargs, repeats=self.profile_repeats).costs
+                if self.is_global_zero
+                else None
+            )
+            costs = self.broadcast(costs)
+            starts = balance_stages(costs, num_stages)
+            boundaries = [cutpoints[start - 1] for start in starts[1:]]
+        else:
+            boundaries = []
+        rank_zero_info(f"VarunaStrategy: {num_stages} stage(s), cut before {boundaries or 'nothing'}")
+        _, output_spec = tree_flatten(_without_grad_forward(module, args, kwargs))
+        plan = _StagePlan(module, boundaries, self.topology, output_spec, self.root_device)
+        graph, _ = plan.stage_for(args, kwargs)
+        plan.release_other_stages(graph)
+        plan.shared = SharedParameters(graph.stage_parameters, self.topology, dict(module.named_parameters()))
+        plan.shared.broadcast_initial_values(self._dp_group)
+        return plan
+
+    def _example_forward_inputs(self, trainer: pl.Trainer) -> tuple[tuple, dict]:
+        """Forward arguments of one micro-batch: ``example_input_array`` or what the first step passes."""
+        module = self.lightning_module
+        assert module is not None
+        example = module.example_input_array
+        if example is not None:
+            if isinstance(example, dict):
+                args, kwargs = (), example
+            else:
+                args, kwargs = (example if isinstance(example, tuple) else (example,)), {}
+            args, kwargs = split_microbatches((args, kwargs), self.micro_batch_size)[0]
+            return self.batch_to_device(args), self.batch_to_device(kwargs)
+        batch = self.batch_to_device(_first_batch(trainer))
+        microbatch = split_microbatches(batch, self.micro_batch_size)[0]
+        captured: list[tuple[tuple, dict]] = []
+
+        def capture(*args: Any, **kwargs: Any) -> None:
+            captured.append((args, kwargs))
+            raise _StageForwardDone
+
+        step = getattr(module, _STEP_OF_FN[trainer.state.fn])
+        with (
+            torch.no_grad(),
+            LogRecorder().capture(module),
+            _patched_forward(module, capture),
+            suppress(_StageForwardDone),
+        ):
+            step(microbatch, 0)
+        if not captured:
+            raise RuntimeError(
+                f"`{type(module).__name__}.{step.__name__}` never called `self(...)`; VarunaStrategy pipelines the "
+                "forward call of each step. Call the model once per step, or set `example_input_array`."
+            )
+        return captured[0]
+
+    # ------------------------------------------------------------------------------------------- steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_micro_batch_size(args[0])
+        stage_params = self._stage_plan().own_parameters()
+        saved = {p: p.grad for p in stage_params}
+        for p in stage_params:
+            p.grad = None
+        with self.precision_plugin.train_step_context():
+            output = self._pipelined_step("training_step", args, kwargs, backward=True)
+        self._parked_grads = {p: p.grad for p in stage_params if p.grad is not None}
+        for p in stage_params:
+            p.grad = saved[p]
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._pipelined_step("validation_step", args, kwargs, backward=False)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._pipelined_step("test_step", args, kwargs, backward=False)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._pipelined_step("predict_step", args, kwargs, backward=False)
+
+    def _pipelined_step(self, step_name: str, args: tuple, kwargs: dict, backward: bool) -> Any:
+        """Run ``step_name`` of every micro-batch through the pipeline; return the batch's step output."""
+        module = self.lightning_module
+        plan = self._stage_plan()
+        assert module is not None and self.topology is not None
+        batch, rest = args[0], args[1:]
+        microbatches = split_microbatches(batch, self.micro_batch_size)
+        total = batch_size_of(batch)
+        weights = [batch_size_of(mb) / total for mb in microbatches]
+        num_stages, stage = self.topology.pipeline_parallel_size, self.topology.pp_rank
+        make = SCHEDULES[self.schedule] if backward else forward_only
+        actions = make(num_stages, len(microbatches))[stage]
+        recorder = LogRecorder()
+        scaler = getattr(self.precision_plugin, "scaler", None) if backward else None
+        current = [0]
+
+        def stage_forward(*fargs: Any, **fkwargs: Any) -> Any:
+            graph, stage_module = plan.stage_for(fargs, fkwargs)
+            out = plan.runtime.forward(current[0], graph, stage_module, tree_leaves((fargs, fkwargs)), backward)
+            if out is None:
+                raise _StageForwardDone
+            return out
+
+        def run_forward(m: int) -> Any:
+            current[0], recorder.weight = m, weights[m]
+            try:
+                return getattr(module, step_name)(microbatches[m], *rest, **kwargs)
+            except _StageForwardDone:
+                return None
+
+        def loss_of(m: int, step_output: Any) -> Tensor | None:
+            if not self.topology.is_last_stage:
+                return None
+            loss = step_output["loss"] if isinstance(step_output, dict) else step_output
+            if not isinstance(loss, Tensor):
+                raise TypeError(
+                    f"`training_step` returned {type(step_output).__name__}; with VarunaStrategy it must return the "
+                    "loss tensor or a dict with a `loss` tensor on every batch."
+                )
+            loss = loss * weights[m]
+            return scaler.scale(loss) if scaler is not None else loss
+
+        with recorder.capture(module), _patched_forward(module, stage_forward):
+            results = plan.runtime.run(actions, run_forward, loss_of)
+        outputs = merge_microbatches(results, weights) if self.topology.is_last_stage else None
+        summary, outputs = self._from_last_stage((recorder.summary(), outputs))
+        replay(module, summary, self.root_device)
+        return tree_map(lambda t: t.to(self.root_device) if isinstance(t, Tensor) else t, outputs)
+
+    def _from_last_stage(self, payload: Any) -> Any:
+        topo = self.topology
+        assert topo is not None
+        if topo.pipeline_parallel_size == 1:
+            return payload
+        objects = [payload]
+        dist.broadcast_object_list(objects, src=topo.stage_ranks()[-1], group=self._pp_group)
+        return objects[0]
+
+    def _check_micro_batch_size(self, batch: Any) -> None:
+        size = batch_size_of(batch)
+        if self.micro_batch_size > size:
+            raise ValueError(
+                f"`VarunaStrategy(micro_batch_size={self.micro_batch_size})` is larger than the batch of {size} rows; "
+                f"use micro_batch_size <= {size} or a larger DataLoader batch_size."
+            )
+
+    # ------------------------------------------------------------------------------ gradients and step
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Put the gradients of the pipelined step in place, averaged over replicas and summed over ties."""
+        parked, self._parked_grads = self._parked_grads or {}, None
+        trainer = self.lightning_module.trainer
+        topo = self.topology
+        assert topo is not None
+        params = self._stage_plan().own_parameters()
+        grads = [parked.get(p, torch.zeros_like(p)) for p in params]
+        scale = 1.0 / (topo.data_parallel_size * trainer.accumulate_grad_batches)
+        if grads:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            if topo.data_parallel_size > 1:
+                dist.all_reduce(flat, group=self._dp_group)
+            flat.mul_(scale)
+            grads = list(torch._utils._unflatten_dense_tensors(flat, grads))
+        self._stage_plan().shared.sum_across_stages(dict(zip(params, grads)))
+        for p, g in zip(params, grads):
+            p.grad = g if p.grad is None else p.grad + g
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            self._agree_on_overflow(params)
+        return closure_loss
+
+    def _agree_on_overflow(self, params: list[Tensor]) -> None:
+        """If any stage overflowed in fp16, make every stage's scaler see it, so all skip the step alike."""
+        found = torch.tensor(
+            [float(any(not torch.isfinite(p.grad).all() for p in params if p.grad is not None))],
+            device=self.root_device,
+        )
+        dist.all_reduce(found, op=ReduceOp.MAX)
+        if found.item() and params and params[0].grad is not None:
+            params[0].grad.view(-1)[0] = float("inf")
+
+    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Clip by the norm over the gradients of all stages, as on one device."""
+        plan = self._stage_plan()
+        grads = [p.grad for p in plan.shared.counted_once(plan.own_parameters()) if p.grad is not None]
+        sq = torch.zeros((), device=self.root_device, dtype=torch.float32)
+        for g in grads:
+            sq += g.detach().float().pow(2).sum()
+        if self.topology.pipeline_parallel_size > 1:
+            dist.all_reduce(sq, group=self._pp_group)
+        coef = clip_val / (sq.sqrt() + 1e-6)
+        if coef < 1:
+            for p in plan.own_parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.dtype))
+
+    # ----------------------------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.pipeline_parallel_size > 1:
+            raise NotImplementedError(
+                "Saving a checkpoint of a pipelined model (pipeline_parallel_size > 1) is not supported yet: each "
+                "rank holds only its stage. Pass `Trainer(enable_checkpointing=False)` for now."
+            )
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def teardown(self) -> None:
+        self._stages = None
+        super().teardown()
+
+    def _stage_plan(self) -> _StagePlan:
+        if self._stages is None:
+            raise RuntimeError("VarunaStrategy is not set up: it partitions the model in `Trainer.fit/validate/...`.")
+        return self._stages
+
+
+_STEP_OF_FN = {
+    TrainerFn.FITTING: "training_step",
+    TrainerFn.VALIDATING: "validation_step",
+    TrainerFn.TESTING: "test_step",
+    TrainerFn.PREDICTING: "predict_step",
+}
+
+
+class _StagePlan:
+    """This rank's stage: the cut, the traced stage module per input shape, its runtime and shared params."""
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        boundaries: list[str],
+        topology: Topology,
+        output_spec: Any,
+        device: torch.device,
+    ) -> None:
+        self.module = module
+        self.boundaries = boundaries
+        self.stage_index = topology.pp_rank
+        self.skeleton = ModelSkeleton(module)
+        self._real = {**dict(_named_tensors(module))}
+        self._traced: dict[tuple, tuple[PipelineGraph, torch.fx.GraphModule]] = {}
+        self.runtime = StageRuntime(topology.pp_rank, topology.stage_ranks(), output_spec, device)
+        self.shared: SharedParameters
+
+    def stage_for(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, torch.fx.GraphModule]:
+        """The traced stage for inputs of this shape and the module's train/eval mode (traced once each)."""
+        key = (self.module.training, *(_shape_key(leaf) for leaf in tree_leaves((args, kwargs))))
+        if key not in self._traced:
+            # Trace the model's own forward, not the pipelined one a running step patched in.
+            patched = self.module.__dict__.pop("forward", None)
+            with torch.inference_mode(False), torch.enable_grad(), _restored(self.module, "forward", patched):
+                args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, (args, kwargs))
+                self._traced[key] = split_into_stages(
+                    self.module, self.skeleton, self._real, args, kwargs, self.boundaries, self.stage_index
+                )
+            self._traced[key][1].train(self.module.training)
+        return self._traced[key]
+
+    def release_other_stages(self, graph: PipelineGraph) -> None:
+        """Free the parameters and buffers that this rank's stage does not use."""
+        _, stage_module = next(iter(self._traced.values()))
+        keep = graph.stage_parameters[self.stage_index] | {
+            self.skeleton.canonical(name) for name, _ in stage_module.named_buffers(remove_duplicate=False)
+        }
+        self.skeleton.release(self.module, keep)
+        self._real = {name: t for name, t in self._real.items() if name in keep}
+
+    def own_parameters(self) -> list[Tensor]:
+        return list(self.module.parameters())
+
+
+def _named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def _shape_key(leaf: Any) -> Any:
+    if isinstance(leaf, Tensor):
+        return (tuple(leaf.shape), leaf.dtype, leaf.device.type)
+    return repr(leaf)
+
+
+@contextmanager
+def _patched_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+@contextmanager
+def _restored(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """Set instance attribute ``name`` back to ``value`` on exit (if ``value`` is not None)."""
+    try:
+        yield
+    finally:
+        if value is not None:
+            setattr(obj, name, value)
+
+
+def _without_grad_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    with torch.no_grad():
+        return module(*args, **kwargs)
+
+
+def _first_batch(trainer: pl.Trainer) -> Any:
+    loop = {
+        TrainerFn.FITTING: trainer.fit_loop,
+        TrainerFn.VALIDATING: trainer.validate_loop,
+        TrainerFn.TESTING: trainer.test_loop,
+        TrainerFn.PREDICTING: trainer.predict_loop,
+    }[trainer.state.fn]
+    loaders = loop._data_source.dataloader()
+    loader = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders
+    loader = loader[0] if isinstance(loader, (list, tuple)) else loader
+    return next(iter(loader))
+
+
+StrategyRegistry.register(
+    VarunaStrategy.strategy_name, VarunaStrategy, description=VarunaStrategy.__doc__.splitlines()[0]
+)

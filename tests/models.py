@@ -1,0 +1,76 @@
+"""Small models and data shared by the tests and the multi-process runner script."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from lightning_varuna import CutPoint
+
+VOCAB, SEQ, DIM = 11, 6, 16
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x))) * keep
+
+
+class TinyLM(L.LightningModule):
+    """Token model with 4 CutPoints (5 segments), a head tied to the embedding and a mask that every block
+    reads (a value that crosses several stages besides the activation)."""
+
+    def __init__(self, blocks: int = 5, lr: float = 0.05, scheduler: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(DIM) for _ in range(blocks))
+        self.cuts = nn.ModuleList(CutPoint() for _ in range(blocks - 1))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.acc = torchmetrics.classification.MulticlassAccuracy(VOCAB, average="micro")
+        self.lr, self.scheduler = lr, scheduler
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        keep = (idx != 0).unsqueeze(-1).float()
+        x = self.emb(idx)
+        for i, block in enumerate(self.blocks):
+            x = block(x, keep)
+            if i < len(self.cuts):
+                x = self.cuts[i](x)
+        return self.head(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        idx, y = batch
+        logits = self(idx)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.acc(logits.flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        self.log("train_acc", self.acc, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        idx, y = batch
+        self.log("val_loss", F.cross_entropy(self(idx).flatten(0, 1), y.flatten()), sync_dist=True)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(-1)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        if not self.scheduler:
+            return optimizer
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)]
+
+
+def token_dataset(rows: int, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+    return TensorDataset(idx, (idx * 3 + 1) % VOCAB)
