@@ -21,7 +21,9 @@ class GlobalBatches(torch.utils.data.Sampler):
     """The union over replicas of what Lightning's DistributedSampler gives each replica, step by step."""
 
     def __init__(self, length: int, batch_size: int, replicas: int, seed: int) -> None:
-        self.samplers = [DistributedSampler(range(length), replicas, r, shuffle=True, seed=seed) for r in range(replicas)]
+        self.samplers = [
+            DistributedSampler(range(length), replicas, r, shuffle=True, seed=seed) for r in range(replicas)
+        ]
         self.batch_size = batch_size
         self.epoch = 0
 
@@ -51,6 +53,7 @@ def train_reference(config: dict) -> tuple[list[float], dict[str, torch.Tensor],
         max_epochs=config["epochs"],
         gradient_clip_val=config.get("clip"),
         accumulate_grad_batches=config.get("accumulate", 1),
+        precision=config.get("precision", "32-true"),
         callbacks=[record],
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -59,5 +62,10 @@ def train_reference(config: dict) -> tuple[list[float], dict[str, torch.Tensor],
         num_sanity_val_steps=0,
     )
     trainer.fit(model, DataLoader(data, batch_sampler=sampler))
+    result = {"losses": record.losses, "acc": trainer.callback_metrics["train_acc"].item()}
+    if config.get("evaluate"):
+        loader = DataLoader(token_dataset(config["rows"], seed=2), batch_size=config["batch_size"])
+        result["val_loss"] = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
+        result["predictions"] = torch.cat(trainer.predict(model, loader)).tolist()
     weights = {k: v.detach().clone() for k, v in model.named_parameters()}
-    return record.losses, weights, trainer.callback_metrics["train_acc"].item()
+    return result, weights

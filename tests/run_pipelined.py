@@ -45,6 +45,7 @@ def main(out_dir: str, config: dict) -> None:
         max_epochs=config["epochs"],
         gradient_clip_val=config.get("clip"),
         accumulate_grad_batches=config.get("accumulate", 1),
+        precision=config.get("precision", "32-true"),
         callbacks=[record],
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -55,9 +56,15 @@ def main(out_dir: str, config: dict) -> None:
     trainer.fit(model, DataLoader(data, batch_size=config["batch_size"]))
     os.makedirs(out_dir, exist_ok=True)
     torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, f"{out_dir}/rank{trainer.global_rank}.pt")
+    result = {"losses": record.losses, "acc": trainer.callback_metrics["train_acc"].item()}
+    if config.get("evaluate"):
+        loader = DataLoader(token_dataset(config["rows"], seed=2), batch_size=config["batch_size"])
+        result["val_loss"] = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
+        if pp * dp == pp:  # one replica: its predictions cover the whole set
+            result["predictions"] = torch.cat(trainer.predict(model, loader)).tolist()
     if trainer.is_global_zero:
         with open(f"{out_dir}/losses.json", "w") as f:
-            json.dump({"losses": record.losses, "acc": trainer.callback_metrics["train_acc"].item()}, f)
+            json.dump(result, f)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,14 @@ def split_into_stages(
     try:
         with skeleton.stand_ins(module), torch.autocast(args_device_type(args), enabled=False):
             pipe = pipeline(module, mb_args=args, mb_kwargs=kwargs or None)
+    except RuntimeError as error:
+        cause = error.__cause__ or error
+        raise RuntimeError(
+            f"Cannot cut `{type(module).__name__}.forward` into pipeline stages: tracing it with torch.export failed "
+            f"({type(cause).__name__}: {str(cause).strip().splitlines()[0]}). Remove data-dependent Python control "
+            "flow (`if tensor...:`) and non-tensor results from the forward; see "
+            "https://pytorch.org/docs/stable/export.html"
+        ) from error
     finally:
         for cut in cuts:
             cut._is_stage_boundary = False

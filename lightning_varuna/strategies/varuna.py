@@ -215,7 +215,8 @@ class VarunaStrategy(ParallelStrategy):
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._stages = self._partition(trainer)
+        if self._stages is None or self._stages.module is not self.model:
+            self._stages = self._partition(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -447,11 +448,6 @@ class VarunaStrategy(ParallelStrategy):
                 "rank holds only its stage. Pass `Trainer(enable_checkpointing=False)` for now."
             )
         super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def teardown(self) -> None:
-        self._stages = None
-        super().teardown()
 
     def _stage_plan(self) -> _StagePlan:
         if self._stages is None:

@@ -1,0 +1,122 @@
+"""Bad input fails before training with a message that says what to change."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import lightning as L
+import pytest
+import torch
+from conftest import clean_env
+from models import TinyLM, token_dataset
+from torch.utils.data import DataLoader
+
+from lightning_varuna import VarunaStrategy
+
+
+def fit(model: L.LightningModule, strategy: VarunaStrategy, batch_size: int = 6) -> None:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(token_dataset(12), batch_size=batch_size))
+
+
+class CutPointTwice(TinyLM):
+    def forward(self, idx):
+        return self.head(self.cuts[0](self.cuts[0](self.emb(idx))))
+
+
+class TupleAtCutPoint(TinyLM):
+    def forward(self, idx):
+        x = self.emb(idx)
+        return self.head(self.cuts[0]((x, x))[0])
+
+
+class TransposedAtCutPoint(TinyLM):
+    def forward(self, idx):
+        return self.head(self.cuts[0](self.emb(idx).transpose(0, 1)).transpose(0, 1))
+
+
+class DataDependentBranch(TinyLM):
+    def forward(self, idx):
+        x = self.cuts[0](self.emb(idx))
+        if x.sum() > 0:  # python control flow on a tensor value: not traceable
+            x = x * 2
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    ("model", "error", "match"),
+    [
+        (CutPointTwice(), ValueError, r"CutPoint `cuts.0` was called twice"),
+        (TupleAtCutPoint(), TypeError, r"CutPoint `cuts.0` got a `tuple`"),
+        (TransposedAtCutPoint(), ValueError, r"shape \(6, 4, 16\) but the batch size is 4"),
+        (DataDependentBranch(), RuntimeError, r"Cannot cut `DataDependentBranch.forward` into pipeline stages"),
+    ],
+)
+def test_bad_model_fails_at_setup(model, error, match):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error, match=match):
+        fit(model, VarunaStrategy(micro_batch_size=4))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_micro_batch_larger_than_batch():
+    model = TinyLM()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"micro_batch_size=8\)` is larger than the batch of 6 rows"):
+        fit(model, VarunaStrategy(micro_batch_size=8), batch_size=6)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(schedule="zigzag"), r"schedule='zigzag'\)` is unknown; choose one of \['1f1b', 'gpipe'\]"),
+        (dict(pipeline_parallel_size=0), r"pipeline_parallel_size=0\)` must be a positive integer"),
+        (dict(micro_batch_size=-1), r"micro_batch_size=-1\)` must be a positive integer"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        VarunaStrategy(**kwargs)
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+from torch.utils.data import DataLoader
+from models import TinyLM, token_dataset
+from lightning_varuna import VarunaStrategy
+trainer = L.Trainer(accelerator="cpu", devices={devices}, strategy=VarunaStrategy(pipeline_parallel_size={pp}),
+                    max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(TinyLM(blocks={blocks}), DataLoader(token_dataset(8), batch_size=4))
+"""
+
+
+@pytest.mark.parametrize(
+    ("devices", "pp", "blocks", "match"),
+    [
+        (3, 2, 5, r"The world size 3 is not a multiple of `pipeline_parallel_size=2`"),
+        (2, 2, 1, r"pipeline_parallel_size=2\)` needs at least 1 CutPoints in the forward, but `TinyLM` calls 0"),
+    ],
+)
+def test_bad_layout_fails_in_every_process(tmp_path, devices, pp, blocks, match):
+    script = tmp_path / "job.py"
+    tests = str(__import__("pathlib").Path(__file__).parent)
+    script.write_text(textwrap.dedent(SCRIPT.format(tests=tests, devices=devices, pp=pp, blocks=blocks)))
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=clean_env()
+    )
+    assert proc.returncode != 0
+    assert __import__("re").search(match, proc.stderr), proc.stderr[-3000:]
