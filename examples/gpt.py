@@ -27,7 +27,9 @@ def make_text(num_sentences: int = 2000, seed: int = 0) -> str:
     verbs = ["sees", "likes", "follows", "draws", "finds", "greets"]
     objects = ["the river", "a red ball", "the moon", "an apple", "the garden", "a quiet house"]
     words = [subjects, verbs, objects]
-    sentences = [" ".join(w[torch.randint(len(w), (1,), generator=g).item()] for w in words) for _ in range(num_sentences)]
+    sentences = [
+        " ".join(w[torch.randint(len(w), (1,), generator=g).item()] for w in words) for _ in range(num_sentences)
+    ]
     return ". ".join(sentences) + "."
 
 
@@ -67,8 +69,14 @@ class GPT(L.LightningModule):
     """A decoder-only transformer with a CutPoint after every block and the head tied to the embedding."""
 
     def __init__(
-        self, vocab_size: int, block_size: int = 32, dim: int = 64, layers: int = 4, heads: int = 4,
-        dropout: float = 0.0, lr: float = 3e-3,
+        self,
+        vocab_size: int,
+        block_size: int = 32,
+        dim: int = 64,
+        layers: int = 4,
+        heads: int = 4,
+        dropout: float = 0.0,
+        lr: float = 3e-3,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -79,6 +87,7 @@ class GPT(L.LightningModule):
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.tok.weight
+        nn.init.normal_(self.tok.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos[:, : idx.shape[1]]

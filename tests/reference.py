@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
-
 from models import TinyLM, token_dataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 
 class RecordLosses(L.Callback):

@@ -23,6 +23,8 @@ def batch_size_of(batch: Any) -> int:
 
 def microbatch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
     """Sizes of the micro-batches: all ``micro_batch_size`` but a smaller last one if it doesn't divide."""
+    if micro_batch_size < 1:
+        raise ValueError(f"`micro_batch_size={micro_batch_size}` must be a positive integer.")
     count = math.ceil(batch_size / micro_batch_size)
     return [min(micro_batch_size, batch_size - i * micro_batch_size) for i in range(count)]
 

@@ -129,9 +129,15 @@ def dry_run(schedule: Schedule, producers: Mapping[int, set[int]] | None = None)
 
 
 def _check_complete(schedule: Sequence[Sequence[Action]], done: set[tuple[int, Phase, int]]) -> None:
+    expected = {a.microbatch for a in schedule[0] if a.phase is Phase.FORWARD} if schedule else set()
     for stage, actions in enumerate(schedule):
+        if len(set(actions)) != len(actions):
+            repeated = sorted({str(a) for a in actions if actions.count(a) > 1})
+            raise ScheduleError(f"Stage {stage} runs {repeated} more than once.")
         forwards = {a.microbatch for a in actions if a.phase is Phase.FORWARD}
         backwards = {a.microbatch for a in actions if a.phase is Phase.BACKWARD}
+        if forwards != expected:
+            raise ScheduleError(f"Stage {stage} runs forwards {sorted(forwards)} but stage 0 runs {sorted(expected)}.")
         if backwards and backwards != forwards:
             raise ScheduleError(f"Stage {stage} runs backwards {sorted(backwards)} for forwards {sorted(forwards)}.")
 

@@ -24,6 +24,8 @@ class Topology:
         cls, world_size: int, rank: int, pipeline_parallel_size: int, data_parallel_size: int | None
     ) -> Topology:
         """Check that the world factors into pipeline x data parallel and return this rank's place in it."""
+        if pipeline_parallel_size < 1:
+            raise ValueError(f"`pipeline_parallel_size={pipeline_parallel_size}` must be a positive integer.")
         if world_size % pipeline_parallel_size:
             raise ValueError(
                 f"The world size {world_size} is not a multiple of `pipeline_parallel_size={pipeline_parallel_size}`."

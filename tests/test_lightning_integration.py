@@ -1,0 +1,67 @@
+"""VarunaStrategy is reachable the ways Lightning users select a strategy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+from conftest import clean_env
+
+from lightning_varuna import VarunaStrategy
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+
+def test_registered_name_selects_the_strategy():
+    trainer = L.Trainer(strategy="varuna", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, VarunaStrategy)
+    assert trainer.strategy.pipeline_parallel_size == 1
+
+
+@pytest.mark.parametrize(
+    "strategy_args",
+    [
+        [],  # the YAML's class_path + init_args
+        ["--trainer.strategy=VarunaStrategy", "--trainer.strategy.pipeline_parallel_size=2"],
+    ],
+)
+def test_lightning_cli_yaml_trains_pipelined(tmp_path, strategy_args):
+    pytest.importorskip("jsonargparse")
+    cmd = [
+        sys.executable,
+        os.path.join(EXAMPLES, "gpt_cli.py"),
+        "fit",
+        "--config",
+        os.path.join(EXAMPLES, "gpt_cli.yaml"),
+        "--trainer.devices=2",
+        "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--model.layers=2",
+        *strategy_args,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "VarunaStrategy: 2 stage(s), cut before ['cuts.0']" in proc.stderr + proc.stdout
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in proc.stderr + proc.stdout
+
+
+def test_torchrun_launch(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        os.path.join(EXAMPLES, "gpt.py"),
+        "--devices=2",
+        "--max-steps=2",
+        "--layers=2",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "VarunaStrategy: 2 stage(s)" in proc.stderr + proc.stdout
+    assert "final metrics" in proc.stdout

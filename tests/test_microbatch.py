@@ -1,0 +1,117 @@
+"""Splitting a batch into micro-batches along dim 0 and merging per-micro-batch outputs back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_varuna.pipeline.microbatch import (
+    batch_size_of,
+    merge_microbatches,
+    microbatch_sizes,
+    split_microbatches,
+)
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "micro_batch_size", "expected"),
+    [
+        (8, 4, [4, 4]),
+        (10, 4, [4, 4, 2]),
+        (7, 3, [3, 3, 1]),
+        (3, 8, [3]),
+        (5, 1, [1, 1, 1, 1, 1]),
+        (6, 6, [6]),
+    ],
+)
+def test_microbatch_sizes(batch_size, micro_batch_size, expected):
+    sizes = microbatch_sizes(batch_size, micro_batch_size)
+    assert sizes == expected
+    assert sum(sizes) == batch_size
+
+
+def test_batch_size_of():
+    assert batch_size_of((torch.zeros(5, 2), torch.zeros(3))) == 5
+    # Non-tensor leaves and 0-dim tensors are skipped.
+    assert batch_size_of({"name": "x", "scale": torch.tensor(2.0), "x": torch.zeros(7, 1)}) == 7
+    with pytest.raises(TypeError, match="no tensor with a batch dimension"):
+        batch_size_of({"a": torch.tensor(1.0), "b": 3})
+
+
+def test_split_tuple_of_tensors_with_smaller_last_microbatch():
+    x = torch.arange(30.0).reshape(10, 3)
+    y = torch.arange(10)
+    chunks = split_microbatches((x, y), 4)
+    assert len(chunks) == 3
+    assert [c[0].shape[0] for c in chunks] == [4, 4, 2]
+    for i, (cx, cy) in enumerate(chunks):
+        assert isinstance((cx, cy), tuple)
+        torch.testing.assert_close(cx, x[4 * i : 4 * i + 4])
+        torch.testing.assert_close(cy, y[4 * i : 4 * i + 4])
+    torch.testing.assert_close(torch.cat([c[0] for c in chunks]), x)
+    torch.testing.assert_close(torch.cat([c[1] for c in chunks]), y)
+
+
+def test_split_dict_keeps_non_batch_leaves_whole():
+    x = torch.randn(10, 3)
+    mask = torch.randn(10)
+    table = torch.randn(4, 2)  # dim 0 is not the batch: shared by every micro-batch
+    scale = torch.tensor(0.5)
+    batch = {"x": x, "extra": {"mask": mask, "table": table}, "scale": scale, "tag": "train"}
+    chunks = split_microbatches(batch, 3)
+    assert [c["x"].shape[0] for c in chunks] == [3, 3, 3, 1]
+    for i, chunk in enumerate(chunks):
+        assert set(chunk) == {"x", "extra", "scale", "tag"}
+        torch.testing.assert_close(chunk["x"], x[3 * i : 3 * i + 3])
+        torch.testing.assert_close(chunk["extra"]["mask"], mask[3 * i : 3 * i + 3])
+        assert chunk["extra"]["table"] is table
+        assert chunk["scale"] is scale
+        assert chunk["tag"] == "train"
+
+
+def test_split_with_micro_batch_larger_than_batch_gives_one_chunk():
+    x = torch.randn(3, 2)
+    (only,) = split_microbatches([x], 8)
+    torch.testing.assert_close(only[0], x)
+
+
+def test_merge_weighted_mean_equals_full_batch_mean():
+    torch.manual_seed(0)
+    x = torch.randn(10, 3)
+    target = torch.randn(10, 3)
+    chunks = split_microbatches((x, target), 4)
+    sizes = microbatch_sizes(10, 4)
+    outputs = [torch.nn.functional.mse_loss(cx, ct) for cx, ct in chunks]  # mean-reduced
+    merged = merge_microbatches(outputs, [n / 10 for n in sizes])
+    assert merged.dim() == 0
+    torch.testing.assert_close(merged, torch.nn.functional.mse_loss(x, target))
+
+
+def test_merge_detaches_and_handles_nested_outputs():
+    torch.manual_seed(0)
+    x = torch.randn(7, 2, requires_grad=True)
+    chunks = split_microbatches((x,), 3)
+    sizes = microbatch_sizes(7, 3)
+    outputs = [{"loss": c[0].mean(), "pred": c[0] * 2, "name": f"mb{i}"} for i, c in enumerate(chunks)]
+    merged = merge_microbatches(outputs, [n / 7 for n in sizes])
+    torch.testing.assert_close(merged["loss"], x.mean().detach())
+    torch.testing.assert_close(merged["pred"], (x * 2).detach())
+    assert not merged["loss"].requires_grad
+    assert not merged["pred"].requires_grad
+    assert merged["name"] == "mb0"  # non-tensor leaves come from the first micro-batch
+
+
+def test_split_then_merge_round_trips():
+    torch.manual_seed(0)
+    batch = {"ids": torch.randint(0, 9, (11, 5)), "y": torch.randn(11), "meta": "m"}
+    chunks = split_microbatches(batch, 4)
+    sizes = microbatch_sizes(11, 4)
+    merged = merge_microbatches(chunks, [n / 11 for n in sizes])
+    assert set(merged) == {"ids", "y", "meta"}
+    torch.testing.assert_close(merged["ids"], batch["ids"])
+    torch.testing.assert_close(merged["y"], batch["y"])
+    assert merged["meta"] == "m"
+
+
+def test_merge_of_all_none_is_none():
+    assert merge_microbatches([None, None], [0.5, 0.5]) is None

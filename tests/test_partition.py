@@ -1,0 +1,422 @@
+"""Finding CutPoints, timing segments, the model skeleton and cutting a model into stage GraphModules."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import DIM, SEQ, VOCAB, TinyLM
+from torch import nn
+
+from lightning_varuna import CutPoint
+from lightning_varuna.partition.discovery import discover_cutpoints, profile_segments
+from lightning_varuna.partition.skeleton import ModelSkeleton
+from lightning_varuna.partition.split import PipelineGraph, Source, TensorMeta, split_into_stages
+from lightning_varuna.pipeline.schedules import dry_run, forward_only, gpipe, one_f_one_b
+
+BATCH = 4
+BOUNDARIES = ["cuts.1", "cuts.3"]
+
+
+@pytest.fixture
+def model() -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM()
+
+
+def make_idx() -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    out = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    out[:, -1] = 0  # some padding so the mask matters
+    return out
+
+
+@pytest.fixture
+def idx() -> torch.Tensor:
+    return make_idx()
+
+
+def real_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def all_cutpoints(module: nn.Module) -> list[CutPoint]:
+    return [m for m in module.modules() if isinstance(m, CutPoint)]
+
+
+# --------------------------------------------------------------------------------------------- discovery
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.cut = CutPoint()
+
+    def forward(self, x):
+        return self.cut(self.b(self.cut(self.a(x))))
+
+
+class TupleCut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.cut = CutPoint()
+
+    def forward(self, x):
+        h, g = self.cut((self.a(x), x))
+        return h + g
+
+
+class NotBatchFirst(nn.Module):
+    def __init__(self, reduce: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.cut = CutPoint()
+        self.reduce = reduce
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.cut(h.sum() if self.reduce else h.t()).sum()
+
+
+class Reordered(nn.Module):
+    """CutPoints registered in one order, called in another; one is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.unused = CutPoint(), CutPoint(), CutPoint()
+        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.c(self.first(self.b(self.second(self.a(x)))))
+
+
+def test_discover_cutpoints_on_tinylm(model, idx):
+    assert discover_cutpoints(model, (idx,)) == ["cuts.0", "cuts.1", "cuts.2", "cuts.3"]
+    assert all(cut._observer is None for cut in all_cutpoints(model))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_discover_cutpoints_returns_execution_order_and_skips_uncalled():
+    assert discover_cutpoints(Reordered(), (torch.randn(2, 3),)) == ["second", "first"]
+
+
+def test_discover_cutpoints_accepts_kwargs():
+    class Kw(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.cut = nn.Linear(3, 3), CutPoint()
+
+        def forward(self, x, *, scale):
+            return self.cut(self.a(x)) * scale
+
+    assert discover_cutpoints(Kw(), (torch.randn(2, 3),), {"scale": torch.tensor(2.0)}) == ["cut"]
+
+
+def test_cutpoint_called_twice():
+    module = Twice()
+    with pytest.raises(ValueError, match=r"`cut`.*twice"):
+        discover_cutpoints(module, (torch.randn(2, 3),))
+    assert module.cut._observer is None  # observers are removed even when discovery fails
+
+
+def test_cutpoint_given_a_tuple():
+    module = TupleCut()
+    with pytest.raises(TypeError, match=r"`cut` got a `tuple`"):
+        discover_cutpoints(module, (torch.randn(2, 3),))
+    assert module.cut._observer is None
+
+
+@pytest.mark.parametrize("reduce", [False, True], ids=["transposed", "0-dim"])
+def test_cutpoint_given_a_tensor_without_batch_dim(reduce):
+    with pytest.raises(ValueError, match=r"`cut` got a tensor of shape .* batch size is 2"):
+        discover_cutpoints(NotBatchFirst(reduce), (torch.randn(2, 3),))
+
+
+def test_cutpoint_is_identity_outside_discovery():
+    x = torch.randn(2, 3)
+    assert CutPoint()(x) is x
+    # Called twice is only an error while discovering; a plain forward works.
+    Twice()(x)
+
+
+def test_profile_segments_on_tinylm(model, idx):
+    profile = profile_segments(model, (idx,), repeats=1)
+    assert profile.cutpoint_names == ["cuts.0", "cuts.1", "cuts.2", "cuts.3"]
+    assert profile.num_segments == 5
+    assert len(profile.forward_seconds) == len(profile.backward_seconds) == 5
+    assert len(profile.costs) == 5
+    assert all(c >= 0 for c in profile.costs)
+    assert all(t >= 0 for t in profile.forward_seconds + profile.backward_seconds)
+    assert profile.costs == [f + b for f, b in zip(profile.forward_seconds, profile.backward_seconds)]
+    # Profiling leaves no gradients and no observers behind.
+    assert all(p.grad is None for p in model.parameters())
+    assert all(cut._observer is None for cut in all_cutpoints(model))
+
+
+def test_profile_segments_without_cutpoints():
+    profile = profile_segments(nn.Linear(3, 2), (torch.randn(4, 3),), repeats=2)
+    assert profile.cutpoint_names == []
+    assert profile.num_segments == 1
+    assert len(profile.costs) == 1
+    assert profile.costs[0] >= 0
+
+
+def test_profile_segments_reports_cutpoint_errors():
+    with pytest.raises(ValueError, match="twice"):
+        profile_segments(Twice(), (torch.randn(2, 3),), repeats=1)
+
+
+# ---------------------------------------------------------------------------------------------- skeleton
+
+
+def test_skeleton_names_and_ties(model):
+    skeleton = ModelSkeleton(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert skeleton.parameter_names == names  # the tied head weight appears once, as `emb.weight`
+    assert skeleton.canonical("head.weight") == "emb.weight"
+    assert skeleton.canonical("emb.weight") == "emb.weight"
+    assert skeleton.canonical("blocks.2.fc.bias") == "blocks.2.fc.bias"
+
+
+def test_release_frees_parameters_not_kept(model):
+    skeleton = ModelSkeleton(model)
+    keep = {"emb.weight", "blocks.4.fc.weight", "blocks.4.fc.bias"}
+    kept = {name: model.get_parameter(name) for name in keep}
+    skeleton.release(model, keep)
+    assert {n for n, _ in model.named_parameters()} == keep
+    assert {id(p) for p in model.parameters()} == {id(p) for p in kept.values()}
+    assert model.blocks[0].fc.weight is None
+    assert model.blocks[4].norm.weight is None
+    # The tied head keeps its (kept) weight.
+    assert model.head.weight is model.emb.weight is kept["emb.weight"]
+
+
+def test_release_of_tied_weight_frees_both_slots(model):
+    skeleton = ModelSkeleton(model)
+    skeleton.release(model, {"blocks.0.fc.weight"})
+    assert model.emb.weight is None
+    assert model.head.weight is None
+    assert [n for n, _ in model.named_parameters()] == ["blocks.0.fc.weight"]
+
+
+def test_stand_ins_fill_every_slot_and_restore_originals(model, idx):
+    skeleton = ModelSkeleton(model)
+    originals = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+    shapes = {name: p.shape for name, p in originals.items()}
+    keep = {"blocks.1.fc.weight", "blocks.1.fc.bias", "emb.weight"}
+    skeleton.release(model, keep)
+
+    with skeleton.stand_ins(model):
+        inside = dict(model.named_parameters(remove_duplicate=False))
+        assert set(inside) == set(shapes)
+        for name, tensor in inside.items():
+            assert isinstance(tensor, nn.Parameter)
+            assert tensor.shape == shapes[name]
+            assert tensor.requires_grad
+            assert tensor is not originals[name]
+            assert tensor.untyped_storage().nbytes() == tensor.element_size()  # one element of memory
+        assert model.head.weight is model.emb.weight  # ties preserved
+        out = model(idx)  # runs shape-wise (the values are meaningless)
+        assert out.shape == (BATCH, SEQ, VOCAB)
+
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert set(after) == {"emb.weight", "head.weight", "blocks.1.fc.weight", "blocks.1.fc.bias"}
+    for name, tensor in after.items():
+        assert tensor is originals[name]
+    assert model.head.weight is model.emb.weight
+    assert model.blocks[0].fc.weight is None  # released slots are empty again
+
+
+def test_stand_ins_restore_after_an_exception(model):
+    skeleton = ModelSkeleton(model)
+    original = model.blocks[2].fc.weight
+    with pytest.raises(RuntimeError, match="boom"), skeleton.stand_ins(model):
+        assert model.blocks[2].fc.weight is not original
+        raise RuntimeError("boom")
+    assert model.blocks[2].fc.weight is original
+
+
+def test_skeleton_handles_buffers():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    running_mean = module[1].running_mean
+    skeleton = ModelSkeleton(module)
+    skeleton.release(module, {"0.weight", "1.running_mean"})
+    assert [n for n, _ in module.named_parameters()] == ["0.weight"]
+    assert [n for n, _ in module.named_buffers()] == ["1.running_mean"]
+    with skeleton.stand_ins(module):
+        buffers = dict(module.named_buffers())
+        assert set(buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+        assert not isinstance(buffers["1.running_var"], nn.Parameter)
+        assert buffers["1.running_var"].shape == (3,)
+        assert buffers["1.num_batches_tracked"].dtype == torch.long
+        assert module(torch.randn(5, 3)).shape == (5, 3)
+    assert module[1].running_mean is running_mean
+    assert module[1].running_var is None
+
+
+# ----------------------------------------------------------------------------------------------- split
+
+
+def split_all(module: TinyLM, idx: torch.Tensor, boundaries=BOUNDARIES):
+    skeleton = ModelSkeleton(module)
+    real = real_tensors(module)
+    graphs, stages = [], []
+    for stage_index in range(len(boundaries) + 1):
+        graph, stage = split_into_stages(module, skeleton, real, (idx,), {}, boundaries, stage_index)
+        graphs.append(graph)
+        stages.append(stage)
+    return graphs, stages
+
+
+@pytest.fixture(scope="module")
+def tinylm_split():
+    """TinyLM cut before `cuts.1` and `cuts.3`: (model, idx, graph, stage modules); traced once per module."""
+    torch.manual_seed(0)
+    model, idx = TinyLM(), make_idx()
+    graphs, stages = split_all(model, idx)
+    for other in graphs[1:]:
+        assert other.stage_inputs == graphs[0].stage_inputs
+        assert other.stage_outputs == graphs[0].stage_outputs
+        assert other.output_sources == graphs[0].output_sources
+        assert other.stage_parameters == graphs[0].stage_parameters
+    return model, idx, graphs[0], stages
+
+
+def run_by_hand(graph: PipelineGraph, stages, inputs: list[torch.Tensor]):
+    outputs: list[tuple] = []
+    for stage_index, stage in enumerate(stages):
+
+        def lookup(src: Source):
+            return inputs[src.index] if src.stage is None else outputs[src.stage][src.index]
+
+        args = [lookup(src) for src in graph.stage_inputs[stage_index]]
+        for src in graph.stage_inputs[stage_index]:
+            assert src.stage is None or src.stage < stage_index
+        out = stage(*args)
+        outputs.append(out if isinstance(out, tuple) else (out,))
+    return [
+        inputs[src.index] if src.stage is None else outputs[src.stage][src.index] for src in graph.output_sources
+    ], outputs
+
+
+def test_split_tinylm_into_three_stages(tinylm_split):
+    model, _, graph, stages = tinylm_split
+    assert graph.num_stages == 3
+    assert len(stages) == 3
+    assert graph.stage_inputs[0] == [Source(None, 0)]
+    assert graph.output_sources == [Source(2, 0)]
+    assert graph.stage_outputs[2] == [TensorMeta(torch.Size([BATCH, SEQ, VOCAB]), torch.float32)]
+    assert TensorMeta(torch.Size([BATCH, SEQ, DIM]), torch.float32) in graph.stage_outputs[0]
+
+    # The tied embedding / head weight lives on the first and the last stage.
+    assert "emb.weight" in graph.stage_parameters[0]
+    assert "emb.weight" in graph.stage_parameters[2]
+    assert "emb.weight" not in graph.stage_parameters[1]
+    assert "head.weight" not in set().union(*graph.stage_parameters)  # canonical names only
+    blocks_of = [{name.split(".")[1] for name in ps if name.startswith("blocks.")} for ps in graph.stage_parameters]
+    assert blocks_of == [{"0", "1"}, {"2", "3"}, {"4"}]
+    assert set().union(*graph.stage_parameters) == set(ModelSkeleton(model).parameter_names)
+
+    # Each stage module holds the model's own parameter tensors (no copies), named as in the model.
+    own = dict(model.named_parameters())
+    skeleton = ModelSkeleton(model)
+    for stage_index, stage in enumerate(stages):
+        for name, p in stage.named_parameters(remove_duplicate=False):
+            assert p is own[skeleton.canonical(name)], name
+        assert {id(p) for p in stage.parameters()} == {id(own[n]) for n in graph.stage_parameters[stage_index]}
+
+
+def test_split_graph_edges_of_tinylm(tinylm_split):
+    _, _, graph, _ = tinylm_split
+    producers = {s: {src.stage for src in graph.stage_inputs[s] if src.stage is not None} for s in range(3)}
+    # The mask computed on stage 0 crosses to stage 2 besides the activations flowing 0 -> 1 -> 2.
+    assert producers == {0: set(), 1: {0}, 2: {0, 1}}
+    assert set(graph.sends(0)) == {1, 2}
+    assert set(graph.receives(2)) == {0, 1}
+    assert graph.receives(0) == {}
+    assert graph.sends(2) == {}
+    for (producer, consumer), values in graph.edges.items():
+        assert producer < consumer
+        assert graph.sends(producer)[consumer] == values == graph.receives(consumer)[producer]
+        assert all(0 <= v < len(graph.stage_outputs[producer]) for v in values)
+    # The schedules are valid for this cut's real producer graph.
+    for generator in (forward_only, gpipe, one_f_one_b):
+        dry_run(generator(3, 5), producers)
+
+
+def test_stages_run_by_hand_reproduce_the_model(tinylm_split):
+    model, idx, graph, stages = tinylm_split
+    with torch.no_grad():
+        expected = model(idx)
+        (actual,), outputs = run_by_hand(graph, stages, [idx])
+    for stage_index, out in enumerate(outputs):
+        assert [TensorMeta(t.shape, t.dtype) for t in out] == graph.stage_outputs[stage_index]
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def test_stages_run_by_hand_give_the_model_gradients(tinylm_split):
+    model, idx, graph, stages = tinylm_split
+    model.zero_grad(set_to_none=True)
+    model(idx).square().mean().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    (actual,), _ = run_by_hand(graph, stages, [idx])
+    actual.square().mean().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], msg=name)
+    model.zero_grad(set_to_none=True)
+
+
+def test_split_works_after_releasing_other_stages(model, idx):
+    reference = copy.deepcopy(model)
+    full = real_tensors(model)
+    skeleton = ModelSkeleton(model)
+    graph, _ = split_into_stages(model, skeleton, full, (idx,), {}, BOUNDARIES, 0)
+    # The rank of stage 1 keeps only its own parameters, then traces again with stand-ins for the rest.
+    keep = graph.stage_parameters[1]
+    skeleton.release(model, keep)
+    assert {n for n, _ in model.named_parameters()} == keep
+    own = {name: t for name, t in full.items() if name in keep}
+    graph1, stage1 = split_into_stages(model, skeleton, own, (idx,), {}, BOUNDARIES, 1)
+    assert graph1.stage_inputs == graph.stage_inputs
+    assert graph1.stage_outputs == graph.stage_outputs
+    assert graph1.stage_parameters == graph.stage_parameters
+    assert {n for n, _ in model.named_parameters()} == keep  # the stand-ins are gone again
+    for name, p in stage1.named_parameters():
+        assert p is full[name]
+
+    # Stage 1 computes what stage 1 of the whole model computes.
+    _, stages = split_all(reference, idx)
+    with torch.no_grad():
+        expected = reference(idx)
+        (actual,), outputs = run_by_hand(graph, stages, [idx])
+        args = [outputs[src.stage][src.index] for src in graph.stage_inputs[1]]
+        torch.testing.assert_close(stage1(*args), outputs[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def test_cutpoints_are_inactive_after_split(tinylm_split):
+    model, idx, _, _ = tinylm_split
+    assert not any(cut._is_stage_boundary for cut in all_cutpoints(model))
+    assert discover_cutpoints(model, (idx,)) == ["cuts.0", "cuts.1", "cuts.2", "cuts.3"]
+
+
+def test_split_with_an_empty_stage_raises():
+    class BackToBack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+            self.c0, self.c1 = CutPoint(), CutPoint()
+
+        def forward(self, x):
+            return self.b(self.c1(self.c0(self.a(x))))
+
+    module = BackToBack()
+    x = torch.randn(2, 3)
+    with pytest.raises(ValueError, match="gave 2 stages instead of 3"):
+        split_into_stages(module, ModelSkeleton(module), real_tensors(module), (x,), {}, ["c0", "c1"], 0)
+    assert not module.c0._is_stage_boundary and not module.c1._is_stage_boundary

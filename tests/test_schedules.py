@@ -1,0 +1,232 @@
+"""Pipeline schedules as data: generators, the dry run that checks them, and the grid it prints."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_varuna.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    Phase,
+    ScheduleError,
+    dry_run,
+    format_grid,
+    forward_only,
+    gpipe,
+    one_f_one_b,
+)
+
+SHAPES = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 5), (3, 2), (4, 1), (4, 3), (4, 4), (4, 8), (5, 7)]
+TRAINING = [gpipe, one_f_one_b]
+ALL = [forward_only, gpipe, one_f_one_b]
+
+
+def F(m: int) -> Action:  # noqa: N802
+    return Action(Phase.FORWARD, m)
+
+
+def B(m: int) -> Action:  # noqa: N802
+    return Action(Phase.BACKWARD, m)
+
+
+def parse_schedule(*stages: str) -> list[list[Action]]:
+    return [[Action.parse(a) for a in stage.split()] for stage in stages]
+
+
+def chain(num_stages: int) -> dict[int, set[int]]:
+    return {s: ({s - 1} if s else set()) for s in range(num_stages)}
+
+
+def assert_grid_respects_dependencies(schedule, grid, producers) -> None:
+    """Every action of the schedule ran exactly once, in list order, after everything it depends on."""
+    num_stages = len(schedule)
+    consumers = {s: {c for c, ps in producers.items() if s in ps} for s in range(num_stages)}
+    tick_of: dict[tuple[int, Action], int] = {}
+    for t, tick in enumerate(grid):
+        assert len(tick) == num_stages
+        for stage, action in enumerate(tick):
+            if action is not None:
+                assert (stage, action) not in tick_of
+                tick_of[(stage, action)] = t
+    for stage, actions in enumerate(schedule):
+        ran = [a for tick in grid for a in [tick[stage]] if a is not None]
+        assert ran == actions, f"stage {stage} did not run its list in order"
+    for (stage, action), t in tick_of.items():
+        m = action.microbatch
+        if action.phase is Phase.FORWARD:
+            for p in producers[stage]:
+                assert tick_of[(p, F(m))] < t
+        else:
+            assert tick_of[(stage, F(m))] < t
+            for c in consumers[stage]:
+                assert tick_of[(c, B(m))] < t
+
+
+def max_in_flight(actions: list[Action]) -> int:
+    """Most micro-batches whose forward ran and backward not yet (activations kept alive)."""
+    alive = peak = 0
+    for action in actions:
+        alive += 1 if action.phase is Phase.FORWARD else -1
+        peak = max(peak, alive)
+    return peak
+
+
+def test_registry_names_the_training_schedules():
+    assert sorted(SCHEDULES) == ["1f1b", "gpipe"]
+    assert SCHEDULES["1f1b"] is one_f_one_b
+    assert SCHEDULES["gpipe"] is gpipe
+
+
+@pytest.mark.parametrize("generator", ALL, ids=lambda g: g.__name__)
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), SHAPES)
+def test_generators_pass_the_dry_run(generator, num_stages, num_microbatches):
+    schedule = generator(num_stages, num_microbatches)
+    assert len(schedule) == num_stages
+    grid = dry_run(schedule)
+    assert_grid_respects_dependencies(schedule, grid, chain(num_stages))
+
+
+@pytest.mark.parametrize("generator", TRAINING, ids=lambda g: g.__name__)
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), SHAPES)
+def test_training_schedules_run_each_forward_and_backward_once(generator, num_stages, num_microbatches):
+    for actions in generator(num_stages, num_microbatches):
+        forwards = [a.microbatch for a in actions if a.phase is Phase.FORWARD]
+        backwards = [a.microbatch for a in actions if a.phase is Phase.BACKWARD]
+        assert sorted(forwards) == list(range(num_microbatches))
+        assert sorted(backwards) == list(range(num_microbatches))
+        assert len(actions) == 2 * num_microbatches
+        # A micro-batch's backward never precedes its own forward within the stage's list.
+        for m in range(num_microbatches):
+            assert actions.index(F(m)) < actions.index(B(m))
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), SHAPES)
+def test_forward_only_runs_each_forward_once_in_order(num_stages, num_microbatches):
+    schedule = forward_only(num_stages, num_microbatches)
+    assert schedule == [[F(m) for m in range(num_microbatches)]] * num_stages
+    # A forward-only chain fills the pipe: stage s runs micro-batch m at tick m + s.
+    grid = dry_run(schedule)
+    assert len(grid) == num_microbatches + num_stages - 1
+    for stage in range(num_stages):
+        for m in range(num_microbatches):
+            assert grid[m + stage][stage] == F(m)
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), SHAPES)
+def test_one_f_one_b_bounds_activations_in_flight(num_stages, num_microbatches):
+    for stage, actions in enumerate(one_f_one_b(num_stages, num_microbatches)):
+        assert max_in_flight(actions) <= num_stages - stage
+        assert max_in_flight(actions) == min(num_stages - stage, num_microbatches)
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), SHAPES)
+def test_gpipe_keeps_every_microbatch_in_flight(num_stages, num_microbatches):
+    for actions in gpipe(num_stages, num_microbatches):
+        assert max_in_flight(actions) == num_microbatches
+        assert [a.phase for a in actions] == [Phase.FORWARD] * num_microbatches + [Phase.BACKWARD] * num_microbatches
+
+
+def test_one_f_one_b_shape_for_four_stages():
+    schedule = one_f_one_b(4, 6)
+    assert " ".join(map(str, schedule[0])) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5"
+    assert " ".join(map(str, schedule[3])) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"
+
+
+@pytest.mark.parametrize("generator", ALL, ids=lambda g: g.__name__)
+def test_action_str_parse_round_trip(generator):
+    for actions in generator(3, 12):
+        for action in actions:
+            text = str(action)
+            assert text == f"{action.phase.value}{action.microbatch}"
+            assert Action.parse(text) == action
+    assert str(B(12)) == "B12"
+    assert Action.parse("F10") == F(10)
+
+
+def test_action_parse_rejects_unknown_phase():
+    with pytest.raises(ValueError):
+        Action.parse("X1")
+
+
+def test_format_grid():
+    assert format_grid([]) == "(no action ran)"
+    assert format_grid([[F(0), None], [F(1), F(0)], [None, B(10)]]) == "stage 0:  F0  F1   .\nstage 1:   .  F0 B10"
+
+
+def test_swapped_forward_order_deadlocks_with_grid_in_message():
+    # Stage 1 wants micro-batch 1 first; stage 0 waits for micro-batch 0's backward before producing it.
+    schedule = parse_schedule("F0 B0 F1 B1", "F1 F0 B0 B1")
+    with pytest.raises(ScheduleError) as excinfo:
+        dry_run(schedule)
+    message = str(excinfo.value)
+    assert "deadlock" in message
+    assert "['B0', 'F1']" in message
+    assert format_grid([[F(0), None]]) in message
+
+
+def test_waiting_for_backward_before_next_forward_deadlocks_with_grid_in_message():
+    # Stage 0 wants B0 (needs stage 1's B0) before F1, but stage 1 wants F1 before B0.
+    schedule = parse_schedule("F0 B0 F1 B1", "F0 F1 B0 B1")
+    with pytest.raises(ScheduleError) as excinfo:
+        dry_run(schedule)
+    message = str(excinfo.value)
+    assert "['B0', 'F1']" in message
+    assert format_grid([[F(0), None], [None, F(0)]]) in message
+    assert "stage 0:  F0   ." in message
+    assert "stage 1:   .  F0" in message
+
+
+def test_deadlock_before_any_action_says_so():
+    with pytest.raises(ScheduleError, match=r"(?s)\['B0'\].*no action ran"):
+        dry_run(parse_schedule("B0 F0"))
+
+
+def test_backwards_not_matching_forwards_is_incomplete():
+    with pytest.raises(ScheduleError, match=r"Stage 0 runs backwards \[0\] for forwards \[0, 1\]"):
+        dry_run(parse_schedule("F0 F1 B0"))
+
+
+def test_missing_backward_on_a_later_stage_deadlocks():
+    # Stage 0's B1 waits for stage 1's B1, which never comes.
+    with pytest.raises(ScheduleError):
+        dry_run(parse_schedule("F0 F1 B0 B1", "F0 F1 B0"))
+
+
+FAN_IN = {0: set(), 1: set(), 2: {0, 1}}  # stage 2 reads the outputs of stages 0 and 1
+SKIP = {0: set(), 1: {0}, 2: {0, 1}}  # stage 0's output also skips stage 1 (TinyLM's mask)
+
+
+@pytest.mark.parametrize("producers", [FAN_IN, SKIP], ids=["fan-in", "skip"])
+@pytest.mark.parametrize("generator", ALL, ids=lambda g: g.__name__)
+@pytest.mark.parametrize("num_microbatches", [1, 2, 3, 6])
+def test_non_chain_producers(producers, generator, num_microbatches):
+    schedule = generator(3, num_microbatches)
+    grid = dry_run(schedule, producers)
+    assert_grid_respects_dependencies(schedule, grid, producers)
+
+
+def test_fan_in_lets_independent_stages_start_together():
+    grid = dry_run(forward_only(3, 2), FAN_IN)
+    # Stages 0 and 1 read only the model input, so they run side by side; stage 2 follows both.
+    assert grid == [[F(0), F(0), None], [F(1), F(1), F(0)], [None, None, F(1)]]
+
+
+def test_fan_in_deadlock_is_reported():
+    # Stage 1 holds micro-batch 0 until micro-batch 1's backward, which needs stage 2, which needs stage 1's F0.
+    schedule = parse_schedule("F0 B0 F1 B1", "F1 B1 F0 B0", "F0 B0 F1 B1")
+    with pytest.raises(ScheduleError) as excinfo:
+        dry_run(schedule, FAN_IN)
+    assert format_grid([[F(0), F(1), None]]) in str(excinfo.value)
+    # The same lists in a plain chain deadlock too (stage 1's F1 needs stage 0's F1).
+    with pytest.raises(ScheduleError):
+        dry_run(schedule)
+
+
+def test_forward_only_missing_microbatch_on_consumer_is_incomplete():
+    with pytest.raises(ScheduleError, match=r"Stage 1 runs forwards \[0\] but stage 0 runs \[0, 1\]"):
+        dry_run(parse_schedule("F0 F1", "F0"))
+
+
+def test_duplicate_action_is_rejected():
+    with pytest.raises(ScheduleError, match=r"Stage 0 runs \['B0', 'F0'\] more than once"):
+        dry_run(parse_schedule("F0 F0 B0 B0"))
