@@ -74,3 +74,42 @@ def token_dataset(rows: int, seed: int = 1) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
     return TensorDataset(idx, (idx * 3 + 1) % VOCAB)
+
+
+class RecordLosses(L.Callback):
+    """The logged ``train_loss`` of every step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.losses.append(trainer.callback_metrics["train_loss"].item())
+
+
+def fit_and_report(
+    model: TinyLM, train_loader: torch.utils.data.DataLoader, config: dict, predict: bool, **trainer_kwargs
+) -> tuple[L.Trainer, dict]:
+    """Fit with the test settings of ``config``; return the trainer and what the parity tests compare."""
+    record = RecordLosses()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=config["epochs"],
+        gradient_clip_val=config.get("clip"),
+        accumulate_grad_batches=config.get("accumulate", 1),
+        precision=config.get("precision", "32-true"),
+        callbacks=[record],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        num_sanity_val_steps=0,
+        **trainer_kwargs,
+    )
+    trainer.fit(model, train_loader)
+    result = {"losses": record.losses, "acc": trainer.callback_metrics["train_acc"].item()}
+    if config.get("evaluate"):
+        loader = torch.utils.data.DataLoader(token_dataset(config["rows"], seed=2), batch_size=config["batch_size"])
+        result["val_loss"] = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
+        if predict:
+            result["predictions"] = torch.cat(trainer.predict(model, loader)).tolist()
+    return trainer, result

@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from models import TinyLM, token_dataset
+from models import TinyLM, fit_and_report, token_dataset
 from torch.utils.data import DataLoader, DistributedSampler
-
-
-class RecordLosses(L.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        self.losses.append(trainer.callback_metrics["train_loss"].item())
 
 
 class GlobalBatches(torch.utils.data.Sampler):
@@ -39,32 +31,12 @@ class GlobalBatches(torch.utils.data.Sampler):
         return -(-len(self.samplers[0]) // self.batch_size)
 
 
-def train_reference(config: dict) -> tuple[list[float], dict[str, torch.Tensor], float]:
+def train_reference(config: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Train on one device; return the results `fit_and_report` gives and the final weights."""
     seed = config.get("seed", 0)
     L.seed_everything(seed)
     model = TinyLM(scheduler=config.get("scheduler", False))
     data = token_dataset(config["rows"])
     sampler = GlobalBatches(len(data), config["batch_size"], config["data_parallel_size"], seed)
-    record = RecordLosses()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=config["epochs"],
-        gradient_clip_val=config.get("clip"),
-        accumulate_grad_batches=config.get("accumulate", 1),
-        precision=config.get("precision", "32-true"),
-        callbacks=[record],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(model, DataLoader(data, batch_sampler=sampler))
-    result = {"losses": record.losses, "acc": trainer.callback_metrics["train_acc"].item()}
-    if config.get("evaluate"):
-        loader = DataLoader(token_dataset(config["rows"], seed=2), batch_size=config["batch_size"])
-        result["val_loss"] = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
-        result["predictions"] = torch.cat(trainer.predict(model, loader)).tolist()
-    weights = {k: v.detach().clone() for k, v in model.named_parameters()}
-    return result, weights
+    _, result = fit_and_report(model, DataLoader(data, batch_sampler=sampler), config, predict=True, devices=1)
+    return result, {k: v.detach().clone() for k, v in model.named_parameters()}
