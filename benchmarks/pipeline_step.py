@@ -1,0 +1,555 @@
+"""Step time and memory of one training step of examples/gpt.py's GPT, pipelined and not, side by side.
+
+Run from the repository root (about 2 minutes on 2 CPU cores)::
+
+    python benchmarks/pipeline_step.py
+
+Every variant trains the same model (GPT, 8 layers, dim 128, block 64) on the same global batch of 16 windows, in
+fresh processes:
+
+* ``varuna-lightning-{1f1b,gpipe}``: ``Trainer.fit`` with ``VarunaStrategy(pipeline_parallel_size=2,
+  micro_batch_size=4, schedule=...)``; 2 processes (gloo), 4 micro-batches.
+* ``varuna-runtime-{1f1b,gpipe}``: lightning-varuna's ``StageRuntime`` driving the traced stage ``GraphModule``
+  (the ``_StagePlan`` the strategy builds) without Lightning; 2 processes (gloo).
+* ``varuna-runtime-1f1b-codegen``: the same, with the stage's ``InterpreterModule``s switched to FX generated code: a
+  what-if, not what the package does today.
+* ``torch-pipelining-{1f1b,gpipe}``: ``torch.distributed.pipelining``'s ``Schedule1F1B`` / ``ScheduleGPipe`` on a
+  ``pipeline()`` cut at the same CutPoint; 2 processes (gloo).
+* ``ddp-lightning``: ``Trainer(strategy="ddp", devices=2)``, DataLoader batch 8 per replica.
+* ``single-lightning``: ``Trainer(devices=1)``, DataLoader batch 16; ``single-bare``: the same without Lightning.
+
+A step is forward + backward + ``AdamW.step`` (the model's own optimizer) + ``zero_grad``. The Lightning variants time
+``on_train_batch_start`` -> ``on_train_batch_end`` with a Callback; the bare variants time the same work in a loop
+with a barrier (untimed) before each step. The bare pipelined variants do not sum the gradient of the tied
+embedding / LM head over the two stages (torch.distributed.pipelining has no such sync; VarunaStrategy does it).
+The step time of a variant is the median over the timed steps after the warm-up, taken per rank; the table shows
+the slowest rank. Every process runs ``torch.set_num_threads(1)`` (and ``OMP_NUM_THREADS=1``), so 2 processes on 2
+cores are compared with 1 process on 1 core. Peak memory is ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of each
+rank at the end of its run; it includes the Python/torch/Lightning runtime, so the growth over the RSS right after
+the imports is shown too (it includes the whole model each rank builds before it keeps only its stage). "params" is
+what each rank holds. Before each variant the launcher waits (up to ``--max-wait`` s) for other processes to leave
+the CPUs idle, and it reports how many cores they kept busy while the variant ran ("other load").
+
+Writes the figures to ``benchmarks/results/pipeline_step.json``. Options: ``--steps``, ``--warmup``,
+``--variants NAME ...`` (see ``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+from gpt import GPT, CharDataset, make_text  # noqa: E402
+
+from lightning_varuna import VarunaStrategy  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "pipeline_step.json"
+REFERENCE, SINGLE = "torch-pipelining-1f1b", "single-lightning"
+NOISY = 0.1  # cores used by other processes during a variant above which its figures are flagged
+
+
+@dataclass(frozen=True)
+class Config:
+    layers: int = 8
+    dim: int = 128
+    heads: int = 4
+    block_size: int = 64
+    batch_size: int = 16  # the global batch of every variant
+    micro_batch_size: int = 4
+    boundary: str = "cuts.3"  # the CutPoint where stage 1 starts in the bare pipelined variants (4 + 4 blocks)
+    warmup: int = 5
+    steps: int = 30
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.batch_size // self.micro_batch_size
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # "varuna-lightning" | "varuna-runtime" | "torch-pipelining" | "ddp" | "single" | "single-bare"
+    world_size: int
+    schedule: str | None = None
+    description: str = ""
+    codegen: bool = False  # what-if: run the traced stage's InterpreterModules as FX generated code
+
+
+VARIANTS = [
+    Variant("varuna-lightning-1f1b", "varuna-lightning", 2, "1f1b", "Trainer.fit + VarunaStrategy, 2 stages, 1F1B"),
+    Variant("varuna-lightning-gpipe", "varuna-lightning", 2, "gpipe", "Trainer.fit + VarunaStrategy, 2 stages, GPipe"),
+    Variant("varuna-runtime-1f1b", "varuna-runtime", 2, "1f1b", "bare StageRuntime, 2 stages, 1F1B"),
+    Variant("varuna-runtime-gpipe", "varuna-runtime", 2, "gpipe", "bare StageRuntime, 2 stages, GPipe"),
+    Variant(
+        "varuna-runtime-1f1b-codegen",
+        "varuna-runtime",
+        2,
+        "1f1b",
+        "what-if: bare StageRuntime, 1F1B, stage InterpreterModules switched to FX codegen (not what the package does)",
+        codegen=True,
+    ),
+    Variant("torch-pipelining-1f1b", "torch-pipelining", 2, "1f1b", "torch.distributed.pipelining Schedule1F1B"),
+    Variant("torch-pipelining-gpipe", "torch-pipelining", 2, "gpipe", "torch.distributed.pipelining ScheduleGPipe"),
+    Variant("ddp-lightning", "ddp", 2, None, "Trainer.fit + DDP, 2 replicas x batch 8"),
+    Variant("single-lightning", "single", 1, None, "Trainer.fit, 1 process, batch 16"),
+    Variant("single-bare", "single-bare", 1, None, "plain PyTorch loop, 1 process, batch 16 (no Lightning)"),
+]
+
+
+# ------------------------------------------------------------------------------------------------ model and data
+def make_data(cfg: Config) -> CharDataset:
+    return CharDataset(make_text(), block_size=cfg.block_size)
+
+
+def make_model(cfg: Config, vocab_size: int) -> GPT:
+    L.seed_everything(0, verbose=False)
+    return GPT(vocab_size, block_size=cfg.block_size, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads)
+
+
+def global_batches(cfg: Config, data: CharDataset) -> list[tuple[Tensor, Tensor]]:
+    """The first ``warmup + steps`` global batches, in DataLoader order (what the Lightning variants see)."""
+    loader = iter(DataLoader(data, batch_size=cfg.batch_size))
+    return [next(loader) for _ in range(cfg.warmup + cfg.steps)]
+
+
+def lm_loss(logits: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def param_bytes(params: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def current_rss_mb() -> float:
+    resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+# ------------------------------------------------------------------------------------------ Lightning variants
+class StepTimer(L.Callback):
+    """Wall time of each training step (batch start -> batch end) and of its forward + backward part."""
+
+    def __init__(self) -> None:
+        self.step_s: list[float] = []
+        self.fwd_bwd_s: list[float] = []
+        self._start = self._before_optimizer = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self._before_optimizer = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        end = time.perf_counter()
+        self.step_s.append(end - self._start)
+        self.fwd_bwd_s.append(self._before_optimizer - self._start)
+
+
+def run_lightning(cfg: Config, variant: Variant) -> dict[str, Any]:
+    data = make_data(cfg)
+    model = make_model(cfg, len(data.vocab))
+    if variant.kind == "varuna-lightning":
+        strategy: Any = VarunaStrategy(
+            pipeline_parallel_size=2, micro_batch_size=cfg.micro_batch_size, schedule=variant.schedule
+        )
+        loader_batch = cfg.batch_size
+    elif variant.kind == "ddp":
+        strategy, loader_batch = "ddp", cfg.batch_size // variant.world_size
+    else:
+        strategy, loader_batch = "auto", cfg.batch_size
+    timer = StepTimer()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=variant.world_size,
+        strategy=strategy,
+        max_steps=cfg.warmup + cfg.steps,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=loader_batch))
+    stages = getattr(trainer.strategy, "_stages", None)  # VarunaStrategy's plan: where it cut (read only)
+    return {
+        "rank": trainer.global_rank,
+        "step_s": timer.step_s[cfg.warmup :],
+        "fwd_bwd_s": timer.fwd_bwd_s[cfg.warmup :],
+        "param_bytes": param_bytes(model.parameters()),  # on a pipelined rank: its stage's parameters only
+        "boundary": stages.boundaries if stages is not None else None,
+    }
+
+
+# ----------------------------------------------------------------------------------- bare pipelined variants
+def time_steps(
+    cfg: Config, batches: list[tuple[Tensor, Tensor]], forward_backward: Callable[[Tensor, Tensor], None], params: list
+) -> dict[str, list[float]]:
+    """Run forward + backward + AdamW step on every batch; keep the times of the steps after the warm-up."""
+    optimizer = torch.optim.AdamW(params, lr=3e-3)  # GPT.configure_optimizers
+    step_s, fwd_bwd_s = [], []
+    for x, y in batches:
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        forward_backward(x, y)
+        backward_done = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        end = time.perf_counter()
+        step_s.append(end - start)
+        fwd_bwd_s.append(backward_done - start)
+    return {"step_s": step_s[cfg.warmup :], "fwd_bwd_s": fwd_bwd_s[cfg.warmup :]}
+
+
+def use_fx_codegen(module: torch.nn.Module) -> None:
+    """Make the ``InterpreterModule``s that ``pipeline()``'s unflattening leaves in a stage run their generated code.
+
+    By default they execute their graph node by node with ``torch.fx.Interpreter`` (slow on small ops); the flag is
+    what ``torch.export.unflatten._disable_interpreter()`` sets at construction time.
+    """
+    interpreter_module = importlib.import_module("torch.export.unflatten").InterpreterModule
+    for submodule in module.modules():
+        if isinstance(submodule, interpreter_module):
+            submodule._run_with_interpreter = False
+
+
+def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
+    """lightning-varuna's StageRuntime on the stage that VarunaStrategy would build, without Lightning."""
+    from torch.utils._pytree import tree_flatten
+
+    from lightning_varuna.pipeline.schedules import SCHEDULES
+    from lightning_varuna.pipeline.topology import Topology
+    from lightning_varuna.strategies.varuna import _StagePlan
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = make_data(cfg)
+    model = make_model(cfg, len(data.vocab)).train()
+    batches = global_batches(cfg, data)
+    example = batches[0][0][: cfg.micro_batch_size]
+    with torch.no_grad():
+        _, output_spec = tree_flatten(model(example))
+    plan = _StagePlan(model, [cfg.boundary], Topology.from_world(world, rank, world, None), output_spec, example.device)
+    graph, stage_module = plan.stage_for((example,), {})
+    plan.release_other_stages(graph)
+    if variant.codegen:
+        use_fx_codegen(stage_module)  # stage_for caches this module: every step runs it
+    params = plan.own_parameters()
+    actions = SCHEDULES[variant.schedule](world, cfg.num_microbatches)[rank]
+
+    def forward_backward(x: Tensor, y: Tensor) -> None:
+        xs, ys = x.split(cfg.micro_batch_size), y.split(cfg.micro_batch_size)
+
+        def run_forward(m: int) -> Tensor | None:
+            graph, stage_module = plan.stage_for((xs[m],), {})
+            return plan.runtime.forward(m, graph, stage_module, [xs[m]], True)
+
+        def loss_of(m: int, logits: Tensor | None) -> Tensor | None:
+            return None if logits is None else lm_loss(logits, ys[m]) / cfg.num_microbatches
+
+        plan.runtime.run(actions, run_forward, loss_of)
+
+    timings = time_steps(cfg, batches, forward_backward, params)
+    return {"rank": rank, **timings, "param_bytes": param_bytes(params), "boundary": [cfg.boundary]}
+
+
+def run_torch_pipelining(cfg: Config, variant: Variant) -> dict[str, Any]:
+    """torch.distributed.pipelining's schedules on the model cut at the same CutPoint."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, pipeline
+
+    rank = dist.get_rank()
+    data = make_data(cfg)
+    model = make_model(cfg, len(data.vocab)).train()
+    batches = global_batches(cfg, data)
+    model.get_submodule(cfg.boundary)._is_stage_boundary = True  # the CutPoint then calls pipe_split()
+    pipe = pipeline(model, mb_args=(batches[0][0][: cfg.micro_batch_size],))
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    del pipe, model
+    schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[variant.schedule]
+    schedule = schedule_cls(stage, n_microbatches=cfg.num_microbatches, loss_fn=lm_loss)  # grads scaled by 1/4
+    params = list(stage.submod.parameters())
+
+    def forward_backward(x: Tensor, y: Tensor) -> None:
+        schedule.step(x, target=y, losses=[])
+
+    timings = time_steps(cfg, batches, forward_backward, params)
+    return {"rank": rank, **timings, "param_bytes": param_bytes(params), "boundary": [cfg.boundary]}
+
+
+def run_single_bare(cfg: Config, variant: Variant) -> dict[str, Any]:
+    """The whole model in one process, a plain PyTorch loop: the reference without Lightning."""
+    data = make_data(cfg)
+    model = make_model(cfg, len(data.vocab)).train()
+    params = list(model.parameters())
+
+    def forward_backward(x: Tensor, y: Tensor) -> None:
+        lm_loss(model(x), y).backward()
+
+    timings = time_steps(cfg, global_batches(cfg, data), forward_backward, params)
+    return {"rank": 0, **timings, "param_bytes": param_bytes(params), "boundary": None}
+
+
+# ---------------------------------------------------------------------------------------------------- worker
+def worker(variant_name: str, cfg: Config, out_dir: Path) -> None:
+    """One process of one variant: run it, write this rank's figures to ``out_dir/rank{r}.json``."""
+    torch.set_num_threads(1)
+    base_rss_mb = current_rss_mb()  # torch, Lightning and the model code are imported; nothing is built yet
+    variant = next(v for v in VARIANTS if v.name == variant_name)
+    bare = variant.kind in ("varuna-runtime", "torch-pipelining")
+    if bare:
+        dist.init_process_group("gloo")
+    try:
+        bare_runs = {
+            "varuna-runtime": run_varuna_runtime,
+            "torch-pipelining": run_torch_pipelining,
+            "single-bare": run_single_bare,
+        }
+        run = bare_runs.get(variant.kind, run_lightning)
+        result = run(cfg, variant)
+    finally:
+        if bare:
+            dist.destroy_process_group()
+    result.update(peak_rss_mb=peak_rss_mb(), base_rss_mb=base_rss_mb, num_threads=torch.get_num_threads())
+    (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
+
+
+# ------------------------------------------------------------------------------------ machine load monitoring
+def machine_cpu_seconds() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine so far, from ``/proc/stat``."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished children (the benchmark's workers)."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+class LoadMeter:
+    """How many cores other processes kept busy (and the hypervisor stole) between ``start`` and ``stop``."""
+
+    def start(self) -> None:
+        self._t, (self._busy, self._steal), self._own = time.monotonic(), machine_cpu_seconds(), own_cpu_seconds()
+
+    def stop(self) -> dict[str, float]:
+        wall = time.monotonic() - self._t
+        busy, steal = machine_cpu_seconds()
+        foreign = (busy - self._busy) - (own_cpu_seconds() - self._own)
+        other, stolen = max(foreign, 0.0) / wall, (steal - self._steal) / wall
+        return {"other_cores": round(other, 2), "steal_cores": round(stolen, 2)}
+
+
+def wait_until_quiet(max_wait_s: float, threshold: float = 0.15, window_s: float = 2.0) -> float:
+    """Wait until other processes use less than ``threshold`` cores (at most ``max_wait_s``); return their load."""
+    meter, deadline, reported = LoadMeter(), time.monotonic() + max_wait_s, False
+    while True:
+        meter.start()
+        time.sleep(window_s)
+        load = meter.stop()["other_cores"]
+        if load < threshold or time.monotonic() > deadline:
+            return load
+        if not reported:
+            print(f"  (other processes keep {load:.1f} cores busy; waiting up to {max_wait_s:.0f} s)", flush=True)
+            reported = True
+
+
+# -------------------------------------------------------------------------------------------------- launcher
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(variant: Variant, cfg: Config, timeout_s: float) -> list[dict[str, Any]]:
+    """Start ``world_size`` fresh processes of this script for ``variant``; return each rank's figures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        if variant.world_size > 1:  # torch.distributed env:// rendezvous; Lightning then creates no processes
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NODE_RANK="0")
+            env.update(WORLD_SIZE=str(variant.world_size))
+        config = json.dumps(asdict(cfg))
+        command = [sys.executable, __file__, "--worker", variant.name, "--config", config, "--out", tmp]
+        procs = []
+        for rank in range(variant.world_size):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if variant.world_size > 1 else env
+            with open(out / f"rank{rank}.log", "wb") as log:
+                procs.append(subprocess.Popen(command, env=rank_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        wait_all(procs, timeout_s, variant.name, out)
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(variant.world_size)]
+
+
+def wait_all(procs: list[subprocess.Popen], timeout_s: float, name: str, out: Path) -> None:
+    """Wait for every rank; if one fails or time runs out, stop the others and raise with the ranks' logs."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        failed = any(p.returncode not in (None, 0) for p in procs)
+        if failed or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            break
+        time.sleep(0.2)
+    if any(p.returncode != 0 for p in procs):
+        logs = [
+            f"--- rank {r} (exit {p.returncode}) ---\n{(out / f'rank{r}.log').read_text(errors='replace')[-4000:]}"
+            for r, p in enumerate(procs)
+        ]
+        raise RuntimeError(f"{name} failed or timed out:\n" + "\n".join(logs))
+
+
+def summarize(variant: Variant, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    def ms(key: str) -> list[float]:
+        return [round(1000 * statistics.median(r[key]), 2) for r in ranks]
+
+    step, fwd_bwd = ms("step_s"), ms("fwd_bwd_s")
+    return {
+        "variant": variant.name,
+        "description": variant.description,
+        "processes": variant.world_size,
+        "step_ms": max(step),  # the slowest rank's median
+        "fwd_bwd_ms": max(fwd_bwd),
+        "step_ms_per_rank": step,
+        "fwd_bwd_ms_per_rank": fwd_bwd,
+        "peak_rss_mb_per_rank": [round(r["peak_rss_mb"], 1) for r in ranks],
+        "peak_rss_above_import_mb_per_rank": [round(r["peak_rss_mb"] - r["base_rss_mb"], 1) for r in ranks],
+        "param_mb_per_rank": [round(r["param_bytes"] / 2**20, 2) for r in ranks],
+        "num_threads": sorted({r["num_threads"] for r in ranks}),
+        "boundary": ranks[0].get("boundary"),
+    }
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    by_name = {row["variant"]: row for row in rows}
+    for row in rows:
+        for key, ref in (("vs_torch_pipelining_1f1b", REFERENCE), ("vs_single", SINGLE)):
+            row[key] = round(row["step_ms"] / by_name[ref]["step_ms"], 2) if ref in by_name else None
+
+
+def header(cfg: Config) -> dict[str, Any]:
+    return {
+        "torch": torch.__version__,
+        "lightning": L.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "threads_per_process": 1,
+        "config": {**asdict(cfg), "num_microbatches": cfg.num_microbatches},
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    lines = [
+        "| variant | procs | step ms (median) | fwd+bwd ms | vs torch-pipelining 1F1B | vs single process "
+        "| peak RSS MB per rank | of which after imports | params MB per rank | other load (cores) |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|---:|",
+    ]
+    for r in rows:
+        rss = " / ".join(f"{v:.0f}" for v in r["peak_rss_mb_per_rank"])
+        grown = " / ".join(f"{v:.0f}" for v in r["peak_rss_above_import_mb_per_rank"])
+        params = " / ".join(f"{v:.2f}" for v in r["param_mb_per_rank"])
+        lines.append(
+            f"| {r['variant']} | {r['processes']} | {r['step_ms']:.1f} | {r['fwd_bwd_ms']:.1f} "
+            f"| {ratio(r['vs_torch_pipelining_1f1b'])} | {ratio(r['vs_single'])} | {rss} | {grown} | {params} "
+            f"| {r['other_cores']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def measure(variant: Variant, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
+    """Run a variant on a quiet machine; run it again (up to ``--retries`` times) if other processes disturbed it."""
+    meter = LoadMeter()
+    for attempt in range(args.retries + 1):
+        wait_until_quiet(args.max_wait)
+        meter.start()
+        ranks = launch(variant, cfg, args.timeout)
+        row = {**summarize(variant, ranks), **meter.stop(), "attempts": attempt + 1}
+        disturbed = row["other_cores"] > NOISY
+        print(
+            f"  {variant.name:<28} {row['step_ms']:7.1f} ms/step   other load {row['other_cores']:.2f} cores"
+            f"{'  <- disturbed' if disturbed else ''}",
+            flush=True,
+        )
+        if not disturbed:
+            break
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=Config.steps, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=Config.warmup, help="untimed steps first")
+    parser.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS], default=[v.name for v in VARIANTS])
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per variant")
+    parser.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine per run")
+    parser.add_argument("--retries", type=int, default=2, help="runs again of a variant that other processes disturbed")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, Config(**json.loads(args.config)), Path(args.out))
+        return
+
+    cfg = Config(steps=args.steps, warmup=args.warmup)
+    meta = header(cfg)
+    print(
+        f"torch {meta['torch']}, lightning {meta['lightning']}, python {meta['python']}, {meta['cpu_count']} CPUs, "
+        f"1 thread per process (torch.set_num_threads(1), OMP_NUM_THREADS=1)\n"
+        f"GPT layers={cfg.layers} dim={cfg.dim} heads={cfg.heads} block={cfg.block_size}; global batch "
+        f"{cfg.batch_size}, micro-batch {cfg.micro_batch_size} ({cfg.num_microbatches} micro-batches); "
+        f"{cfg.warmup} warm-up + {cfg.steps} timed steps; step = fwd + bwd + AdamW",
+        flush=True,
+    )
+    rows = []
+    for variant in (v for v in VARIANTS if v.name in args.variants):
+        rows.append(measure(variant, cfg, args))
+    add_ratios(rows)
+    boundaries = {r["variant"]: r["boundary"] for r in rows if r["boundary"]}
+    print(f"\nstage boundary: bare variants {cfg.boundary}; VarunaStrategy chose {boundaries or '-'}\n")
+    print(format_table(rows))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
+    print(f"\nwrote {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
