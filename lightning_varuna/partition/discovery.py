@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.pipeline.microbatch import batch_size_of
 
-__all__ = ["SegmentProfile", "discover_cutpoints", "profile_segments"]
+__all__ = ["SegmentProfile", "discover_cutpoints", "forward_with_cutpoints", "profile_segments"]
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,14 @@ def _observe_cutpoints(module: nn.Module, batch_size: int, on_call: Any = None) 
 
 def discover_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = None) -> list[str]:
     """Run one forward without gradients and return the names of the cutpoints it went through, in order."""
+    return forward_with_cutpoints(module, args, kwargs)[0]
+
+
+def forward_with_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = None) -> tuple[list[str], Any]:
+    """Run one forward without gradients; return the cutpoints it went through, in order, and its output."""
     with torch.no_grad(), _observe_cutpoints(module, batch_size_of(args)) as order:
-        module(*args, **(kwargs or {}))
-    return order
+        output = module(*args, **(kwargs or {}))
+    return order, output
 
 
 def _float_leaves(output: Any) -> list[Tensor]:

@@ -124,11 +124,11 @@ def dry_run(schedule: Schedule, producers: Mapping[int, set[int]] | None = None)
                 done.add((stage, action.phase, action.microbatch))
                 position[stage] += 1
         grid.append(tick)
-    _check_complete(schedule, done)
+    _check_complete(schedule)
     return grid
 
 
-def _check_complete(schedule: Sequence[Sequence[Action]], done: set[tuple[int, Phase, int]]) -> None:
+def _check_complete(schedule: Sequence[Sequence[Action]]) -> None:
     expected = {a.microbatch for a in schedule[0] if a.phase is Phase.FORWARD} if schedule else set()
     for stage, actions in enumerate(schedule):
         if len(set(actions)) != len(actions):

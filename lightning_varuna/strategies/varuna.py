@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from typing_extensions import override
 
 from lightning_varuna.partition.balance import balance_stages
-from lightning_varuna.partition.discovery import discover_cutpoints, profile_segments
+from lightning_varuna.partition.discovery import forward_with_cutpoints, profile_segments
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
 from lightning_varuna.pipeline.microbatch import batch_size_of, merge_microbatches, split_microbatches
@@ -231,7 +231,7 @@ class VarunaStrategy(ParallelStrategy):
             owner, _, name = tie.rpartition(".")
             module.get_submodule(owner).register_parameter(name, module.get_parameter(keep))
         args, kwargs = self._example_forward_inputs(trainer)
-        cutpoints = discover_cutpoints(module, args, kwargs)
+        cutpoints, example_output = forward_with_cutpoints(module, args, kwargs)
         num_stages = self.topology.pipeline_parallel_size
         if num_stages > len(cutpoints) + 1:
             raise ValueError(
@@ -251,10 +251,10 @@ class VarunaStrategy(ParallelStrategy):
         else:
             boundaries = []
         rank_zero_info(f"VarunaStrategy: {num_stages} stage(s), cut before {boundaries or 'nothing'}")
-        _, output_spec = tree_flatten(_without_grad_forward(module, args, kwargs))
+        _, output_spec = tree_flatten(example_output)
         plan = _StagePlan(module, boundaries, self.topology, output_spec, self.root_device)
-        graph, _ = plan.stage_for(args, kwargs)
-        plan.release_other_stages(graph)
+        graph, stage_module = plan.stage_for(args, kwargs)
+        plan.release_other_stages(graph, stage_module)
         plan.shared = SharedParameters(graph.stage_parameters, self.topology, dict(module.named_parameters()))
         plan.shared.broadcast_initial_values(self._dp_group)
         return plan
@@ -399,7 +399,7 @@ class VarunaStrategy(ParallelStrategy):
         topo = self.topology
         assert topo is not None
         params = self._stage_plan().own_parameters()
-        grads = [parked.get(p, torch.zeros_like(p)) for p in params]
+        grads = [parked[p] if p in parked else torch.zeros_like(p) for p in params]
         scale = 1.0 / (topo.data_parallel_size * trainer.accumulate_grad_batches)
         if grads:
             flat = torch._utils._flatten_dense_tensors(grads)
@@ -478,7 +478,7 @@ class _StagePlan:
         self.boundaries = boundaries
         self.stage_index = topology.pp_rank
         self.skeleton = ModelSkeleton(module)
-        self._real = {**dict(_named_tensors(module))}
+        self._real = dict(_named_tensors(module))
         self._traced: dict[tuple, tuple[PipelineGraph, torch.fx.GraphModule]] = {}
         self.runtime = StageRuntime(topology.pp_rank, topology.stage_ranks(), output_spec, device)
         self.shared: SharedParameters
@@ -497,9 +497,8 @@ class _StagePlan:
             self._traced[key][1].train(self.module.training)
         return self._traced[key]
 
-    def release_other_stages(self, graph: PipelineGraph) -> None:
-        """Free the parameters and buffers that this rank's stage does not use."""
-        _, stage_module = next(iter(self._traced.values()))
+    def release_other_stages(self, graph: PipelineGraph, stage_module: torch.fx.GraphModule) -> None:
+        """Free the parameters and buffers that ``stage_module``, this rank's stage, does not use."""
         keep = graph.stage_parameters[self.stage_index] | {
             self.skeleton.canonical(name) for name, _ in stage_module.named_buffers(remove_duplicate=False)
         }
@@ -538,11 +537,6 @@ def _restored(obj: Any, name: str, value: Any) -> Iterator[None]:
     finally:
         if value is not None:
             setattr(obj, name, value)
-
-
-def _without_grad_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    with torch.no_grad():
-        return module(*args, **kwargs)
 
 
 def _first_batch(trainer: pl.Trainer) -> Any:
