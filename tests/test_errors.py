@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import lightning as L
 import pytest
 import torch
-from conftest import clean_env
+from conftest import run_job
 from models import TinyLM, token_dataset
 from torch.utils.data import DataLoader
 
@@ -115,8 +113,6 @@ def test_bad_layout_fails_in_every_process(tmp_path, devices, pp, blocks, match)
     script = tmp_path / "job.py"
     tests = str(__import__("pathlib").Path(__file__).parent)
     script.write_text(textwrap.dedent(SCRIPT.format(tests=tests, devices=devices, pp=pp, blocks=blocks)))
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=clean_env()
-    )
+    proc = run_job([str(script)], tmp_path, timeout=300)
     assert proc.returncode != 0
     assert __import__("re").search(match, proc.stderr), proc.stderr[-3000:]

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import lightning as L
 import pytest
-from conftest import clean_env
+from conftest import run_job
 
 from lightning_varuna import VarunaStrategy
 
@@ -31,7 +29,6 @@ def test_registered_name_selects_the_strategy():
 def test_lightning_cli_yaml_trains_pipelined(tmp_path, strategy_args):
     pytest.importorskip("jsonargparse")
     cmd = [
-        sys.executable,
         os.path.join(EXAMPLES, "gpt_cli.py"),
         "fit",
         "--config",
@@ -44,7 +41,7 @@ def test_lightning_cli_yaml_trains_pipelined(tmp_path, strategy_args):
         "--model.layers=2",
         *strategy_args,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=clean_env())
+    proc = run_job(cmd, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "VarunaStrategy: 2 stage(s), cut before ['cuts.0']" in proc.stderr + proc.stdout
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in proc.stderr + proc.stdout
@@ -52,7 +49,6 @@ def test_lightning_cli_yaml_trains_pipelined(tmp_path, strategy_args):
 
 def test_torchrun_launch(tmp_path):
     cmd = [
-        sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node=2",
@@ -61,7 +57,7 @@ def test_torchrun_launch(tmp_path):
         "--max-steps=2",
         "--layers=2",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=clean_env())
+    proc = run_job(cmd, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "VarunaStrategy: 2 stage(s)" in proc.stderr + proc.stdout
     assert "final metrics" in proc.stdout

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import clean_env
+from conftest import run_job
 from reference import train_reference
 
 RUNNER = os.path.join(os.path.dirname(__file__), "run_pipelined.py")
@@ -52,14 +50,7 @@ SHAPES = {
 
 def run_pipelined(tmp_path, config: dict) -> tuple[dict, list[dict[str, torch.Tensor]]]:
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, RUNNER, str(out), json.dumps(config)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=clean_env(),
-    )
+    proc = run_job([RUNNER, str(out), json.dumps(config)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     world = config["pipeline_parallel_size"] * config["data_parallel_size"]
     shards = [torch.load(out / f"rank{r}.pt") for r in range(world)]
