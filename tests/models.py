@@ -87,9 +87,16 @@ class RecordLosses(L.Callback):
 
 
 def fit_and_report(
-    model: TinyLM, train_loader: torch.utils.data.DataLoader, config: dict, predict: bool, **trainer_kwargs
+    model: TinyLM,
+    train_loader: torch.utils.data.DataLoader,
+    config: dict,
+    predict: bool,
+    callbacks: list[L.Callback] = (),
+    ckpt_path: str | None = None,
+    **trainer_kwargs,
 ) -> tuple[L.Trainer, dict]:
-    """Fit with the test settings of ``config``; return the trainer and what the parity tests compare."""
+    """Fit with the test settings of ``config`` (resuming from ``ckpt_path``); return the trainer and what the
+    parity tests compare."""
     record = RecordLosses()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -97,15 +104,15 @@ def fit_and_report(
         gradient_clip_val=config.get("clip"),
         accumulate_grad_batches=config.get("accumulate", 1),
         precision=config.get("precision", "32-true"),
-        callbacks=[record],
-        enable_checkpointing=False,
+        callbacks=[record, *callbacks],
+        enable_checkpointing=bool(callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
         num_sanity_val_steps=0,
         **trainer_kwargs,
     )
-    trainer.fit(model, train_loader)
+    trainer.fit(model, train_loader, ckpt_path=ckpt_path)
     result = {"losses": record.losses, "acc": trainer.callback_metrics["train_acc"].item()}
     if config.get("evaluate"):
         loader = torch.utils.data.DataLoader(token_dataset(config["rows"], seed=2), batch_size=config["batch_size"])

@@ -20,18 +20,22 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from typing_extensions import override
 
+from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
+from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
+from lightning_varuna.checkpoint.storage import Storage
 from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.partition.discovery import forward_with_cutpoints, profile_segments
 from lightning_varuna.partition.skeleton import ModelSkeleton
@@ -41,6 +45,7 @@ from lightning_varuna.pipeline.runtime import StageRuntime
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
 from lightning_varuna.pipeline.shared_params import SharedParameters
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.strategies.resume_last import ResolveLastCheckpoint
 from lightning_varuna.strategies.step_logging import LogRecorder, replay
 
 __all__ = ["VarunaStrategy"]
@@ -73,6 +78,9 @@ class VarunaStrategy(ParallelStrategy):
             the second is tied to the first. Parameters already tied (``head.weight = emb.weight``) are found
             on their own.
         profile_repeats: steps timed per segment to balance the stages.
+        checkpoint_tempdir: a fast local folder: a checkpoint save writes there and training continues while a
+            background thread uploads it to its URL (Varuna's ``tempdir``). Default: write to the URL directly.
+        storage_options: fsspec options (credentials, ``endpoint_url``...) for every checkpoint URL.
     """
 
     strategy_name = "varuna"
@@ -85,6 +93,8 @@ class VarunaStrategy(ParallelStrategy):
         schedule: str = "1f1b",
         shared_weights: list[tuple[str, str]] | None = None,
         profile_repeats: int = 3,
+        checkpoint_tempdir: str | None = None,
+        storage_options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -123,6 +133,10 @@ class VarunaStrategy(ParallelStrategy):
         self._pp_group: dist.ProcessGroup | None = None
         self._stages: _StagePlan | None = None
         self._parked_grads: dict[Tensor, Tensor] | None = None
+        self.checkpoint_storage = Storage(storage_options)
+        self._checkpoints = ShardedCheckpoints(self.checkpoint_storage, tempdir=checkpoint_tempdir)
+        self._replica_batch_size: int | None = None
+        self._resumed_shape: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------------------- processes
     @property
@@ -161,6 +175,7 @@ class VarunaStrategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+        self._launcher = ResolveLastCheckpoint(self._launcher)
 
     @override
     def setup_environment(self) -> None:
@@ -298,6 +313,7 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._check_micro_batch_size(args[0])
+        self._check_global_batch(args[0])
         stage_params = self._stage_plan().own_parameters()
         saved = {p: p.grad for p in stage_params}
         for p in stage_params:
@@ -390,6 +406,21 @@ class VarunaStrategy(ParallelStrategy):
                 f"use micro_batch_size <= {size} or a larger DataLoader batch_size."
             )
 
+    def _check_global_batch(self, batch: Any) -> None:
+        assert self.topology is not None
+        self._replica_batch_size = batch_size_of(batch)
+        if self._resumed_shape is None:
+            return
+        before, self._resumed_shape = self._resumed_shape.get("global_batch_size"), None
+        now = self._replica_batch_size * self.topology.data_parallel_size
+        if before is not None and before != now:
+            rank_zero_warn(
+                f"Resumed from a checkpoint trained with a global batch of {before} rows; this run's is {now} "
+                f"(DataLoader batch {self._replica_batch_size} x data_parallel_size "
+                f"{self.topology.data_parallel_size}). Set the DataLoader batch to {before} / data_parallel_size "
+                "to continue the same training."
+            )
+
     # ------------------------------------------------------------------------------ gradients and step
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -440,14 +471,63 @@ class VarunaStrategy(ParallelStrategy):
                     p.grad.mul_(coef.to(p.grad.dtype))
 
     # ----------------------------------------------------------------------------------- checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # A checkpoint is loaded by parameter name into the stage this rank holds: after partitioning.
+        return True
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name (independent of the pipeline shape)."""
+        return optimizer_state_by_name(_unwrapped(optimizer), self.lightning_module)
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.pipeline_parallel_size > 1:
-            raise NotImplementedError(
-                "Saving a checkpoint of a pipelined model (pipeline_parallel_size > 1) is not supported yet: each "
-                "rank holds only its stage. Pass `Trainer(enable_checkpointing=False)` for now."
-            )
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        """Write a sharded checkpoint to the folder ``filepath`` (any fsspec URL); every rank writes its stage."""
+        lightning_state = dict(checkpoint)
+        tensors: dict[str, Any] = {"model": lightning_state.pop("state_dict")}
+        optimizer_states = lightning_state.pop("optimizer_states", None)
+        if optimizer_states is not None:
+            tensors["optimizer"] = {str(i): state for i, state in enumerate(optimizer_states)}
+        topo = self.topology
+        assert topo is not None
+        shape = {
+            "pipeline_parallel_size": topo.pipeline_parallel_size,
+            "data_parallel_size": topo.data_parallel_size,
+            "micro_batch_size": self.micro_batch_size,
+            "global_batch_size": None
+            if self._replica_batch_size is None
+            else self._replica_batch_size * topo.data_parallel_size,
+        }
+        self._checkpoints.save(tensors, lightning_state, str(filepath), shape, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read this stage's part of a checkpoint written with any pipeline shape."""
+        optimizers = [_unwrapped(o) for o in self.optimizers]
+        checkpoint, info = self._checkpoints.load(str(checkpoint_path), self.lightning_module, optimizers)
+        self._resumed_shape = info.shape
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        for optimizer, by_name in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_optimizer_state_by_name(_unwrapped(optimizer), self.lightning_module, by_name)
+            _optimizer_to_device(optimizer, self.root_device)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self._checkpoints.remove(str(filepath))
+
+    @override
+    def teardown(self) -> None:
+        """Wait for checkpoint uploads still in flight, then tear down as usual."""
+        try:
+            self._checkpoints.wait(collective=False)
+        finally:
+            super().teardown()
 
     def _stage_plan(self) -> _StagePlan:
         if self._stages is None:
@@ -507,6 +587,10 @@ class _StagePlan:
 
     def own_parameters(self) -> list[Tensor]:
         return list(self.module.parameters())
+
+
+def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:

@@ -1,0 +1,243 @@
+"""Save and load checkpoints in which every rank writes and reads only its own stage.
+
+The tensors go through ``torch.distributed.checkpoint`` (DCP) keyed by parameter name: replicas of a stage
+share the writing (DCP writes each name once), and loading picks, by name, whatever the stage holds now, so
+a checkpoint written with one pipeline shape loads with any other. Rank 0 adds Lightning's training state
+and, last, the commit marker (see `lightning_varuna.checkpoint.layout`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.optim import Optimizer
+
+from lightning_varuna.checkpoint.layout import (
+    COMMIT_MARKER,
+    DCP_INDEX,
+    LIGHTNING_STATE,
+    CheckpointInfo,
+    IncompleteCheckpointError,
+    new_version,
+    open_complete,
+    versions,
+)
+from lightning_varuna.checkpoint.state import destination_for
+from lightning_varuna.checkpoint.storage import Storage, join
+from lightning_varuna.checkpoint.uploads import BackgroundUploads
+
+__all__ = ["ShardedCheckpoints"]
+
+
+class ShardedCheckpoints:
+    """Collective save/load of sharded checkpoints at fsspec URLs; every rank of the job calls them alike.
+
+    Args:
+        storage: how to reach the URLs.
+        tempdir: a fast local folder (per node). When set, a save writes there and returns; a worker thread
+            uploads to the URL while training continues, and the commit follows once every rank's upload is
+            done. The next save, load or `wait` waits for it.
+        upload_timeout: seconds rank 0 waits for the other ranks' uploads before giving up the commit.
+    """
+
+    def __init__(self, storage: Storage, tempdir: str | None = None, upload_timeout: float = 1800.0) -> None:
+        self.storage = storage
+        self.tempdir = tempdir
+        self.upload_timeout = upload_timeout
+        self._uploads = BackgroundUploads()
+
+    # ---------------------------------------------------------------------------------------------- save
+    def save(
+        self,
+        tensors: dict[str, Any],
+        lightning_state: dict[str, Any],
+        url: str,
+        shape: dict[str, Any],
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        """Write ``tensors`` (this rank's part, keyed by name) and rank 0's ``lightning_state`` to ``url``."""
+        self.wait()
+        rank = dist.get_rank()
+        storage = self.storage.with_options(storage_options)
+        _agree(_error_of(storage.check_writable, url) if rank == 0 else None)
+        info = _broadcast(
+            CheckpointInfo(
+                url=url,
+                version=new_version(),
+                global_step=int(lightning_state.get("global_step", 0)),
+                epoch=int(lightning_state.get("epoch", 0)),
+                saved_at=time.time(),
+                shape=shape,
+            )
+            if rank == 0
+            else None
+        )
+        if self.tempdir is None:
+            dcp.save(tensors, storage_writer=storage.dcp_writer(info.version_url))
+            _agree(_error_of(_commit, storage, info, _to_bytes(lightning_state)) if rank == 0 else None)
+            return
+        local = os.path.join(self.tempdir, info.version, f"rank{rank}")
+        dcp.save(tensors, storage_writer=FileSystemWriter(local, sync_files=False))
+        if rank == 0:
+            with open(os.path.join(local, LIGHTNING_STATE), "wb") as f:
+                f.write(_to_bytes(lightning_state))
+        store = dist.distributed_c10d._get_default_store()
+        self._uploads.submit(self._upload, storage, local, info, store, rank, dist.get_world_size())
+
+    def _upload(
+        self, storage: Storage, local: str, info: CheckpointInfo, store: dist.Store, rank: int, world_size: int
+    ) -> None:
+        """Worker thread: upload this rank's files; rank 0 then waits for all ranks and commits."""
+        key = f"lightning_varuna/checkpoint/{info.version}"
+        try:
+            last = (DCP_INDEX, LIGHTNING_STATE)
+            for name in sorted(os.listdir(local)):
+                if name not in last:
+                    storage.put_file(os.path.join(local, name), join(info.version_url, name))
+            store.add(f"{key}/uploaded", 1)
+            if rank == 0:
+                self._wait_for_ranks(store, key, world_size)
+                storage.put_file(os.path.join(local, DCP_INDEX), join(info.version_url, DCP_INDEX))
+                with open(os.path.join(local, LIGHTNING_STATE), "rb") as f:
+                    _commit(storage, info, f.read())
+        except BaseException:
+            store.add(f"{key}/failed", 1)
+            raise
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+            _remove_if_empty(os.path.dirname(local))
+
+    def _wait_for_ranks(self, store: dist.Store, key: str, world_size: int) -> None:
+        deadline = time.monotonic() + self.upload_timeout
+        while store.add(f"{key}/uploaded", 0) < world_size:
+            if store.add(f"{key}/failed", 0):
+                raise RuntimeError("Another rank failed to upload its part of the checkpoint; it was not committed.")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"The other ranks did not upload their checkpoint parts in {self.upload_timeout} s.")
+            time.sleep(0.05)
+
+    def remove(self, url: str) -> None:
+        """Delete a checkpoint (rank 0 only), after the uploads already submitted."""
+        if self.tempdir is None:
+            self.storage.remove(url)
+        else:
+            self._uploads.submit(self.storage.remove, url)
+
+    def wait(self, collective: bool = True) -> None:
+        """Wait for the background uploads; raise on every rank if any rank's upload failed."""
+        error = self._uploads.wait()
+        if collective:
+            _agree(error)
+        elif error is not None:
+            raise error
+
+    # ---------------------------------------------------------------------------------------------- load
+    def load(self, url: str, module: nn.Module, optimizers: list[Optimizer]) -> tuple[dict[str, Any], CheckpointInfo]:
+        """Lightning's checkpoint dict for this rank: the training state plus this stage's tensors by name.
+
+        ``checkpoint["state_dict"]`` holds this stage's entries of ``module.state_dict()``;
+        ``checkpoint["optimizer_states"]`` (if saved) one by-name state per optimizer.
+        """
+        self.wait()
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = self._read(url, module, optimizers)
+        except Exception as err:
+            error = err
+        _agree(error)
+        return result
+
+    def _read(self, url: str, module: nn.Module, optimizers: list[Optimizer]) -> tuple[dict[str, Any], CheckpointInfo]:
+        info = open_complete(self.storage, url)
+        reader = self.storage.dcp_reader(info.version_url)
+        metadata = reader.read_metadata()
+        model, missing = destination_for(metadata, "model", list(module.state_dict()))
+        if missing:
+            raise IncompleteCheckpointError(
+                f"Checkpoint {info.version_url!r} has no values for {len(missing)} tensors of this model, e.g. "
+                f"{missing[:3]}: it was written by a different model."
+            )
+        tensors: dict[str, Any] = {"model": model}
+        with_optimizers = optimizers and any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
+        if with_optimizers:
+            names = {id(p): name for name, p in module.named_parameters()}
+            tensors["optimizer"] = {}
+            for i, optimizer in enumerate(optimizers):
+                own = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+                state, _ = destination_for(metadata, f"optimizer.{i}.state", own)
+                groups, missing = destination_for(metadata, f"optimizer.{i}.param_groups", own)
+                if missing:
+                    raise IncompleteCheckpointError(
+                        f"Checkpoint {info.version_url!r} has no state of optimizer {i} for {missing[:3]}: it was "
+                        "written with different optimizers."
+                    )
+                tensors["optimizer"][str(i)] = {"state": state, "param_groups": groups}
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+        lightning_state = torch.load(
+            io.BytesIO(self.storage.read_bytes(join(info.version_url, LIGHTNING_STATE))),
+            map_location="cpu",
+            weights_only=False,
+        )
+        checkpoint = {**lightning_state, "state_dict": tensors["model"]}
+        if with_optimizers:
+            checkpoint["optimizer_states"] = [tensors["optimizer"][str(i)] for i in range(len(optimizers))]
+        return checkpoint, info
+
+
+def _commit(storage: Storage, info: CheckpointInfo, lightning_state: bytes) -> None:
+    """Rank 0, once every tensor is stored: the training state, the commit marker, then drop older saves."""
+    storage.write_bytes(join(info.version_url, LIGHTNING_STATE), lightning_state)
+    storage.write_bytes(join(info.version_url, COMMIT_MARKER), info.marker())
+    for version in versions(storage, info.url):
+        if version < info.version:
+            storage.remove(join(info.url, version))
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _error_of(fn: Any, *args: Any) -> BaseException | None:
+    try:
+        fn(*args)
+    except Exception as err:
+        return err
+    return None
+
+
+def _agree(error: BaseException | None) -> None:
+    """Collective: raise on every rank if any rank had an error (its own error where it happened)."""
+    world_size = dist.get_world_size()
+    messages: list[str | None] = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(rank, message) for rank, message in enumerate(messages) if message]
+    if failed:
+        rank, message = failed[0]
+        raise RuntimeError(f"Checkpointing failed on rank {rank}: {message}")
+
+
+def _broadcast(obj: Any) -> Any:
+    objects = [obj]
+    dist.broadcast_object_list(objects, src=0)
+    return objects[0]
+
+
+def _remove_if_empty(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)

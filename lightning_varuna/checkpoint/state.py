@@ -1,0 +1,79 @@
+"""Model and optimizer state keyed by parameter name, so that it does not depend on how the model was cut.
+
+torch's optimizer ``state_dict`` numbers parameters by their position in one optimizer; a stage's optimizer
+holds a different subset for every pipeline shape. Keyed by the parameter's name instead, the state of each
+parameter loads into whichever stage holds it next time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.optim import Optimizer
+
+__all__ = ["load_optimizer_state_by_name", "optimizer_state_by_name", "destination_for"]
+
+
+def _names(module: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def optimizer_state_by_name(optimizer: Optimizer, module: nn.Module) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{"state": {name: {...}}, "param_groups": {name: {hyper-parameters}}}`` for the parameters of ``optimizer``."""
+    names = _names(module)
+    state: dict[str, dict[str, Any]] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        settings = {key: value for key, value in group.items() if key != "params"}
+        for p in group["params"]:
+            name = names[id(p)]
+            groups[name] = settings
+            if optimizer.state.get(p):
+                state[name] = dict(optimizer.state[p])
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state_by_name(optimizer: Optimizer, module: nn.Module, by_name: dict[str, dict]) -> None:
+    """Load what `optimizer_state_by_name` saved (by any pipeline shape) into this stage's ``optimizer``."""
+    names = _names(module)
+    current = optimizer.state_dict()
+    state: dict[int, Any] = {}
+    groups = []
+    for group, saved_group in zip(optimizer.param_groups, current["param_groups"]):
+        group_names = [names[id(p)] for p in group["params"]]
+        settings = by_name["param_groups"].get(group_names[0], {}) if group_names else {}
+        groups.append({**saved_group, **settings, "params": saved_group["params"]})
+        for index, name in zip(saved_group["params"], group_names):
+            if name in by_name["state"]:
+                state[index] = by_name["state"][name]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def destination_for(metadata: Metadata, prefix: str, names: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Empty containers for the checkpoint entries ``prefix.<name>`` or ``prefix.<name>.<field>`` of ``names``.
+
+    Returns the nested dict that ``torch.distributed.checkpoint.load`` fills (tensors allocated from the saved
+    sizes and dtypes) and the names that the checkpoint does not have.
+    """
+    wanted = set(names)
+    found: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if not key.startswith(prefix + "."):
+            continue
+        rest = key[len(prefix) + 1 :]
+        if rest in wanted:
+            found[rest] = _empty(entry)
+            continue
+        name, _, field = rest.rpartition(".")
+        if name in wanted:
+            found.setdefault(name, {})[field] = _empty(entry)
+    return found, [name for name in names if name not in found]
+
+
+def _empty(entry: Any) -> Any:
+    if isinstance(entry, TensorStorageMetadata):
+        return torch.empty(entry.size, dtype=entry.properties.dtype)
+    return None  # a pickled value: DCP replaces it

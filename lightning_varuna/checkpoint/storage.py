@@ -1,0 +1,116 @@
+"""One place for fsspec access to checkpoint URLs (and torch's fsspec reader/writer for DCP)."""
+
+from __future__ import annotations
+
+import posixpath
+import threading
+import uuid
+from typing import Any
+
+from fsspec import AbstractFileSystem
+from fsspec.core import url_to_fs
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+__all__ = ["Storage", "join"]
+
+
+def join(url: str, *names: str) -> str:
+    """``url/name/...`` for a local path or any fsspec URL."""
+    return posixpath.join(str(url).rstrip("/"), *names)
+
+
+class Storage:
+    """Files under fsspec URLs, opened with the same ``storage_options`` (credentials, endpoint) every time.
+
+    Args:
+        storage_options: keyword arguments for the fsspec filesystem (e.g. ``{"endpoint_url": ...}`` for s3fs).
+            fsspec's own configuration applies too (``FSSPEC_S3_ENDPOINT_URL``-style environment variables).
+        timeout: seconds that the first access to a store may take before it is reported unreachable.
+    """
+
+    def __init__(self, storage_options: dict[str, Any] | None = None, timeout: float = 60.0) -> None:
+        self.storage_options = dict(storage_options or {})
+        self.timeout = timeout
+        self._checked: set[str] = set()
+
+    def with_options(self, storage_options: dict[str, Any] | None) -> Storage:
+        """This storage with ``storage_options`` added (for one call that passes its own)."""
+        if not storage_options:
+            return self
+        return Storage({**self.storage_options, **storage_options}, self.timeout)
+
+    def fs(self, url: str) -> tuple[AbstractFileSystem, str]:
+        """The filesystem of ``url`` and the path on it."""
+        return url_to_fs(str(url), **self.storage_options)
+
+    def exists(self, url: str) -> bool:
+        fs, path = self.fs(url)
+        return fs.exists(path)
+
+    def children(self, url: str) -> list[str]:
+        """Names of the entries directly under ``url`` (empty if it does not exist)."""
+        fs, path = self.fs(url)
+        if not fs.isdir(path):
+            return []
+        return sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False))
+
+    def read_bytes(self, url: str) -> bytes:
+        fs, path = self.fs(url)
+        return fs.cat_file(path)
+
+    def write_bytes(self, url: str, data: bytes) -> None:
+        fs, path = self.fs(url)
+        fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        fs.pipe_file(path, data)
+
+    def put_file(self, local_path: str, url: str) -> None:
+        fs, path = self.fs(url)
+        fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        fs.put_file(local_path, path)
+
+    def remove(self, url: str) -> None:
+        """Delete ``url`` and everything under it, if it exists."""
+        fs, path = self.fs(url)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+
+    def dcp_writer(self, url: str) -> FileSystemWriter:
+        """A torch.distributed.checkpoint writer for ``url`` (no fsync: object stores have none)."""
+        return FsspecWriter(str(url), sync_files=False, **self.storage_options)
+
+    def dcp_reader(self, url: str) -> FsspecReader:
+        return FsspecReader(str(url), **self.storage_options)
+
+    def check_writable(self, url: str) -> None:
+        """Write and delete a probe file under ``url``; raise a clear error if that fails or hangs.
+
+        Checked once per URL, so that a wrong endpoint or missing credentials show up at the first save
+        (or at setup) instead of as a hang or a half-written checkpoint.
+        """
+        if url in self._checked:
+            return
+        errors: list[BaseException] = []
+
+        def probe() -> None:
+            try:
+                probe_url = join(url, f".write-probe-{uuid.uuid4().hex}")
+                self.write_bytes(probe_url, b"")
+                self.remove(probe_url)
+            except BaseException as err:  # noqa: BLE001 - reported below with the URL
+                errors.append(err)
+
+        thread = threading.Thread(target=probe, name="lightning-varuna-storage-probe", daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            raise TimeoutError(
+                f"Checkpoint storage {url!r} did not answer within {self.timeout:.0f} s. Check the URL, the "
+                "endpoint and the network, or pass the right `storage_options`."
+            )
+        if errors:
+            raise OSError(
+                f"Cannot write checkpoints to {url!r}: {type(errors[0]).__name__}: {errors[0]}. Check the URL, the "
+                "credentials and `storage_options` (or fsspec's FSSPEC_<PROTOCOL>_<OPTION> environment variables)."
+            ) from errors[0]
+        self._checked.add(url)

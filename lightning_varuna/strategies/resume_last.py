@@ -1,0 +1,78 @@
+"""``ckpt_path="last"`` resumes from the newest *complete* checkpoint, on any fsspec URL.
+
+Lightning resolves ``"last"`` to the newest ``last*.ckpt`` file it lists in each ModelCheckpoint's folder by
+modification time; that neither sees folders on object stores nor skips a save that was interrupted. With
+VarunaStrategy, ``"last"`` means the most recently committed checkpoint (any name) in the folders of the
+trainer's checkpoint callbacks; interrupted saves are skipped with a warning; with none, training starts
+fresh with a log line saying so.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_varuna.checkpoint.layout import find_newest
+
+if TYPE_CHECKING:
+    from lightning_varuna.checkpoint.storage import Storage
+
+__all__ = ["ResolveLastCheckpoint", "checkpoint_folders", "newest_complete_checkpoint"]
+
+
+def checkpoint_folders(trainer: pl.Trainer) -> list[str]:
+    """The folders that the trainer's checkpoint callbacks write to (those with an explicit ``dirpath``)."""
+    folders = [getattr(cb, "dirpath", None) for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+    return list(dict.fromkeys(str(folder) for folder in folders if folder))
+
+
+def newest_complete_checkpoint(storage: Storage, folders: list[str]) -> str | None:
+    """The URL of the most recently committed checkpoint in ``folders``; warn about interrupted saves."""
+    info, incomplete = find_newest(storage, folders)
+    if incomplete:
+        rank_zero_warn(f"Skipping interrupted checkpoint saves (no commit marker): {incomplete}")
+    if info is None:
+        rank_zero_info(f'ckpt_path="last": no complete checkpoint in {folders}; training starts from scratch.')
+        return None
+    rank_zero_info(
+        f'ckpt_path="last": resuming from {info.url} (epoch {info.epoch}, global step {info.global_step}, written '
+        f"with pipeline x data parallel {info.shape.get('pipeline_parallel_size')} x "
+        f"{info.shape.get('data_parallel_size')})."
+    )
+    return info.url
+
+
+class _VarunaCheckpointConnector(_CheckpointConnector):
+    def _parse_ckpt_path(self, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
+        folders = checkpoint_folders(self.trainer)
+        if ckpt_path == "last" and folders:
+            return newest_complete_checkpoint(self.trainer.strategy.checkpoint_storage, folders)
+        return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
+
+
+class ResolveLastCheckpoint(_Launcher):
+    """Wraps the strategy's launcher so that every process resolves ``ckpt_path="last"`` as described above.
+
+    Lightning resolves ``ckpt_path`` in the launched function before any strategy hook runs; the launcher
+    is the one place that sees the trainer first.
+    """
+
+    def __init__(self, launcher: _Launcher) -> None:
+        self.launcher = launcher
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return self.launcher.is_interactive_compatible
+
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None and type(trainer._checkpoint_connector) is _CheckpointConnector:
+            trainer._checkpoint_connector.__class__ = _VarunaCheckpointConnector
+        return self.launcher.launch(function, *args, trainer=trainer, **kwargs)
+
+    def kill(self, signum: Any) -> None:
+        self.launcher.kill(signum)
