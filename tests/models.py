@@ -6,6 +6,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -105,7 +106,7 @@ def fit_and_report(
         accumulate_grad_batches=config.get("accumulate", 1),
         precision=config.get("precision", "32-true"),
         callbacks=[record, *callbacks],
-        enable_checkpointing=bool(callbacks),
+        enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,

@@ -5,24 +5,48 @@
 Writes ``OUT_DIR/losses.json`` (rank 0: the logged train loss of every step) and ``OUT_DIR/rank{r}.pt``
 (each rank's parameters by name). With ``"checkpoint_dir"`` in the config, a ModelCheckpoint saves there
 every epoch (and ``last``); ``"resume"`` is passed to ``fit(ckpt_path=...)``; ``"save_to"`` saves the final
-state with ``trainer.save_checkpoint``.
+state with ``trainer.save_checkpoint``. ``"kill_in_save": {"rank": r, "step": s}`` makes rank ``r`` SIGKILL
+itself in the middle of the save at global step ``s``, right after writing its shard.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import TinyLM, fit_and_report, token_dataset  # noqa: E402
 
 from lightning_varuna import VarunaStrategy  # noqa: E402
+
+
+class KillInSave(L.Callback):
+    """SIGKILL this process inside the checkpoint save at ``step``, after its tensors reached storage."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        write_data = FileSystemWriter.write_data
+
+        def write_then_die(writer, plan, planner):  # noqa: ANN001, ANN202
+            written = write_data(writer, plan, planner)
+            if trainer.global_step == self.step:
+                written.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return written
+
+        FileSystemWriter.write_data = write_then_die
 
 
 def main(out_dir: str, config: dict) -> None:
@@ -38,6 +62,8 @@ def main(out_dir: str, config: dict) -> None:
     )
     loader = DataLoader(token_dataset(config["rows"]), batch_size=config["batch_size"])
     callbacks = []
+    if "kill_in_save" in config:
+        callbacks.append(KillInSave(**config["kill_in_save"]))
     if "checkpoint_dir" in config:
         callbacks.append(
             ModelCheckpoint(dirpath=config["checkpoint_dir"], every_n_epochs=1, save_top_k=-1, save_last=True)

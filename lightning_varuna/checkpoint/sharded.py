@@ -13,6 +13,7 @@ import io
 import os
 import shutil
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -183,7 +184,9 @@ class ShardedCheckpoints:
                         "written with different optimizers."
                     )
                 tensors["optimizer"][str(i)] = {"state": state, "param_groups": groups}
-        dcp.load(tensors, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(tensors, storage_reader=reader, no_dist=True)
         lightning_state = torch.load(
             io.BytesIO(self.storage.read_bytes(join(info.version_url, LIGHTNING_STATE))),
             map_location="cpu",

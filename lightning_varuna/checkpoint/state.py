@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.optim import Optimizer
 
-__all__ = ["load_optimizer_state_by_name", "optimizer_state_by_name", "destination_for"]
+__all__ = ["destination_for", "empty_like_entry", "load_optimizer_state_by_name", "optimizer_state_by_name"]
 
 
 def _names(module: nn.Module) -> dict[int, str]:
@@ -65,15 +65,16 @@ def destination_for(metadata: Metadata, prefix: str, names: list[str]) -> tuple[
             continue
         rest = key[len(prefix) + 1 :]
         if rest in wanted:
-            found[rest] = _empty(entry)
+            found[rest] = empty_like_entry(entry)
             continue
         name, _, field = rest.rpartition(".")
         if name in wanted:
-            found.setdefault(name, {})[field] = _empty(entry)
+            found.setdefault(name, {})[field] = empty_like_entry(entry)
     return found, [name for name in names if name not in found]
 
 
-def _empty(entry: Any) -> Any:
+def empty_like_entry(entry: Any) -> Any:
+    """An empty tensor of a saved tensor's size and dtype (``None`` for a pickled value: DCP replaces it)."""
     if isinstance(entry, TensorStorageMetadata):
         return torch.empty(entry.size, dtype=entry.properties.dtype)
-    return None  # a pickled value: DCP replaces it
+    return None

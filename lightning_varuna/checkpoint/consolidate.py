@@ -1,0 +1,47 @@
+"""Turn a sharded checkpoint into one plain Lightning checkpoint, usable without this package."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_varuna.checkpoint.layout import LIGHTNING_STATE, open_complete
+from lightning_varuna.checkpoint.state import empty_like_entry
+from lightning_varuna.checkpoint.storage import Storage, join
+
+__all__ = ["consolidate"]
+
+
+def consolidate(url: str, storage: Storage | None = None) -> dict[str, Any]:
+    """The whole checkpoint at ``url`` as one Lightning checkpoint dict, read in this process.
+
+    ``state_dict`` holds every tensor of the model (``Model.load_from_checkpoint`` and ``load_state_dict``
+    take it as is); the training state (epoch, step, loops, LR schedulers, callbacks, hyper-parameters) is
+    kept; the optimizer state stays keyed by parameter name under ``optimizer_states_by_name``.
+    """
+    storage = storage or Storage()
+    info = open_complete(storage, url)
+    reader = storage.dcp_reader(info.version_url)
+    metadata = reader.read_metadata()
+    tensors: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        *parents, leaf = metadata.planner_data[key]
+        node = tensors
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = empty_like_entry(entry)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+    state = torch.load(
+        io.BytesIO(storage.read_bytes(join(info.version_url, LIGHTNING_STATE))), map_location="cpu", weights_only=False
+    )
+    checkpoint = {**state, "state_dict": tensors["model"]}
+    if "optimizer" in tensors:
+        optimizers = tensors["optimizer"]
+        checkpoint["optimizer_states_by_name"] = [optimizers[i] for i in sorted(optimizers, key=int)]
+    return checkpoint

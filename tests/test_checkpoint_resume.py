@@ -1,0 +1,121 @@
+"""A checkpoint written at one pipeline x data-parallel shape resumes at another and training continues
+exactly as if it had never stopped (real processes, gloo; local folders and a loopback S3 server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import run_job, s3_env
+from reference import train_reference
+
+from lightning_varuna.checkpoint.layout import COMMIT_MARKER, IncompleteCheckpointError, open_complete
+from lightning_varuna.checkpoint.storage import Storage
+
+RUNNER = os.path.join(os.path.dirname(__file__), "run_pipelined.py")
+GLOBAL_BATCH, ROWS, EPOCHS = 6, 18, 4  # 3 steps per epoch
+
+
+def shape(pp: int, dp: int, **extra) -> dict:
+    """A run at (P, D) with the same global batch: the DataLoader batch is GLOBAL_BATCH / D."""
+    return dict(
+        pipeline_parallel_size=pp,
+        data_parallel_size=dp,
+        batch_size=GLOBAL_BATCH // dp,
+        micro_batch_size=1 if GLOBAL_BATCH // dp < 4 else 2,
+        schedule="1f1b",
+        rows=ROWS,
+        scheduler=True,
+        **extra,
+    )
+
+
+def run(tmp_path, name: str, config: dict, env: dict | None = None, expect_ok: bool = True) -> tuple[dict, dict]:
+    out = tmp_path / name
+    proc = run_job([RUNNER, str(out), json.dumps(config)], tmp_path, env=env)
+    if not expect_ok:
+        return proc, {}
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    weights = {}
+    for rank in range(config["pipeline_parallel_size"] * config["data_parallel_size"]):
+        weights.update(torch.load(out / f"rank{rank}.pt"))
+    return json.loads((out / "losses.json").read_text()), weights
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-device training for all epochs on the same global batches: what every resumed run must match."""
+    result, weights = train_reference(shape(1, 1, epochs=EPOCHS))
+    return result["losses"], weights
+
+
+@pytest.fixture(scope="module")
+def written_at_2x2(tmp_path_factory) -> str:
+    """Two epochs at (P, D) = (2, 2) with a ModelCheckpoint every epoch plus ``last``; returns its folder."""
+    tmp_path = tmp_path_factory.mktemp("written_at_2x2")
+    folder = str(tmp_path / "checkpoints")
+    run(tmp_path, "first", shape(2, 2, epochs=2, checkpoint_dir=folder))
+    return folder
+
+
+def assert_continues(result: dict, weights: dict, uninterrupted, from_step: int) -> None:
+    losses, final = uninterrupted
+    assert len(result["losses"]) == len(losses) - from_step
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses[from_step:]), rtol=1e-5, atol=1e-5)
+    assert weights.keys() == final.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(value, final[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("pp", "dp", "ckpt_path"),
+    [(4, 1, "last"), (1, 2, "epoch=1-step=6.ckpt"), (1, 1, "last")],
+    ids=["2x2-to-4x1-last", "2x2-to-1x2-named", "2x2-to-single-process"],
+)
+def test_resume_with_another_shape_continues_the_same_training(
+    tmp_path, written_at_2x2, uninterrupted, pp, dp, ckpt_path
+):
+    folder = str(tmp_path / "checkpoints")
+    shutil.copytree(written_at_2x2, folder)  # the resumed run saves there too
+    resume = ckpt_path if ckpt_path == "last" else os.path.join(folder, ckpt_path)
+    result, weights = run(tmp_path, "resumed", shape(pp, dp, epochs=EPOCHS, checkpoint_dir=folder, resume=resume))
+    assert_continues(result, weights, uninterrupted, from_step=6)
+
+
+def test_single_process_checkpoint_resumes_pipelined(tmp_path, uninterrupted):
+    folder = str(tmp_path / "checkpoints")
+    run(tmp_path, "first", shape(1, 1, epochs=1, checkpoint_dir=folder))
+    result, weights = run(tmp_path, "resumed", shape(2, 1, epochs=EPOCHS, checkpoint_dir=folder, resume="last"))
+    assert_continues(result, weights, uninterrupted, from_step=3)
+
+
+def test_background_upload_to_s3_resumes_with_another_shape(tmp_path, s3_server, s3_bucket, uninterrupted):
+    folder, tempdir = f"{s3_bucket}/run/checkpoints", tmp_path / "local"
+    env = s3_env(s3_server)  # how Lightning's ModelCheckpoint (fsspec) reaches the server
+    run(tmp_path, "first", shape(4, 1, epochs=2, checkpoint_dir=folder, tempdir=str(tempdir)), env=env)
+    assert not any(tempdir.rglob("*.distcp")), "uploaded local files are removed"
+    storage = Storage(s3_server)
+    info = open_complete(storage, f"{folder}/last.ckpt")
+    assert (info.global_step, info.shape["pipeline_parallel_size"]) == (6, 4)
+    result, weights = run(
+        tmp_path, "resumed", shape(2, 1, epochs=EPOCHS, checkpoint_dir=folder, resume="last"), env=env
+    )
+    assert_continues(result, weights, uninterrupted, from_step=6)
+
+
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, uninterrupted):
+    folder = str(tmp_path / "checkpoints")
+    config = shape(2, 1, epochs=2, checkpoint_dir=folder, kill_in_save={"rank": 1, "step": 6})
+    proc, _ = run(tmp_path, "killed", config, expect_ok=False)
+    assert proc.returncode != 0
+    interrupted = os.path.join(folder, "epoch=1-step=6.ckpt")
+    [version] = os.listdir(interrupted)
+    assert COMMIT_MARKER not in os.listdir(os.path.join(interrupted, version))
+    with pytest.raises(IncompleteCheckpointError, match="stopped while writing"):
+        open_complete(Storage(), interrupted)
+
+    result, weights = run(tmp_path, "resumed", shape(2, 1, epochs=EPOCHS, checkpoint_dir=folder, resume="last"))
+    assert_continues(result, weights, uninterrupted, from_step=3)
