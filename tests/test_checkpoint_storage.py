@@ -1,0 +1,192 @@
+"""Checkpoints in one process: fsspec URLs, clear errors for bad or damaged checkpoints and unreachable
+stores, state keyed by parameter name, consolidation into a plain Lightning checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import lightning as L
+import pytest
+import torch
+from conftest import clean_env
+from models import TinyLM, token_dataset
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_varuna import VarunaStrategy
+from lightning_varuna.checkpoint.layout import COMMIT_MARKER, IncompleteCheckpointError, find_newest
+from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
+from lightning_varuna.checkpoint.storage import Storage
+
+
+def trainer(**kwargs) -> L.Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return L.Trainer(**{**options, **kwargs})
+
+
+def loader() -> DataLoader:
+    return DataLoader(token_dataset(12), batch_size=4)
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def trained() -> tuple[TinyLM, L.Trainer]:
+    L.seed_everything(0)
+    model = TinyLM()
+    fitted = trainer(strategy=VarunaStrategy(micro_batch_size=2))
+    fitted.fit(model, loader())
+    return model, fitted
+
+
+def load_into_fresh_model(url: str, **strategy_kwargs) -> TinyLM:
+    L.seed_everything(1)
+    fresh = TinyLM()
+    trainer(strategy=VarunaStrategy(micro_batch_size=2, **strategy_kwargs)).validate(fresh, loader(), ckpt_path=url)
+    return fresh
+
+
+def test_memory_url_round_trip(trained):
+    model, fitted = trained
+    fitted.save_checkpoint("memory://checkpoints/round-trip.ckpt")
+    fresh = load_into_fresh_model("memory://checkpoints/round-trip.ckpt")
+    torch.testing.assert_close(weights(fresh), weights(model), rtol=0, atol=0)
+
+
+def test_damaged_checkpoints_fail_naming_what_is_missing(trained, tmp_path):
+    _, fitted = trained
+    url = str(tmp_path / "model.ckpt")
+    fitted.save_checkpoint(url)
+    [version] = os.listdir(url)
+    folder = os.path.join(url, version)
+
+    shard = next(name for name in os.listdir(folder) if name.endswith(".distcp"))
+    os.rename(os.path.join(folder, shard), os.path.join(tmp_path, shard))
+    with pytest.raises(IncompleteCheckpointError, match=f"files are missing: \\['{shard}'\\]"):
+        load_into_fresh_model(url)
+
+    os.remove(os.path.join(folder, COMMIT_MARKER))
+    with pytest.raises(IncompleteCheckpointError, match=f"{version}.*have no {COMMIT_MARKER}"):
+        load_into_fresh_model(url)
+
+    with pytest.raises(IncompleteCheckpointError, match="does not exist"):
+        load_into_fresh_model(str(tmp_path / "never-written.ckpt"))
+
+
+def test_overwriting_keeps_one_version_and_last_skips_interrupted_saves(trained, tmp_path):
+    model, fitted = trained
+    folder = tmp_path / "checkpoints"
+    fitted.save_checkpoint(folder / "a.ckpt")
+    time.sleep(0.01)
+    fitted.save_checkpoint(folder / "b.ckpt")
+    fitted.save_checkpoint(folder / "b.ckpt")
+    assert len(os.listdir(folder / "b.ckpt")) == 1, "a committed save replaces the older version"
+    # An interrupted save into a.ckpt after b.ckpt: a version folder without a commit marker.
+    [committed] = os.listdir(folder / "a.ckpt")
+    shutil.copytree(folder / "a.ckpt" / committed, folder / "a.ckpt" / "v99999999999999999999")
+    os.remove(folder / "a.ckpt" / "v99999999999999999999" / COMMIT_MARKER)
+
+    newest, interrupted = find_newest(Storage(), [str(folder)])
+    assert newest is not None and newest.url == str(folder / "b.ckpt")
+    assert interrupted == [str(folder / "a.ckpt" / "v99999999999999999999")]
+    # Loading a.ckpt explicitly reads its newest complete version.
+    torch.testing.assert_close(weights(load_into_fresh_model(str(folder / "a.ckpt"))), weights(model))
+
+
+def test_unreachable_store_fails_at_the_first_save_and_training_state_survives(trained, tmp_path):
+    model, fitted = trained
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    options = {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "key": "k",
+        "secret": "s",
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    pytest.importorskip("s3fs")
+    before = weights(model)
+    with pytest.raises(OSError, match=f"Cannot write checkpoints to 's3://bucket/run/x.ckpt'.*127.0.0.1:{port}"):
+        fitted.save_checkpoint("s3://bucket/run/x.ckpt", storage_options=options)
+    torch.testing.assert_close(weights(model), before, rtol=0, atol=0)
+    fitted.save_checkpoint(tmp_path / "after.ckpt")  # still works
+    torch.testing.assert_close(weights(load_into_fresh_model(str(tmp_path / "after.ckpt"))), before)
+
+
+def test_a_store_that_never_answers_times_out():
+    pytest.importorskip("s3fs")
+    with socket.socket() as silent:  # accepts connections (backlog) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        storage = Storage({"endpoint_url": endpoint, "key": "k", "secret": "s"}, timeout=2)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not answer within 2 s"):
+            storage.check_writable("s3://bucket/run")
+        assert time.monotonic() - start < 10
+
+
+def test_s3_url_with_storage_options(trained, s3_server, s3_bucket):
+    model, _ = trained
+    url = f"{s3_bucket}/run/model.ckpt"
+    fitted = trainer(strategy=VarunaStrategy(micro_batch_size=2, storage_options=s3_server))
+    fitted.fit(model, loader())
+    fitted.save_checkpoint(url)
+    fresh = load_into_fresh_model(url, storage_options=s3_server)
+    torch.testing.assert_close(weights(fresh), weights(model), rtol=0, atol=0)
+
+
+def test_consolidated_checkpoint_loads_without_the_strategy(trained, tmp_path):
+    model, fitted = trained
+    fitted.save_checkpoint(tmp_path / "sharded.ckpt")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_varuna.cli", "consolidate", tmp_path / "sharded.ckpt", tmp_path / "one.ckpt"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "global step 3" in proc.stdout
+    plain = TinyLM.load_from_checkpoint(tmp_path / "one.ckpt")
+    torch.testing.assert_close(weights(plain), weights(model), rtol=0, atol=0)
+    assert torch.load(tmp_path / "one.ckpt", weights_only=False)["global_step"] == 3
+
+
+def test_optimizer_state_moves_by_name_between_differently_cut_optimizers():
+    torch.manual_seed(0)
+    whole = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2))
+    stage = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2))
+    stage.load_state_dict(whole.state_dict())
+    whole_optimizer = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    for _ in range(2):
+        whole(torch.randn(4, 3)).sum().backward()
+        whole_optimizer.step()
+        whole_optimizer.zero_grad()
+    stage.load_state_dict(whole.state_dict())
+    # A "stage" holding the last two layers, built with other hyper-parameters, gets the saved ones by name.
+    stage_optimizer = torch.optim.AdamW([*stage[1].parameters(), *stage[2].parameters()], lr=0.5)
+    saved = copy.deepcopy(optimizer_state_by_name(whole_optimizer, whole))  # as if read back from storage
+    load_optimizer_state_by_name(stage_optimizer, stage, saved)
+    assert stage_optimizer.param_groups[0]["lr"] == 0.1
+    x = torch.randn(4, 3)
+    for model, optimizer in ((whole, whole_optimizer), (stage, stage_optimizer)):
+        model(x).sum().backward()
+        optimizer.step()
+    for name, value in stage[1:].state_dict().items():
+        torch.testing.assert_close(value, whole[1:].state_dict()[name])
