@@ -1,0 +1,209 @@
+"""How long a checkpoint save stalls training, with and without ``checkpoint_tempdir``, and how fast sharded
+checkpoints move compared with a plain copy of the same bytes to the same store.
+
+Run from the repository root (about 5 minutes on 2 CPU cores)::
+
+    python benchmarks/checkpoint_save.py
+
+The model is examples/gpt.py's GPT (8 layers, dim 512, block 64: 25.3 M parameters; with AdamW's two moments the
+checkpoint holds about 300 MB of tensors), trained with ``VarunaStrategy(pipeline_parallel_size=2)`` in 2 processes
+(gloo, one thread each). Two stores: a local folder and an S3-compatible server (moto) on loopback started by this
+script. For each store and mode (``direct``: DCP writes to the URL; ``tempdir``: DCP writes to a local folder and a
+worker thread uploads) the run trains 3 steps, saves with ``trainer.save_checkpoint``, trains 5 more steps, then
+loads the checkpoint back with the strategy (each rank reads its stage). Reported per mode, slowest rank:
+
+* ``stall``: wall time of ``trainer.save_checkpoint`` (training is stopped for this long);
+* ``until committed``: from the save's start until the checkpoint is complete on the store (for ``tempdir``, when the
+  background upload and commit finished);
+* ``step during upload``: median step time while the upload runs, against the median step before the save;
+* ``load``: wall time of ``strategy.load_checkpoint``.
+
+The plain-copy baseline writes one file of the checkpoint's total size to the same store and reads it back, from one
+process (``shutil.copyfile`` for the folder, ``s3fs`` ``put_file`` / ``get_file`` for S3). Figures go to
+``benchmarks/results/checkpoint_save.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "checkpoint_save.json")
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    from gpt import GPT, CharDataset, make_text
+
+    from lightning_varuna import VarunaStrategy
+
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    data = CharDataset(make_text(), block_size=64)
+    model = GPT(len(data.vocab), block_size=64, dim=512, layers=8, heads=8)
+    strategy = VarunaStrategy(
+        pipeline_parallel_size=2, micro_batch_size=2, checkpoint_tempdir=args.tempdir, storage_options=None
+    )
+
+    class Measure(L.Callback):
+        def __init__(self) -> None:
+            self.steps: list[tuple[int, float, bool]] = []
+            self.figures: dict[str, float] = {}
+
+        def on_train_batch_start(self, trainer, *_) -> None:  # noqa: ANN001
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, *_) -> None:  # noqa: ANN001
+            uploads = strategy._checkpoints._uploads
+            self.steps.append((trainer.global_step, time.perf_counter() - self.start, uploads.in_flight))
+            if trainer.global_step == 3:
+                begin = time.perf_counter()
+                trainer.save_checkpoint(args.url)
+                self.saved, self.figures["stall"] = begin, time.perf_counter() - begin
+                if not uploads.in_flight:
+                    self.figures["until committed"] = self.figures["stall"]
+            elif "stall" in self.figures and "until committed" not in self.figures and not uploads.in_flight:
+                self.figures["until committed"] = time.perf_counter() - self.saved
+
+    measure = Measure()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=8,
+        callbacks=[measure],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=8))
+    if "until committed" not in measure.figures:
+        strategy._checkpoints.wait()
+        measure.figures["until committed"] = time.perf_counter() - measure.saved
+    strategy.barrier()
+    begin = time.perf_counter()
+    strategy.load_checkpoint(args.url)
+    measure.figures["load"] = time.perf_counter() - begin
+    before = [t for step, t, _ in measure.steps if 1 < step <= 3]
+    during = [t for step, t, uploading in measure.steps if step > 3 and uploading]
+    measure.figures["step before save"] = statistics.median(before)
+    measure.figures["step during upload"] = statistics.median(during) if during else None
+    with open(f"{args.out}.rank{trainer.global_rank}.json", "w") as f:
+        json.dump(measure.figures, f)
+
+
+def read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def folder_bytes(storage, url: str) -> int:  # noqa: ANN001
+    fs, path = storage.fs(url)
+    return sum(fs.du(path, total=False).values())
+
+
+def plain_copy(storage, url: str, size: int) -> dict[str, float]:  # noqa: ANN001
+    """Write then read one file of ``size`` bytes at ``url`` with the store's plain copy."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source, back = os.path.join(tmp, "blob"), os.path.join(tmp, "back")
+        with open(source, "wb") as f:
+            f.write(os.urandom(size))
+        fs, path = storage.fs(url)
+        begin = time.perf_counter()
+        if url.startswith("s3://"):
+            fs.put_file(source, path)
+        else:
+            shutil.copyfile(source, path)
+        write = time.perf_counter() - begin
+        begin = time.perf_counter()
+        if url.startswith("s3://"):
+            fs.get_file(path, back)
+        else:
+            shutil.copyfile(path, back)
+        read = time.perf_counter() - begin
+        fs.rm(path)
+    return {"write": write, "read": read}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--tempdir", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    from lightning_varuna.checkpoint.storage import Storage
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = {"endpoint_url": f"http://{host}:{port}", "key": "bench", "secret": "bench"}
+    s3fs.S3FileSystem(**options).mkdir("bench")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **{f"FSSPEC_S3_{k.upper()}": v for k, v in options.items()}}
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        stores = {"local folder": os.path.join(tmp, "store"), "s3 (moto, loopback)": "s3://bench/run"}
+        storage = Storage(options)
+        for store, root in stores.items():
+            for mode in ("direct", "tempdir"):
+                url = f"{root}/{mode}.ckpt"
+                command = [sys.executable, __file__, "--worker", "--url", url, "--out", os.path.join(tmp, "fig")]
+                if mode == "tempdir":
+                    command += ["--tempdir", os.path.join(tmp, "local-temp")]
+                print(f"{store} / {mode} ...", flush=True)
+                subprocess.run(command, check=True, env=env, capture_output=True)
+                ranks = [read_json(os.path.join(tmp, f"fig.rank{r}.json")) for r in range(2)]
+                figures = {key: max((r[key] for r in ranks if r[key] is not None), default=None) for key in ranks[0]}
+                figures["MB"] = folder_bytes(storage, url) / 1e6
+                results[f"{store} / {mode}"] = figures
+            size = int(results[f"{store} / direct"]["MB"] * 1e6)
+            results[f"{store} / plain copy"] = plain_copy(storage, f"{root}/plain-copy.bin", size)
+    server.stop()
+
+    print(
+        f"\n{'store / mode':<34}{'MB':>7}{'stall s':>9}{'committed s':>13}{'step s (before/during)':>25}{'load s':>8}"
+    )
+    for name, fig in results.items():
+        if name.endswith("plain copy"):
+            continue
+        steps = f"{fig['step before save']:.2f} / {fig['step during upload'] or float('nan'):.2f}"
+        times = f"{fig['stall']:>9.2f}{fig['until committed']:>13.2f}{steps:>25}{fig['load']:>8.2f}"
+        print(f"{name:<34}{fig['MB']:>7.0f}{times}")
+    print("\nThroughput (MB/s), sharded checkpoint vs a plain copy of the same bytes to the same store:")
+    for store in stores:
+        direct, plain = results[f"{store} / direct"], results[f"{store} / plain copy"]
+        save, load = direct["MB"] / direct["stall"], direct["MB"] / direct["load"]
+        copy_w, copy_r = direct["MB"] / plain["write"], direct["MB"] / plain["read"]
+        print(
+            f"  {store:<22} save {save:7.0f} vs copy {copy_w:7.0f} ({save / copy_w:.2f}x)   "
+            f"load {load:7.0f} vs copy {copy_r:7.0f} ({load / copy_r:.2f}x)"
+        )
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
