@@ -3,7 +3,9 @@
     python examples/gpt.py --devices 4 --pipeline-parallel-size 2 --micro-batch-size 2
 
 runs 2 pipeline stages x 2 data-parallel replicas on 4 CPU processes (gloo); on GPUs pass
-``--accelerator gpu``. The LM head is tied to the token embedding, so the first and last stages share it.
+``--accelerator gpu``. With ``--checkpoint-dir DIR`` it checkpoints there and, run again (with any
+``--devices`` / ``--pipeline-parallel-size`` and ``--batch-size`` x replicas kept), resumes where it stopped.
+The LM head is tied to the token embedding, so the first and last stages share it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -121,6 +124,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument(
+        "--checkpoint-dir",
+        help="folder or fsspec URL: save every 20 steps (and last) there, and resume from the newest complete "
+        "checkpoint in it, written with any pipeline shape",
+    )
     args = parser.parse_args()
 
     L.seed_everything(0)
@@ -140,10 +148,14 @@ def main() -> None:
         max_steps=args.max_steps,
         val_check_interval=args.max_steps // 2,
         limit_val_batches=4,
-        enable_checkpointing=False,
+        callbacks=[ModelCheckpoint(args.checkpoint_dir, every_n_train_steps=20, save_last=True)]
+        if args.checkpoint_dir
+        else None,
+        enable_checkpointing=bool(args.checkpoint_dir),
         logger=False,
     )
-    trainer.fit(model, DataLoader(train, batch_size=args.batch_size), DataLoader(val, batch_size=args.batch_size))
+    loaders = DataLoader(train, batch_size=args.batch_size), DataLoader(val, batch_size=args.batch_size)
+    trainer.fit(model, *loaders, ckpt_path="last" if args.checkpoint_dir else None)
     if trainer.is_global_zero:
         print(f"final metrics: { {k: round(v.item(), 4) for k, v in trainer.callback_metrics.items()} }")
 

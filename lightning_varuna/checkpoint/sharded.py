@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,7 +71,7 @@ class ShardedCheckpoints:
         self.wait()
         rank = dist.get_rank()
         storage = self.storage.with_options(storage_options)
-        _agree(_error_of(storage.check_writable, url) if rank == 0 else None)
+        _agree(_error_of(lambda: storage.check_writable(url)) if rank == 0 else None)
         info = _broadcast(
             CheckpointInfo(
                 url=url,
@@ -85,13 +86,11 @@ class ShardedCheckpoints:
         )
         if self.tempdir is None:
             dcp.save(tensors, storage_writer=storage.dcp_writer(info.version_url))
-            _agree(_error_of(_commit, storage, info, _to_bytes(lightning_state)) if rank == 0 else None)
+            _agree(_error_of(lambda: _commit(storage, info, _to_bytes(lightning_state))) if rank == 0 else None)
             return
         local = os.path.join(self.tempdir, info.version, f"rank{rank}")
         dcp.save(tensors, storage_writer=FileSystemWriter(local, sync_files=False))
-        if rank == 0:
-            with open(os.path.join(local, LIGHTNING_STATE), "wb") as f:
-                f.write(_to_bytes(lightning_state))
+        _agree(_error_of(lambda: _write_local(local, lightning_state)) if rank == 0 else None)
         store = dist.distributed_c10d._get_default_store()
         self._uploads.submit(self._upload, storage, local, info, store, rank, dist.get_world_size())
 
@@ -199,11 +198,12 @@ class ShardedCheckpoints:
 
 
 def _commit(storage: Storage, info: CheckpointInfo, lightning_state: bytes) -> None:
-    """Rank 0, once every tensor is stored: the training state, the commit marker, then drop older saves."""
+    """Rank 0, once every tensor is stored: the training state, the commit marker, then drop the other saves
+    in this folder (older ones, and interrupted ones whatever their clock said)."""
     storage.write_bytes(join(info.version_url, LIGHTNING_STATE), lightning_state)
     storage.write_bytes(join(info.version_url, COMMIT_MARKER), info.marker())
     for version in versions(storage, info.url):
-        if version < info.version:
+        if version != info.version:
             storage.remove(join(info.url, version))
 
 
@@ -213,9 +213,14 @@ def _to_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _error_of(fn: Any, *args: Any) -> BaseException | None:
+def _write_local(local: str, lightning_state: dict[str, Any]) -> None:
+    with open(os.path.join(local, LIGHTNING_STATE), "wb") as f:
+        f.write(_to_bytes(lightning_state))
+
+
+def _error_of(fn: Callable[[], Any]) -> BaseException | None:
     try:
-        fn(*args)
+        fn()
     except Exception as err:
         return err
     return None

@@ -29,6 +29,12 @@ def optimizer_state_by_name(optimizer: Optimizer, module: nn.Module) -> dict[str
     for group in optimizer.param_groups:
         settings = {key: value for key, value in group.items() if key != "params"}
         for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"The optimizer holds a parameter of shape {tuple(p.shape)} that is not a parameter of "
+                    f"`{type(module).__name__}`; sharded checkpoints store optimizer state by parameter name. "
+                    "Register it on the module (an `nn.Parameter` attribute or in an `nn.ParameterList`)."
+                )
             name = names[id(p)]
             groups[name] = settings
             if optimizer.state.get(p):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -22,7 +22,7 @@ from lightning_varuna.checkpoint.layout import find_newest
 if TYPE_CHECKING:
     from lightning_varuna.checkpoint.storage import Storage
 
-__all__ = ["ResolveLastCheckpoint", "checkpoint_folders", "newest_complete_checkpoint"]
+__all__ = ["MultiProcessingLauncher", "SubprocessScriptLauncher", "checkpoint_folders", "newest_complete_checkpoint"]
 
 
 def checkpoint_folders(trainer: pl.Trainer) -> list[str]:
@@ -55,24 +55,22 @@ class _VarunaCheckpointConnector(_CheckpointConnector):
         return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
 
 
-class ResolveLastCheckpoint(_Launcher):
-    """Wraps the strategy's launcher so that every process resolves ``ckpt_path="last"`` as described above.
+class _ResolveLastCheckpoint:
+    """Launcher mixin: every process resolves ``ckpt_path="last"`` as described above.
 
-    Lightning resolves ``ckpt_path`` in the launched function before any strategy hook runs; the launcher
-    is the one place that sees the trainer first.
+    Lightning resolves ``ckpt_path`` in the launched function before any strategy hook runs; the launcher is
+    the one place that sees the trainer first.
     """
-
-    def __init__(self, launcher: _Launcher) -> None:
-        self.launcher = launcher
-
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return self.launcher.is_interactive_compatible
 
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None and type(trainer._checkpoint_connector) is _CheckpointConnector:
             trainer._checkpoint_connector.__class__ = _VarunaCheckpointConnector
-        return self.launcher.launch(function, *args, trainer=trainer, **kwargs)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
-    def kill(self, signum: Any) -> None:
-        self.launcher.kill(signum)
+
+class SubprocessScriptLauncher(_ResolveLastCheckpoint, _SubprocessScriptLauncher):
+    """Lightning's launcher for ``devices=N`` / torchrun / SLURM, resolving ``ckpt_path="last"``."""
+
+
+class MultiProcessingLauncher(_ResolveLastCheckpoint, _MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, resolving ``ckpt_path="last"``."""

@@ -25,8 +25,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -45,7 +44,7 @@ from lightning_varuna.pipeline.runtime import StageRuntime
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
 from lightning_varuna.pipeline.shared_params import SharedParameters
 from lightning_varuna.pipeline.topology import Topology
-from lightning_varuna.strategies.resume_last import ResolveLastCheckpoint
+from lightning_varuna.strategies.resume_last import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_varuna.strategies.step_logging import LogRecorder, replay
 
 __all__ = ["VarunaStrategy"]
@@ -172,10 +171,9 @@ class VarunaStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
-        self._launcher = ResolveLastCheckpoint(self._launcher)
+            self._launcher = MultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -408,7 +406,8 @@ class VarunaStrategy(ParallelStrategy):
 
     def _check_global_batch(self, batch: Any) -> None:
         assert self.topology is not None
-        self._replica_batch_size = batch_size_of(batch)
+        # The largest batch seen: a short last batch does not define the run's global batch.
+        self._replica_batch_size = max(self._replica_batch_size or 0, batch_size_of(batch))
         if self._resumed_shape is None:
             return
         before, self._resumed_shape = self._resumed_shape.get("global_batch_size"), None
@@ -523,9 +522,16 @@ class VarunaStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Wait for checkpoint uploads still in flight, then tear down as usual."""
+        """Wait for checkpoint uploads still in flight, then tear down as usual.
+
+        After a normal run every rank waits until the last checkpoint is committed (and all raise if an upload
+        failed), so that the next ``fit(ckpt_path="last")`` sees it; after an error each rank only waits for its
+        own uploads.
+        """
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        normal_end = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         try:
-            self._checkpoints.wait(collective=False)
+            self._checkpoints.wait(collective=normal_end and _distributed_is_initialized())
         finally:
             super().teardown()
 
