@@ -61,6 +61,19 @@ def written_at_2x2(tmp_path_factory) -> str:
     return folder
 
 
+def test_replicas_share_the_writing(written_at_2x2):
+    """At (2, 2) every rank writes a part and each tensor is written once: no rank writes the whole model."""
+    storage = Storage()
+    info = open_complete(storage, os.path.join(written_at_2x2, "last.ckpt"))
+    shards = {name: os.path.getsize(os.path.join(info.version_url, name)) for name in os.listdir(info.version_url)}
+    shards = {name: size for name, size in shards.items() if name.endswith(".distcp")}
+    assert sorted(shards) == [f"__{rank}_0.distcp" for rank in range(4)]
+    assert all(size > 0 for size in shards.values())
+    metadata = storage.dcp_reader(info.version_url).read_metadata()
+    assert len({(i.relative_path, i.offset) for i in metadata.storage_data.values()}) == len(metadata.storage_data)
+    assert max(shards.values()) < 0.5 * sum(shards.values())
+
+
 def assert_continues(result: dict, weights: dict, uninterrupted, from_step: int) -> None:
     losses, final = uninterrupted
     assert len(result["losses"]) == len(losses) - from_step

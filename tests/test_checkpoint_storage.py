@@ -62,10 +62,12 @@ def load_into_fresh_model(url: str, **strategy_kwargs) -> TinyLM:
     return fresh
 
 
-def test_memory_url_round_trip(trained):
+@pytest.mark.parametrize("scheme", ["memory://", "file://"])
+def test_url_round_trip(trained, tmp_path, scheme):
     model, fitted = trained
-    fitted.save_checkpoint("memory://checkpoints/round-trip.ckpt")
-    fresh = load_into_fresh_model("memory://checkpoints/round-trip.ckpt")
+    url = f"memory://checkpoints/{tmp_path.name}.ckpt" if scheme == "memory://" else f"file://{tmp_path}/x.ckpt"
+    fitted.save_checkpoint(url)
+    fresh = load_into_fresh_model(url)
     torch.testing.assert_close(weights(fresh), weights(model), rtol=0, atol=0)
 
 
