@@ -123,17 +123,12 @@ def plain_copy(storage, url: str, size: int) -> dict[str, float]:  # noqa: ANN00
         with open(source, "wb") as f:
             f.write(os.urandom(size))
         fs, path = storage.fs(url)
+        upload, download = (fs.put_file, fs.get_file) if url.startswith("s3://") else (shutil.copyfile,) * 2
         begin = time.perf_counter()
-        if url.startswith("s3://"):
-            fs.put_file(source, path)
-        else:
-            shutil.copyfile(source, path)
+        upload(source, path)
         write = time.perf_counter() - begin
         begin = time.perf_counter()
-        if url.startswith("s3://"):
-            fs.get_file(path, back)
-        else:
-            shutil.copyfile(path, back)
+        download(path, back)
         read = time.perf_counter() - begin
         fs.rm(path)
     return {"write": write, "read": read}

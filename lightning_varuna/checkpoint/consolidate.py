@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import io
-import warnings
 from typing import Any
 
-import torch
-import torch.distributed.checkpoint as dcp
-
-from lightning_varuna.checkpoint.layout import LIGHTNING_STATE, open_complete
+from lightning_varuna.checkpoint.layout import open_complete
+from lightning_varuna.checkpoint.sharded import read_tensors, read_training_state
 from lightning_varuna.checkpoint.state import empty_like_entry
-from lightning_varuna.checkpoint.storage import Storage, join
+from lightning_varuna.checkpoint.storage import Storage
 
 __all__ = ["consolidate"]
 
@@ -34,13 +30,8 @@ def consolidate(url: str, storage: Storage | None = None) -> dict[str, Any]:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = empty_like_entry(entry)
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, storage_reader=reader, no_dist=True)
-    state = torch.load(
-        io.BytesIO(storage.read_bytes(join(info.version_url, LIGHTNING_STATE))), map_location="cpu", weights_only=False
-    )
-    checkpoint = {**state, "state_dict": tensors["model"]}
+    read_tensors(reader, tensors)
+    checkpoint = {**read_training_state(storage, info), "state_dict": tensors["model"]}
     if "optimizer" in tensors:
         optimizers = tensors["optimizer"]
         checkpoint["optimizer_states_by_name"] = [optimizers[i] for i in sorted(optimizers, key=int)]

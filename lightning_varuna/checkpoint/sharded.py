@@ -34,11 +34,11 @@ from lightning_varuna.checkpoint.layout import (
     open_complete,
     versions,
 )
-from lightning_varuna.checkpoint.state import destination_for
+from lightning_varuna.checkpoint.state import destination_for, parameter_names
 from lightning_varuna.checkpoint.storage import Storage, join
 from lightning_varuna.checkpoint.uploads import BackgroundUploads
 
-__all__ = ["ShardedCheckpoints"]
+__all__ = ["ShardedCheckpoints", "read_tensors", "read_training_state"]
 
 
 class ShardedCheckpoints:
@@ -171,7 +171,7 @@ class ShardedCheckpoints:
         tensors: dict[str, Any] = {"model": model}
         with_optimizers = optimizers and any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
         if with_optimizers:
-            names = {id(p): name for name, p in module.named_parameters()}
+            names = parameter_names(module)
             tensors["optimizer"] = {}
             for i, optimizer in enumerate(optimizers):
                 own = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
@@ -183,18 +183,24 @@ class ShardedCheckpoints:
                         "written with different optimizers."
                     )
                 tensors["optimizer"][str(i)] = {"state": state, "param_groups": groups}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(tensors, storage_reader=reader, no_dist=True)
-        lightning_state = torch.load(
-            io.BytesIO(self.storage.read_bytes(join(info.version_url, LIGHTNING_STATE))),
-            map_location="cpu",
-            weights_only=False,
-        )
-        checkpoint = {**lightning_state, "state_dict": tensors["model"]}
+        read_tensors(reader, tensors)
+        checkpoint = {**read_training_state(self.storage, info), "state_dict": tensors["model"]}
         if with_optimizers:
             checkpoint["optimizer_states"] = [tensors["optimizer"][str(i)] for i in range(len(optimizers))]
         return checkpoint, info
+
+
+def read_tensors(reader: dcp.StorageReader, tensors: dict[str, Any]) -> None:
+    """Fill ``tensors`` (a nested dict of destinations) from ``reader`` in this process alone."""
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+
+
+def read_training_state(storage: Storage, info: CheckpointInfo) -> dict[str, Any]:
+    """Lightning's training state that rank 0 wrote with the committed save ``info``."""
+    data = storage.read_bytes(join(info.version_url, LIGHTNING_STATE))
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
 def _commit(storage: Storage, info: CheckpointInfo, lightning_state: bytes) -> None:

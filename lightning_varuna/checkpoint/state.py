@@ -14,16 +14,23 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.optim import Optimizer
 
-__all__ = ["destination_for", "empty_like_entry", "load_optimizer_state_by_name", "optimizer_state_by_name"]
+__all__ = [
+    "destination_for",
+    "empty_like_entry",
+    "load_optimizer_state_by_name",
+    "optimizer_state_by_name",
+    "parameter_names",
+]
 
 
-def _names(module: nn.Module) -> dict[int, str]:
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` for the parameters of ``module`` (a tied parameter gets its first name)."""
     return {id(p): name for name, p in module.named_parameters()}
 
 
 def optimizer_state_by_name(optimizer: Optimizer, module: nn.Module) -> dict[str, dict[str, dict[str, Any]]]:
     """``{"state": {name: {...}}, "param_groups": {name: {hyper-parameters}}}`` for the parameters of ``optimizer``."""
-    names = _names(module)
+    names = parameter_names(module)
     state: dict[str, dict[str, Any]] = {}
     groups: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
@@ -44,7 +51,7 @@ def optimizer_state_by_name(optimizer: Optimizer, module: nn.Module) -> dict[str
 
 def load_optimizer_state_by_name(optimizer: Optimizer, module: nn.Module, by_name: dict[str, dict]) -> None:
     """Load what `optimizer_state_by_name` saved (by any pipeline shape) into this stage's ``optimizer``."""
-    names = _names(module)
+    names = parameter_names(module)
     current = optimizer.state_dict()
     state: dict[int, Any] = {}
     groups = []
