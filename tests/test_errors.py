@@ -96,23 +96,29 @@ import lightning as L
 from torch.utils.data import DataLoader
 from models import TinyLM, token_dataset
 from lightning_varuna import VarunaStrategy
-trainer = L.Trainer(accelerator="cpu", devices={devices}, strategy=VarunaStrategy(pipeline_parallel_size={pp}),
+trainer = L.Trainer(accelerator="cpu", devices={devices}, strategy=VarunaStrategy({strategy}),
                     max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
 trainer.fit(TinyLM(blocks={blocks}), DataLoader(token_dataset(8), batch_size=4))
 """
 
 
 @pytest.mark.parametrize(
-    ("devices", "pp", "blocks", "match"),
+    ("devices", "strategy", "blocks", "match"),
     [
-        (3, 2, 5, r"The world size 3 is not a multiple of `pipeline_parallel_size=2`"),
-        (2, 2, 1, r"pipeline_parallel_size=2\)` needs at least 1 CutPoints in the forward, but `TinyLM` calls 0"),
+        (3, "pipeline_parallel_size=2", 5, r"The world size 3 is not a multiple of `pipeline_parallel_size=2`"),
+        (
+            2,
+            "pipeline_parallel_size=2",
+            1,
+            r"pipeline_parallel_size=2\)` needs at least 1 CutPoints in the forward, but `TinyLM` calls 0",
+        ),
+        (2, "global_batch_size=5", 5, r"global_batch_size=5\)` does not split evenly over data_parallel_size=2"),
     ],
 )
-def test_bad_layout_fails_in_every_process(tmp_path, devices, pp, blocks, match):
+def test_bad_layout_fails_in_every_process(tmp_path, devices, strategy, blocks, match):
     script = tmp_path / "job.py"
     tests = str(__import__("pathlib").Path(__file__).parent)
-    script.write_text(textwrap.dedent(SCRIPT.format(tests=tests, devices=devices, pp=pp, blocks=blocks)))
+    script.write_text(textwrap.dedent(SCRIPT.format(tests=tests, devices=devices, strategy=strategy, blocks=blocks)))
     proc = run_job([str(script)], tmp_path, timeout=300)
     assert proc.returncode != 0
     assert __import__("re").search(match, proc.stderr), proc.stderr[-3000:]

@@ -3,8 +3,8 @@
 Lightning resolves ``"last"`` to the newest ``last*.ckpt`` file it lists in each ModelCheckpoint's folder by
 modification time; that neither sees folders on object stores nor skips a save that was interrupted. With
 VarunaStrategy, ``"last"`` means the most recently committed checkpoint (any name) in the folders of the
-trainer's checkpoint callbacks; interrupted saves are skipped with a warning; with none, training starts
-fresh with a log line saying so.
+trainer's checkpoint callbacks (ModelCheckpoint, MorphCallback); interrupted saves are skipped with a warning;
+with none, training starts fresh with a log line saying so.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_varuna.callbacks.morph import MorphCallback
 from lightning_varuna.checkpoint.layout import find_newest
 
 if TYPE_CHECKING:
@@ -26,8 +27,10 @@ __all__ = ["MultiProcessingLauncher", "SubprocessScriptLauncher", "checkpoint_fo
 
 
 def checkpoint_folders(trainer: pl.Trainer) -> list[str]:
-    """The folders that the trainer's checkpoint callbacks write to (those with an explicit ``dirpath``)."""
-    folders = [getattr(cb, "dirpath", None) for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+    """The folders that the trainer's checkpoint callbacks (ModelCheckpoint with an explicit ``dirpath``,
+    MorphCallback) write to."""
+    writers = (ModelCheckpoint, MorphCallback)
+    folders = [getattr(cb, "dirpath", None) for cb in trainer.callbacks if isinstance(cb, writers)]
     return list(dict.fromkeys(str(folder) for folder in folders if folder))
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -13,6 +16,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -25,16 +29,18 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from torch.utils.data import BatchSampler, DistributedSampler
 from typing_extensions import override
 
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
 from lightning_varuna.checkpoint.storage import Storage
+from lightning_varuna.data.resumable import DataPosition, resumable_loader
 from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.partition.discovery import forward_with_cutpoints, profile_segments
 from lightning_varuna.partition.skeleton import ModelSkeleton
@@ -77,9 +83,17 @@ class VarunaStrategy(ParallelStrategy):
             the second is tied to the first. Parameters already tied (``head.weight = emb.weight``) are found
             on their own.
         profile_repeats: steps timed per segment to balance the stages.
+        global_batch_size: rows per optimizer step over all replicas. The training DataLoader is re-batched to
+            ``global_batch_size / data_parallel_size`` rows per replica, so a job that restarts at another world
+            size trains the same model. Default: DataLoader batch x data_parallel_size.
         checkpoint_tempdir: a fast local folder: a checkpoint save writes there and training continues while a
             background thread uploads it to its URL (Varuna's ``tempdir``). Default: write to the URL directly.
         storage_options: fsspec options (credentials, ``endpoint_url``...) for every checkpoint URL.
+
+    Under ``torchrun`` the number of processes per node and of nodes come from torchrun, whatever the Trainer's
+    ``devices`` and ``num_nodes`` say, so one script runs at every size of an elastic job; the data-parallel
+    size follows the world size. A checkpoint remembers how far into the epoch training got, and a resumed
+    run continues from that sample at any world size.
     """
 
     strategy_name = "varuna"
@@ -92,6 +106,7 @@ class VarunaStrategy(ParallelStrategy):
         schedule: str = "1f1b",
         shared_weights: list[tuple[str, str]] | None = None,
         profile_repeats: int = 3,
+        global_batch_size: int | None = None,
         checkpoint_tempdir: str | None = None,
         storage_options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -113,8 +128,9 @@ class VarunaStrategy(ParallelStrategy):
         for name, value in (("pipeline_parallel_size", pipeline_parallel_size), ("micro_batch_size", micro_batch_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`VarunaStrategy({name}={value!r})` must be a positive integer.")
-        if data_parallel_size is not None and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
-            raise ValueError(f"`VarunaStrategy(data_parallel_size={data_parallel_size!r})` must be a positive integer.")
+        for name, value in (("data_parallel_size", data_parallel_size), ("global_batch_size", global_batch_size)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"`VarunaStrategy({name}={value!r})` must be a positive integer.")
         if schedule not in SCHEDULES:
             raise ValueError(f"`VarunaStrategy(schedule={schedule!r})` is unknown; choose one of {sorted(SCHEDULES)}.")
         self.pipeline_parallel_size = pipeline_parallel_size
@@ -123,6 +139,7 @@ class VarunaStrategy(ParallelStrategy):
         self.schedule = schedule
         self.shared_weights = [tuple(pair) for pair in shared_weights or []]
         self.profile_repeats = profile_repeats
+        self.global_batch_size = global_batch_size
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -136,6 +153,8 @@ class VarunaStrategy(ParallelStrategy):
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage, tempdir=checkpoint_tempdir)
         self._replica_batch_size: int | None = None
         self._resumed_shape: dict[str, Any] | None = None
+        self._resume_position: DataPosition | None = None
+        self._epoch_rows = 0
 
     # ----------------------------------------------------------------------------------------- processes
     @property
@@ -170,10 +189,25 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self._follow_torchrun()
         if self._start_method == "popen":
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def _follow_torchrun(self) -> None:
+        """Under torchrun, take the processes per node and the node count from torchrun, not the Trainer."""
+        if not isinstance(self.cluster_environment, TorchElasticEnvironment) or "LOCAL_WORLD_SIZE" not in os.environ:
+            return
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        nodes = self.cluster_environment.world_size() // per_node
+        assert self.parallel_devices is not None
+        device = self.parallel_devices[0]
+        if len(self.parallel_devices) != per_node:
+            self.parallel_devices = [
+                device if device.type == "cpu" else torch.device(device.type, i) for i in range(per_node)
+            ]
+        self.num_nodes = nodes
 
     @override
     def setup_environment(self) -> None:
@@ -186,15 +220,35 @@ class VarunaStrategy(ParallelStrategy):
         self.topology = Topology.from_world(
             self.world_size, self.global_rank, self.pipeline_parallel_size, self.data_parallel_size
         )
+        if self.global_batch_size is not None and self.global_batch_size % self.topology.data_parallel_size:
+            raise ValueError(
+                f"`VarunaStrategy(global_batch_size={self.global_batch_size})` does not split evenly over "
+                f"data_parallel_size={self.topology.data_parallel_size} replicas (world size {self.world_size} / "
+                f"pipeline_parallel_size {self.pipeline_parallel_size}). Use a global batch that is a multiple of "
+                "the data-parallel sizes the job may run at, or another pipeline_parallel_size."
+            )
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self._init_process_group(backend, **kwargs)
         topo = self.topology
         self._dp_group = topo.new_groups([topo.replica_ranks(s) for s in range(topo.pipeline_parallel_size)])
         self._pp_group = topo.new_groups([topo.stage_ranks(d) for d in range(topo.data_parallel_size)])
+
+    def _init_process_group(self, backend: str, **kwargs: Any) -> None:
+        if not isinstance(self.cluster_environment, TorchElasticEnvironment) or _distributed_is_initialized():
+            _init_dist_connection(self.cluster_environment, backend, **kwargs)
+            return
+        # torchrun keeps its store across the restarts of a job: key the process groups by restart, or the
+        # groups of a restarted job read the addresses its dead predecessor left and connect to nothing.
+        rendezvous = dist.rendezvous("env://", self.global_rank, self.world_size, timeout=self._timeout)
+        store, rank, world_size = next(rendezvous)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"lightning_varuna/restart_{restart}", store)
+        log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -214,6 +268,35 @@ class VarunaStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make the training DataLoader resumable mid-epoch and, with ``global_batch_size``, re-batch it."""
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        sampler = getattr(dataloader, "sampler", None)
+        if not isinstance(sampler, DistributedSampler) or type(dataloader.batch_sampler) is not BatchSampler:
+            if self.global_batch_size is not None:
+                raise ValueError(
+                    "`VarunaStrategy(global_batch_size=...)` re-batches the training DataLoader, which needs a "
+                    "map-style dataset, Lightning's distributed sampler (`Trainer(use_distributed_sampler=True)`) "
+                    "and no custom `batch_sampler`. Remove `global_batch_size` and size the DataLoader batch "
+                    "yourself: global batch = DataLoader batch x data_parallel_size."
+                )
+            return dataloader
+        assert self.topology is not None
+        batch_size = dataloader.batch_size
+        if self.global_batch_size is not None:
+            batch_size = self.global_batch_size // self.topology.data_parallel_size
+        # The loader is resumable, which Lightning cannot see: silence its warning about mid-epoch resumes.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        return resumable_loader(dataloader, sampler, batch_size, self._resume_position)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self._epoch_rows = 0
 
     @override
     def model_to_device(self) -> None:
@@ -312,6 +395,8 @@ class VarunaStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._check_micro_batch_size(args[0])
         self._check_global_batch(args[0])
+        assert self.topology is not None
+        self._epoch_rows += batch_size_of(args[0]) * self.topology.data_parallel_size
         stage_params = self._stage_plan().own_parameters()
         saved = {p: p.grad for p in stage_params}
         for p in stage_params:
@@ -498,6 +583,7 @@ class VarunaStrategy(ParallelStrategy):
             "global_batch_size": None
             if self._replica_batch_size is None
             else self._replica_batch_size * topo.data_parallel_size,
+            "data_position": asdict(DataPosition(self.lightning_module.trainer.current_epoch, self._epoch_rows)),
         }
         self._checkpoints.save(tensors, lightning_state, str(filepath), shape, storage_options)
 
@@ -507,6 +593,9 @@ class VarunaStrategy(ParallelStrategy):
         optimizers = [_unwrapped(o) for o in self.optimizers]
         checkpoint, info = self._checkpoints.load(str(checkpoint_path), self.lightning_module, optimizers)
         self._resumed_shape = info.shape
+        if info.shape.get("data_position") is not None:
+            self._resume_position = DataPosition(**info.shape["data_position"])
+            self._epoch_rows = self._resume_position.rows
         return checkpoint
 
     @override

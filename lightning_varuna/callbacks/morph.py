@@ -1,0 +1,136 @@
+"""`MorphCallback`: checkpoint and stop when the job has to change size, so that it can restart on the new set.
+
+A job on preemptible machines learns that it must change size in three ways: a signal (SIGUSR1 by default:
+a scheduler's or the user's "stop now, please"), a change in the file listing the machines available to it
+(Varuna's machine list), or a preemption notice that the user's own code receives (``request``). In every case
+the signal handler or the notice only records the request; at the next batch boundary all ranks agree on it
+with one collective, write an on-demand checkpoint to ``dirpath`` together, and stop cleanly: ``fit`` returns
+and the process exits with code 0, which tells the launcher that the job morphed rather than crashed. The
+relaunch at the new size resumes from it with ``trainer.fit(model, ckpt_path="last")``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal as signals
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_varuna.checkpoint.storage import Storage, join
+
+__all__ = ["MorphCallback"]
+
+log = logging.getLogger(__name__)
+
+
+class MorphCallback(Callback):
+    """Write a checkpoint to ``dirpath`` and stop training when the job has to change size.
+
+    Args:
+        dirpath: folder (any fsspec URL) for the on-demand checkpoints; ``ckpt_path="last"`` looks there too.
+        signal: the signal(s) that request a morph. The handler only records the request, so a signal that
+            arrives during a checkpoint write does not disturb it.
+        machine_list: URL of a file naming the machines available to the job, one host name per line (blank
+            lines and ``#`` comments are ignored). When the names differ from the hosts the job runs on, the
+            job morphs.
+        poll_interval: seconds between two reads of ``machine_list`` (by rank 0, at a batch boundary).
+        storage_options: fsspec options for ``dirpath`` and ``machine_list``; default: those of the strategy.
+
+    After a morph, ``morphed`` is True and ``reasons`` says why (on the ranks that saw the request).
+    """
+
+    def __init__(
+        self,
+        dirpath: str,
+        signal: int | Sequence[int] = signals.SIGUSR1,
+        machine_list: str | None = None,
+        poll_interval: float = 10.0,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.dirpath = str(dirpath)
+        self.signals = [signals.Signals(s) for s in (signal if isinstance(signal, Sequence) else [signal])]
+        self.machine_list = machine_list
+        self.poll_interval = poll_interval
+        self.storage_options = storage_options
+        self.reasons: list[str] = []
+        self.morphed = False
+        self._lock = threading.Lock()
+        self._previous_handlers: dict[signals.Signals, Any] = {}
+        self._running_hosts: set[str] = set()
+        self._next_poll = 0.0
+        self._storage: Storage | None = None
+
+    def request(self, reason: str) -> None:
+        """Ask for a morph at the next batch boundary (thread-safe; e.g. from a preemption-notice watcher)."""
+        with self._lock:
+            self.reasons.append(reason)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.request(f"received {signals.Signals(signum).name}")
+
+    # ------------------------------------------------------------------------------------------- hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.reasons.clear()
+        self.morphed = False
+        strategy_storage = getattr(trainer.strategy, "checkpoint_storage", None)
+        if self.storage_options is not None or strategy_storage is None:
+            self._storage = Storage(self.storage_options)
+        else:
+            self._storage = strategy_storage
+        if trainer.is_global_zero:
+            self._storage.check_writable(self.dirpath)
+        if self.machine_list is not None:
+            hosts = trainer.strategy.all_gather_object(socket.gethostname()) if trainer.world_size > 1 else None
+            self._running_hosts = set(hosts or [socket.gethostname()])
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signals:
+                self._previous_handlers[signum] = signals.signal(signum, self._on_signal)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signals.signal(signum, handler)
+        self._previous_handlers.clear()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.is_global_zero:
+            self._poll_machine_list()
+        with self._lock:
+            requested = bool(self.reasons)
+        if not trainer.strategy.reduce_boolean_decision(requested, all=False):
+            return
+        url = join(self.dirpath, f"morph-step={trainer.global_step}.ckpt")
+        rank_zero_info(f"MorphCallback: {self.reasons or 'requested on another rank'}; saving {url} and stopping.")
+        started = time.perf_counter()
+        trainer.save_checkpoint(url)
+        log.info(f"MorphCallback: checkpoint written in {time.perf_counter() - started:.2f} s")
+        # The ModelCheckpoints would save this same step again at the end of the interrupted epoch.
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                callback._last_global_step_saved = trainer.global_step
+        self.morphed = True
+        trainer.should_stop = True
+
+    def _poll_machine_list(self) -> None:
+        if self.machine_list is None or time.monotonic() < self._next_poll:
+            return
+        self._next_poll = time.monotonic() + self.poll_interval
+        assert self._storage is not None
+        try:
+            text = self._storage.read_bytes(self.machine_list).decode()
+        except (OSError, TimeoutError) as err:
+            rank_zero_warn(f"MorphCallback: cannot read the machine list {self.machine_list}: {err}")
+            return
+        available = {line.split("#")[0].strip() for line in text.splitlines()} - {""}
+        if available != self._running_hosts:
+            added, removed = sorted(available - self._running_hosts), sorted(self._running_hosts - available)
+            self.request(f"machine list changed: added {added}, removed {removed}")

@@ -1,0 +1,83 @@
+"""A training DataLoader that resumes mid-epoch at the sample where a checkpoint left it, at any world size.
+
+Lightning's DistributedSampler deals the epoch's permutation out round-robin: replica ``d`` of ``D`` reads
+positions ``d, d + D, ...``, so global batch ``j`` (each replica's ``j``-th batch together) is positions
+``[j * G, (j + 1) * G)`` of the permutation, ``G`` being the global batch. The *position* of a run is therefore
+one number per epoch, the rows consumed so far, and it means the same at any number of replicas: a run that
+stopped after ``k`` global batches continues at position ``k * G`` with whatever ``D`` it restarts with, and
+no sample of the epoch is skipped or read twice. (Lightning alone restarts a plain DataLoader from the start
+of the epoch when resuming mid-epoch.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+__all__ = ["DataPosition", "ResumableDistributedSampler", "resumable_loader"]
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Rows of epoch ``epoch`` that training has consumed, over all replicas."""
+
+    epoch: int
+    rows: int
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """`DistributedSampler` (same order for the same seed and epoch) that can start an epoch at a position.
+
+    Its length stays the whole epoch's, as Lightning counts the batches of a resumed epoch from where the
+    checkpoint left off; a resumed epoch simply runs out of samples that many batches early.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.resume_from: DataPosition | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=generator).tolist()
+        else:
+            order = list(range(len(self.dataset)))
+        if self.resume_from is not None and self.resume_from.epoch == self.epoch:
+            order = order[self.resume_from.rows :]
+        if self.drop_last:
+            order = order[: len(order) - len(order) % self.num_replicas]
+        elif order and len(order) % self.num_replicas:
+            padding = self.num_replicas - len(order) % self.num_replicas
+            order += (order * math.ceil(padding / len(order)))[:padding]
+        return iter(order[self.rank :: self.num_replicas])
+
+
+def resumable_loader(
+    dataloader: DataLoader, sampler: DistributedSampler, batch_size: int, resume_from: DataPosition | None
+) -> DataLoader:
+    """``dataloader`` re-made to read ``batch_size`` rows per batch from a resumable copy of ``sampler``."""
+    resumable = ResumableDistributedSampler(
+        sampler.dataset,
+        num_replicas=sampler.num_replicas,
+        rank=sampler.rank,
+        shuffle=sampler.shuffle,
+        seed=sampler.seed,
+        drop_last=sampler.drop_last,
+    )
+    resumable.resume_from = resume_from
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, resumable)
+    kwargs.update(
+        sampler=None,
+        shuffle=False,
+        batch_sampler=BatchSampler(resumable, batch_size, drop_last=dataloader.drop_last),
+        batch_size=1,
+        drop_last=False,
+    )
+    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)

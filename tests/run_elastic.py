@@ -1,0 +1,132 @@
+"""Train `TinyLM` the way an elastic job on preemptible machines does, under ``torchrun`` (any size).
+
+    torchrun --nproc-per-node=N tests/run_elastic.py OUT_DIR '{"pipeline_parallel_size": 2, ...}'
+
+The same script at every world size: ``global_batch_size`` fixes the training, ``MorphCallback`` writes to
+``morph_dir``, a ModelCheckpoint writes to ``checkpoint_dir`` every ``every_n_steps`` steps, and ``fit`` always
+resumes from ``"last"``. What each attempt (torchrun restart) did goes to ``OUT_DIR/attempt{n}/``:
+``losses.json`` (rank 0: the logged loss of every step), ``samples_rank{r}.json`` (the dataset indices of every
+batch on first-stage ranks), ``rank{r}.pt`` (parameters by name) and ``run.json`` (rank 0: how it ended).
+
+Faults, on the first attempt only: ``"signal_at": {"rank": r, "step": s, "signal": "SIGUSR1"}`` makes rank
+``r`` signal itself as step ``s`` starts; ``"kill_at": {"rank": r, "step": s}`` SIGKILLs rank ``r`` there;
+``"signal_in_save": {"rank": r, "step": s}`` sends SIGUSR1 while rank ``r`` writes the checkpoint of step
+``s``; ``"machines_at": {"step": s, "text": ...}`` rewrites the ``machine_list`` file then.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(__file__))
+from models import RecordLosses, TinyLM, token_dataset  # noqa: E402
+
+from lightning_varuna import MorphCallback, VarunaStrategy  # noqa: E402
+
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+class Faults(L.Callback):
+    """The faults of the config, injected on the first attempt."""
+
+    def __init__(self, config: dict) -> None:
+        self.config = config if ATTEMPT == 0 else {}
+
+    def _at(self, trainer: L.Trainer, key: str) -> dict | None:
+        fault = self.config.get(key)
+        if fault and trainer.global_step == fault["step"] and trainer.global_rank == fault.get("rank", 0):
+            return fault
+        return None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if "signal_in_save" not in self.config or trainer.global_rank != self.config["signal_in_save"]["rank"]:
+            return
+        write_data = FileSystemWriter.write_data
+
+        def write_then_signal(writer, plan, planner):  # noqa: ANN001, ANN202
+            if self._at(trainer, "signal_in_save"):
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return write_data(writer, plan, planner)
+
+        FileSystemWriter.write_data = write_then_signal
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
+        if fault := self._at(trainer, "signal_at"):
+            os.kill(os.getpid(), signal.Signals[fault.get("signal", "SIGUSR1")])
+        if self._at(trainer, "kill_at"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault := self._at(trainer, "machines_at"):
+            Path(self.config["machine_list"]).write_text(fault["text"])
+
+
+class RecordSamples(L.Callback):
+    """The dataset index of every row this first-stage rank trains on, batch by batch."""
+
+    def __init__(self, data: torch.utils.data.TensorDataset) -> None:
+        self.index = {tuple(row.tolist()): i for i, row in enumerate(data.tensors[0])}
+        self.batches: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:  # noqa: ANN001
+        if trainer.strategy.topology.pp_rank == 0:
+            self.batches.append([self.index[tuple(row.tolist())] for row in batch[0]])
+
+
+def main(out_dir: str, config: dict) -> None:
+    L.seed_everything(config.get("seed", 0))
+    model = TinyLM(scheduler=config.get("scheduler", False))
+    data = token_dataset(config["rows"])
+    morph = MorphCallback(config["morph_dir"], machine_list=config.get("machine_list"), poll_interval=0)
+    record, samples = RecordLosses(), RecordSamples(data)
+    callbacks = [record, samples, Faults(config), morph]
+    if "checkpoint_dir" in config:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=config["checkpoint_dir"], every_n_train_steps=config["every_n_steps"], save_top_k=-1
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=VarunaStrategy(
+            pipeline_parallel_size=config["pipeline_parallel_size"],
+            micro_batch_size=config["micro_batch_size"],
+            global_batch_size=config["global_batch_size"],
+        ),
+        max_epochs=config["epochs"],
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        num_sanity_val_steps=0,
+    )
+    # The DataLoader's own batch size does not matter: the strategy re-batches to the global batch.
+    trainer.fit(model, DataLoader(data, batch_size=1), ckpt_path="last")
+
+    out = Path(out_dir) / f"attempt{ATTEMPT}"
+    out.mkdir(parents=True, exist_ok=True)
+    rank = trainer.global_rank
+    torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out / f"rank{rank}.pt")
+    (out / f"samples_rank{rank}.json").write_text(json.dumps(samples.batches))
+    if trainer.is_global_zero:
+        (out / "losses.json").write_text(json.dumps(record.losses))
+        topology = trainer.strategy.topology
+        run = {
+            "morphed": morph.morphed,
+            "reasons": morph.reasons,
+            "global_step": trainer.global_step,
+            "shape": [topology.pipeline_parallel_size, topology.data_parallel_size],
+        }
+        (out / "run.json").write_text(json.dumps(run))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]))

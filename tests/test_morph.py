@@ -1,0 +1,173 @@
+"""Job morphing: a signal or a change of machines checkpoints and stops the job; relaunched at another size
+under torchrun it continues the same training, sample for sample (real processes, real signals, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import lightning as L
+import pytest
+import torch
+from conftest import run_job
+from models import TinyLM, token_dataset
+from reference import train_reference
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_varuna import MorphCallback, VarunaStrategy
+from lightning_varuna.checkpoint.layout import open_complete
+from lightning_varuna.checkpoint.storage import Storage
+
+RUNNER = os.path.join(os.path.dirname(__file__), "run_elastic.py")
+GLOBAL_BATCH, ROWS, EPOCHS = 6, 24, 2  # 4 steps per epoch
+
+
+def config(tmp_path, **extra) -> dict:
+    return dict(
+        pipeline_parallel_size=2,
+        micro_batch_size=1,
+        global_batch_size=GLOBAL_BATCH,
+        rows=ROWS,
+        epochs=EPOCHS,
+        scheduler=True,
+        morph_dir=str(tmp_path / "morph"),
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+        every_n_steps=2,
+        **extra,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(tmp_path, name: str, nproc: int, cfg: dict, *flags: str):  # noqa: ANN201
+    """Run the elastic runner under torchrun; return the process and what each attempt wrote."""
+    out = tmp_path / name
+    # An explicit c10d rendezvous, as on real machines (`--standalone` restarts fail to reconnect gloo).
+    rendezvous = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    args = ["-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}", *flags, RUNNER]
+    proc = run_job([*args, str(out), json.dumps(cfg)], tmp_path)
+    attempts = []
+    for attempt in sorted(out.glob("attempt*")):
+        weights = {}
+        for shard in attempt.glob("rank*.pt"):
+            weights.update(torch.load(shard))
+        samples = [json.loads(f.read_text()) for f in sorted(attempt.glob("samples_rank*.json"))]
+        attempts.append(
+            {
+                "run": json.loads((attempt / "run.json").read_text()),
+                "losses": json.loads((attempt / "losses.json").read_text()),
+                "weights": weights,
+                "samples": [s for s in samples if s],  # first-stage ranks: one list per replica
+            }
+        )
+    return proc, attempts
+
+
+def global_batches(attempt: dict) -> list[list[int]]:
+    """The rows of each step, over all replicas of the attempt."""
+    return [sorted(i for replica in step for i in replica) for step in zip(*attempt["samples"])]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict:
+    """Single-device training on the same global batches for all epochs, and those batches."""
+    cfg = dict(pipeline_parallel_size=1, data_parallel_size=1, batch_size=GLOBAL_BATCH, rows=ROWS)
+    result, weights = train_reference({**cfg, "epochs": EPOCHS, "scheduler": True})
+    sampler = DistributedSampler(range(ROWS), num_replicas=1, rank=0, shuffle=True, seed=0)
+    batches = []
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        batches += [sorted(order[i : i + GLOBAL_BATCH]) for i in range(0, ROWS, GLOBAL_BATCH)]
+    return {"losses": result["losses"], "weights": weights, "batches": batches}
+
+
+def assert_same_training(attempts: list[dict], uninterrupted: dict, from_step: int) -> None:
+    """The resumed attempt's losses, batches and final weights are those of the uninterrupted run."""
+    resumed = attempts[-1]
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]), torch.tensor(uninterrupted["losses"][from_step:]), rtol=1e-5, atol=1e-5
+    )
+    assert global_batches(resumed) == uninterrupted["batches"][from_step:]
+    assert resumed["weights"].keys() == uninterrupted["weights"].keys()
+    for name, value in resumed["weights"].items():
+        torch.testing.assert_close(value, uninterrupted["weights"][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_sigusr1_morphs_and_a_smaller_relaunch_continues_the_same_training(tmp_path, uninterrupted):
+    """(2, 2) -> SIGUSR1 to one worker, arriving while it writes a periodic checkpoint -> (2, 1)."""
+    cfg = config(tmp_path, signal_in_save={"rank": 1, "step": 2})
+    proc, [first] = torchrun(tmp_path, "at-2x2", 4, cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert first["run"] == {"morphed": True, "reasons": [], "global_step": 3, "shape": [2, 2]}
+    assert open_complete(Storage(), str(tmp_path / "checkpoints" / "epoch=0-step=2.ckpt")).global_step == 2
+    morph = open_complete(Storage(), str(tmp_path / "morph" / "morph-step=3.ckpt"))
+    assert morph.shape["data_position"] == {"epoch": 0, "rows": 3 * GLOBAL_BATCH}
+    assert first["losses"] == pytest.approx(uninterrupted["losses"][:3], rel=1e-5, abs=1e-5)
+    assert global_batches(first) == uninterrupted["batches"][:3]
+
+    proc, [resumed] = torchrun(tmp_path, "at-2x1", 2, cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert resumed["run"]["shape"] == [2, 1]
+    assert "morph-step=3.ckpt" in proc.stdout + proc.stderr
+    assert_same_training([first, resumed], uninterrupted, from_step=3)
+    # Measured: the epoch of the resize saw every sample exactly once, over both sizes.
+    seen = [i for step in global_batches(first) + global_batches(resumed)[:1] for i in step]
+    assert sorted(seen) == list(range(ROWS))
+
+
+def test_killed_worker_restarts_from_the_last_periodic_checkpoint(tmp_path, uninterrupted):
+    """SIGKILL at step 5 (no warning): torchrun restarts the workers, which resume from step 4's checkpoint."""
+    cfg = config(tmp_path, kill_at={"rank": 1, "step": 5})
+    proc, attempts = torchrun(tmp_path, "killed", 2, cfg, "--max-restarts=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert len(attempts) == 1, "the first attempt died before writing anything"
+    assert "epoch=0-step=4.ckpt" in proc.stdout + proc.stderr
+    assert_same_training(attempts, uninterrupted, from_step=4)
+
+
+def test_machine_list_change_and_preemption_notice_morph(tmp_path):
+    """A host added to the machine list morphs the job; so does ``request`` from a notice watcher."""
+    machines = tmp_path / "machines.txt"
+    machines.write_text(f"# available\n{socket.gethostname()}\n")
+
+    class ChangeMachines(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
+            if trainer.global_step == 2:
+                machines.write_text(f"{socket.gethostname()}\nspare-node-7\n")
+
+    def fit(morph: MorphCallback, *callbacks: L.Callback) -> L.Trainer:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=VarunaStrategy(global_batch_size=GLOBAL_BATCH),
+            max_epochs=EPOCHS,
+            callbacks=[morph, *callbacks],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            logger=False,
+        )
+        trainer.fit(TinyLM(), DataLoader(token_dataset(ROWS), batch_size=1), ckpt_path="last")
+        return trainer
+
+    morph = MorphCallback(tmp_path / "morph", machine_list=str(machines), poll_interval=0)
+    trainer = fit(morph, ChangeMachines())
+    assert morph.morphed and trainer.global_step == 3
+    assert morph.reasons == ["machine list changed: added ['spare-node-7'], removed []"]
+    assert open_complete(Storage(), str(tmp_path / "morph" / "morph-step=3.ckpt")).global_step == 3
+
+    class Notice(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
+            if trainer.global_step == 5:
+                morph.request("preemption notice: 30 s")
+
+    morph = MorphCallback(tmp_path / "morph")
+    trainer = fit(morph, Notice())
+    assert morph.reasons == ["preemption notice: 30 s"]
+    assert trainer.global_step == 6, "resumed from step 3, stopped after step 6"
