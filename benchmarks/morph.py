@@ -55,7 +55,7 @@ def worker(folder: str) -> None:
     class Progress(L.Callback):
         """Rank 0 reports each finished step; every rank reports its pid."""
 
-        def setup(self, trainer: L.Trainer, *_) -> None:  # noqa: ANN002
+        def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
             with open(os.path.join(folder, f"pid{trainer.global_rank}"), "w") as f:
                 f.write(str(os.getpid()))
 
@@ -95,20 +95,18 @@ def steps(folder: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def wait_for(condition, what: str, timeout: float = 600) -> float:  # noqa: ANN001
+def wait_for(condition, what: str, job: subprocess.Popen, timeout: float = 600) -> float:  # noqa: ANN001
     deadline = time.time() + timeout
     while not condition():
-        if time.time() > deadline:
-            raise TimeoutError(f"no {what} after {timeout} s")
+        if time.time() > deadline or (job.poll() not in (None, 0)):
+            raise RuntimeError(f"no {what} (job exit code {job.poll()}); see the torchrun log")
         time.sleep(0.02)
     return time.time()
 
 
 def committed(folder: str) -> bool:
     morph = os.path.join(folder, "morph")
-    return os.path.isdir(morph) and any(
-        name == "COMMITTED.json" for _, _, names in os.walk(morph) for name in names
-    )
+    return os.path.isdir(morph) and any(name == "COMMITTED.json" for _, _, names in os.walk(morph) for name in names)
 
 
 def folder_mb(path: str) -> float:
@@ -126,7 +124,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         print("training at (2, 2) on 4 processes ...", flush=True)
         job = torchrun(4, folder)
-        wait_for(lambda: len(steps(folder)) >= SIGNAL_AFTER, f"step {SIGNAL_AFTER}")
+        wait_for(lambda: len(steps(folder)) >= SIGNAL_AFTER, f"step {SIGNAL_AFTER}", job)
         before = steps(folder)
         step_time = (before[-1]["time"] - before[1]["time"]) / (len(before) - 2)
         with open(os.path.join(folder, "pid1")) as f:
@@ -134,14 +132,14 @@ def main() -> None:
         signalled = time.time()
         os.kill(pid, signal.SIGUSR1)
         print(f"SIGUSR1 to rank 1 after step {before[-1]['step']}", flush=True)
-        committed_at = wait_for(lambda: committed(folder), "committed checkpoint")
+        committed_at = wait_for(lambda: committed(folder), "committed checkpoint", job)
         exit_code = job.wait()
         exited = time.time()
         stopped_at = steps(folder)[-1]["step"]
         print(f"job exited with {exit_code} at step {stopped_at}; relaunching on 2 processes at (2, 1) ...")
         relaunched = time.time()
         job = torchrun(2, folder)
-        resumed_at = wait_for(lambda: len(steps(folder)) > len(before) + (stopped_at - before[-1]["step"]), "step")
+        resumed_at = wait_for(lambda: len(steps(folder)) > len(before) + (stopped_at - before[-1]["step"]), "step", job)
         first = steps(folder)[-1]
         job.wait()
         results = {

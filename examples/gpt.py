@@ -6,12 +6,17 @@ runs 2 pipeline stages x 2 data-parallel replicas on 4 CPU processes (gloo); on 
 ``--accelerator gpu``. With ``--checkpoint-dir DIR`` it checkpoints there and, run again (with any
 ``--devices`` / ``--pipeline-parallel-size`` and ``--batch-size`` x replicas kept), resumes where it stopped.
 The LM head is tied to the token embedding, so the first and last stages share it.
+
+Elastic: under ``torchrun`` the process count comes from torchrun; with ``--global-batch-size`` and
+``--checkpoint-dir``, SIGUSR1 (or SIGTERM) checkpoints and stops the job with exit code 0, and the same command
+at another size resumes it with the same training (see the README's "Morphing").
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import signal
 
 import lightning as L
 import torch
@@ -20,7 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_varuna import CutPoint, VarunaStrategy
+from lightning_varuna import CutPoint, MorphCallback, VarunaStrategy
 
 
 def make_text(num_sentences: int = 2000, seed: int = 0) -> str:
@@ -122,12 +127,17 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--global-batch-size",
+        type=int,
+        help="rows per step over all replicas, at any world size (the DataLoader is re-batched to it)",
+    )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument(
         "--checkpoint-dir",
         help="folder or fsspec URL: save every 20 steps (and last) there, and resume from the newest complete "
-        "checkpoint in it, written with any pipeline shape",
+        "checkpoint in it, written with any pipeline shape; SIGUSR1 or SIGTERM save to DIR/morph and stop",
     )
     args = parser.parse_args()
 
@@ -144,11 +154,15 @@ def main() -> None:
             pipeline_parallel_size=args.pipeline_parallel_size,
             micro_batch_size=args.micro_batch_size,
             schedule=args.schedule,
+            global_batch_size=args.global_batch_size,
         ),
         max_steps=args.max_steps,
         val_check_interval=args.max_steps // 2,
         limit_val_batches=4,
-        callbacks=[ModelCheckpoint(args.checkpoint_dir, every_n_train_steps=20, save_last=True)]
+        callbacks=[
+            ModelCheckpoint(args.checkpoint_dir, every_n_train_steps=20, save_last=True),
+            MorphCallback(f"{args.checkpoint_dir}/morph", signal=(signal.SIGUSR1, signal.SIGTERM)),
+        ]
         if args.checkpoint_dir
         else None,
         enable_checkpointing=bool(args.checkpoint_dir),

@@ -4,14 +4,16 @@
 
 The same script at every world size: ``global_batch_size`` fixes the training, ``MorphCallback`` writes to
 ``morph_dir``, a ModelCheckpoint writes to ``checkpoint_dir`` every ``every_n_steps`` steps, and ``fit`` always
-resumes from ``"last"``. What each attempt (torchrun restart) did goes to ``OUT_DIR/attempt{n}/``:
+resumes from ``"last"``. What each start of the workers did goes to ``OUT_DIR/attempt{restart}-world{size}/``:
 ``losses.json`` (rank 0: the logged loss of every step), ``samples_rank{r}.json`` (the dataset indices of every
 batch on first-stage ranks), ``rank{r}.pt`` (parameters by name) and ``run.json`` (rank 0: how it ended).
 
 Faults, on the first attempt only: ``"signal_at": {"rank": r, "step": s, "signal": "SIGUSR1"}`` makes rank
 ``r`` signal itself as step ``s`` starts; ``"kill_at": {"rank": r, "step": s}`` SIGKILLs rank ``r`` there;
 ``"signal_in_save": {"rank": r, "step": s}`` sends SIGUSR1 while rank ``r`` writes the checkpoint of step
-``s``; ``"machines_at": {"step": s, "text": ...}`` rewrites the ``machine_list`` file then.
+``s``; ``"machines_at": {"step": s, "text": ...}`` rewrites the ``machine_list`` file then;
+``"slow_steps_at_world": {"2": seconds}`` sleeps after each step at that world size. ``"signals"`` names the
+signals MorphCallback handles (default SIGUSR1).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -34,6 +37,7 @@ from models import RecordLosses, TinyLM, token_dataset  # noqa: E402
 from lightning_varuna import MorphCallback, VarunaStrategy  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+WORLD = int(os.environ.get("WORLD_SIZE", 1))
 
 
 class Faults(L.Callback):
@@ -68,6 +72,9 @@ class Faults(L.Callback):
         if fault := self._at(trainer, "machines_at"):
             Path(self.config["machine_list"]).write_text(fault["text"])
 
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
+        time.sleep(self.config.get("slow_steps_at_world", {}).get(str(WORLD), 0))
+
 
 class RecordSamples(L.Callback):
     """The dataset index of every row this first-stage rank trains on, batch by batch."""
@@ -85,7 +92,8 @@ def main(out_dir: str, config: dict) -> None:
     L.seed_everything(config.get("seed", 0))
     model = TinyLM(scheduler=config.get("scheduler", False))
     data = token_dataset(config["rows"])
-    morph = MorphCallback(config["morph_dir"], machine_list=config.get("machine_list"), poll_interval=0)
+    signals = [signal.Signals[name] for name in config.get("signals", ["SIGUSR1"])]
+    morph = MorphCallback(config["morph_dir"], signals, machine_list=config.get("machine_list"), poll_interval=0)
     record, samples = RecordLosses(), RecordSamples(data)
     callbacks = [record, samples, Faults(config), morph]
     if "checkpoint_dir" in config:
@@ -111,7 +119,7 @@ def main(out_dir: str, config: dict) -> None:
     # The DataLoader's own batch size does not matter: the strategy re-batches to the global batch.
     trainer.fit(model, DataLoader(data, batch_size=1), ckpt_path="last")
 
-    out = Path(out_dir) / f"attempt{ATTEMPT}"
+    out = Path(out_dir) / f"attempt{ATTEMPT}-world{WORLD}"
     out.mkdir(parents=True, exist_ok=True)
     rank = trainer.global_rank
     torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out / f"rank{rank}.pt")

@@ -24,18 +24,18 @@ GLOBAL_BATCH, ROWS, EPOCHS = 6, 24, 2  # 4 steps per epoch
 
 
 def config(tmp_path, **extra) -> dict:
-    return dict(
-        pipeline_parallel_size=2,
-        micro_batch_size=1,
-        global_batch_size=GLOBAL_BATCH,
-        rows=ROWS,
-        epochs=EPOCHS,
-        scheduler=True,
-        morph_dir=str(tmp_path / "morph"),
-        checkpoint_dir=str(tmp_path / "checkpoints"),
-        every_n_steps=2,
+    return {
+        "pipeline_parallel_size": 2,
+        "micro_batch_size": 1,
+        "global_batch_size": GLOBAL_BATCH,
+        "rows": ROWS,
+        "epochs": EPOCHS,
+        "scheduler": True,
+        "morph_dir": str(tmp_path / "morph"),
+        "checkpoint_dir": str(tmp_path / "checkpoints"),
+        "every_n_steps": 2,
         **extra,
-    )
+    }
 
 
 def free_port() -> int:
@@ -52,7 +52,7 @@ def torchrun(tmp_path, name: str, nproc: int, cfg: dict, *flags: str):  # noqa: 
     args = ["-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}", *flags, RUNNER]
     proc = run_job([*args, str(out), json.dumps(cfg)], tmp_path)
     attempts = []
-    for attempt in sorted(out.glob("attempt*")):
+    for attempt in sorted(out.glob("attempt*"), key=lambda path: path.stat().st_mtime):
         weights = {}
         for shard in attempt.glob("rank*.pt"):
             weights.update(torch.load(shard))
@@ -104,7 +104,7 @@ def test_sigusr1_morphs_and_a_smaller_relaunch_continues_the_same_training(tmp_p
     cfg = config(tmp_path, signal_in_save={"rank": 1, "step": 2})
     proc, [first] = torchrun(tmp_path, "at-2x2", 4, cfg)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert first["run"] == {"morphed": True, "reasons": [], "global_step": 3, "shape": [2, 2]}
+    assert first["run"] == {"morphed": True, "reasons": [], "global_step": 3, "shape": [2, 2]}, proc.stderr[-6000:]
     assert open_complete(Storage(), str(tmp_path / "checkpoints" / "epoch=0-step=2.ckpt")).global_step == 2
     morph = open_complete(Storage(), str(tmp_path / "morph" / "morph-step=3.ckpt"))
     assert morph.shape["data_position"] == {"epoch": 0, "rows": 3 * GLOBAL_BATCH}
@@ -171,3 +171,13 @@ def test_machine_list_change_and_preemption_notice_morph(tmp_path):
     trainer = fit(morph, Notice())
     assert morph.reasons == ["preemption notice: 30 s"]
     assert trainer.global_step == 6, "resumed from step 3, stopped after step 6"
+
+
+def test_sigterm_morphs_when_morph_callback_handles_it(tmp_path):
+    """torchrun's agent stops workers with SIGTERM when machines join or leave: with SIGTERM among its
+    signals, MorphCallback (not Lightning's stop-without-checkpoint) handles it."""
+    cfg = config(tmp_path, signals=["SIGUSR1", "SIGTERM"], signal_at={"rank": 1, "step": 4, "signal": "SIGTERM"})
+    proc, [attempt] = torchrun(tmp_path, "sigterm", 2, cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert attempt["run"]["morphed"] and attempt["run"]["global_step"] == 5
+    assert open_complete(Storage(), str(tmp_path / "morph" / "morph-step=5.ckpt")).global_step == 5

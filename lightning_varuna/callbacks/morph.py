@@ -36,8 +36,11 @@ class MorphCallback(Callback):
 
     Args:
         dirpath: folder (any fsspec URL) for the on-demand checkpoints; ``ckpt_path="last"`` looks there too.
-        signal: the signal(s) that request a morph. The handler only records the request, so a signal that
-            arrives during a checkpoint write does not disturb it.
+        signal: the signal(s) that request a morph, handled by this callback alone while training runs (it
+            replaces Lightning's handlers for them: its SLURM requeue handler on SIGUSR1, its stop-without-
+            checkpoint on SIGTERM). The handler only records the request, so a signal that arrives during a
+            checkpoint write does not disturb it. Add ``signal.SIGTERM`` under ``torchrun``: its agent stops
+            the workers with SIGTERM (then SIGKILL after 30 s) when machines join or leave.
         machine_list: URL of a file naming the machines available to the job, one host name per line (blank
             lines and ``#`` comments are ignored). When the names differ from the hosts the job runs on, the
             job morphs.
@@ -92,6 +95,9 @@ class MorphCallback(Callback):
         if self.machine_list is not None:
             hosts = trainer.strategy.all_gather_object(socket.gethostname()) if trainer.world_size > 1 else None
             self._running_hosts = set(hosts or [socket.gethostname()])
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After Lightning installed its own handlers, which these replace while training runs.
         if threading.current_thread() is threading.main_thread():
             for signum in self.signals:
                 self._previous_handlers[signum] = signals.signal(signum, self._on_signal)

@@ -241,12 +241,13 @@ class VarunaStrategy(ParallelStrategy):
         if not isinstance(self.cluster_environment, TorchElasticEnvironment) or _distributed_is_initialized():
             _init_dist_connection(self.cluster_environment, backend, **kwargs)
             return
-        # torchrun keeps its store across the restarts of a job: key the process groups by restart, or the
-        # groups of a restarted job read the addresses its dead predecessor left and connect to nothing.
+        # torchrun keeps its store across the restarts of a job: key the process groups by restart (after a
+        # failure) and world size (after machines joined), or the groups of a restarted job read the addresses
+        # their dead predecessors left and connect to nothing.
         rendezvous = dist.rendezvous("env://", self.global_rank, self.world_size, timeout=self._timeout)
         store, rank, world_size = next(rendezvous)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"lightning_varuna/restart_{restart}", store)
+        store = dist.PrefixStore(f"lightning_varuna/restart_{restart}/world_{world_size}", store)
         log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
 
