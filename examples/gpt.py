@@ -158,6 +158,7 @@ def main() -> None:
         ),
         max_steps=args.max_steps,
         val_check_interval=args.max_steps // 2,
+        check_val_every_n_epoch=None,  # validate every val_check_interval steps, across epochs
         limit_val_batches=4,
         callbacks=[
             ModelCheckpoint(args.checkpoint_dir, every_n_train_steps=20, save_last=True),

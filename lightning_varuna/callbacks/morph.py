@@ -95,12 +95,18 @@ class MorphCallback(Callback):
         if self.machine_list is not None:
             hosts = trainer.strategy.all_gather_object(socket.gethostname()) if trainer.world_size > 1 else None
             self._running_hosts = set(hosts or [socket.gethostname()])
+        self._install_handlers()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # After Lightning installed its own handlers, which these replace while training runs.
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.signals:
-                self._previous_handlers[signum] = signals.signal(signum, self._on_signal)
+        # Again, after Lightning installed its own handlers, which these replace while training runs.
+        self._install_handlers()
+
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in self.signals:
+            previous = signals.signal(signum, self._on_signal)
+            self._previous_handlers.setdefault(signum, previous)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         for signum, handler in self._previous_handlers.items():
