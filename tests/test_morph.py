@@ -131,6 +131,18 @@ def test_killed_worker_restarts_from_the_last_periodic_checkpoint(tmp_path, unin
     assert_same_training(attempts, uninterrupted, from_step=4)
 
 
+def test_machine_list_change_morphs_a_multi_process_job(tmp_path):
+    """Every rank's host counts as running; rank 0 reads the list and all ranks morph together."""
+    machines = tmp_path / "machines.txt"
+    machines.write_text(f"{socket.gethostname()}\n")
+    changed = {"step": 3, "text": f"{socket.gethostname()}\nspare-node-7\n"}
+    cfg = config(tmp_path, machine_list=str(machines), machines_at=changed)
+    proc, [attempt] = torchrun(tmp_path, "machines", 2, cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert attempt["run"]["reasons"] == ["machine list changed: added ['spare-node-7'], removed []"]
+    assert attempt["run"]["morphed"] and attempt["run"]["global_step"] == 4
+
+
 def test_machine_list_change_and_preemption_notice_morph(tmp_path):
     """A host added to the machine list morphs the job; so does ``request`` from a notice watcher."""
     machines = tmp_path / "machines.txt"

@@ -21,6 +21,7 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -93,8 +94,11 @@ class MorphCallback(Callback):
         if trainer.is_global_zero:
             self._storage.check_writable(self.dirpath)
         if self.machine_list is not None:
-            hosts = trainer.strategy.all_gather_object(socket.gethostname()) if trainer.world_size > 1 else None
-            self._running_hosts = set(hosts or [socket.gethostname()])
+            hosts = [socket.gethostname()]
+            if dist.is_available() and dist.is_initialized():
+                hosts = [None] * dist.get_world_size()
+                dist.all_gather_object(hosts, socket.gethostname())
+            self._running_hosts = set(hosts)
         self._install_handlers()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
