@@ -394,10 +394,11 @@ class VarunaStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------------- steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_micro_batch_size(args[0])
-        self._check_global_batch(args[0])
+        rows = batch_size_of(args[0])
+        self._check_micro_batch_size(rows)
+        self._check_global_batch(rows)
         assert self.topology is not None
-        self._epoch_rows += batch_size_of(args[0]) * self.topology.data_parallel_size
+        self._epoch_rows += rows * self.topology.data_parallel_size
         stage_params = self._stage_plan().own_parameters()
         saved = {p: p.grad for p in stage_params}
         for p in stage_params:
@@ -482,18 +483,17 @@ class VarunaStrategy(ParallelStrategy):
         dist.broadcast_object_list(objects, src=topo.stage_ranks()[-1], group=self._pp_group)
         return objects[0]
 
-    def _check_micro_batch_size(self, batch: Any) -> None:
-        size = batch_size_of(batch)
-        if self.micro_batch_size > size:
+    def _check_micro_batch_size(self, rows: int) -> None:
+        if self.micro_batch_size > rows:
             raise ValueError(
-                f"`VarunaStrategy(micro_batch_size={self.micro_batch_size})` is larger than the batch of {size} rows; "
-                f"use micro_batch_size <= {size} or a larger DataLoader batch_size."
+                f"`VarunaStrategy(micro_batch_size={self.micro_batch_size})` is larger than the batch of {rows} rows; "
+                f"use micro_batch_size <= {rows} or a larger DataLoader batch_size."
             )
 
-    def _check_global_batch(self, batch: Any) -> None:
+    def _check_global_batch(self, rows: int) -> None:
         assert self.topology is not None
         # The largest batch seen: a short last batch does not define the run's global batch.
-        self._replica_batch_size = max(self._replica_batch_size or 0, batch_size_of(batch))
+        self._replica_batch_size = max(self._replica_batch_size or 0, rows)
         if self._resumed_shape is None:
             return
         before, self._resumed_shape = self._resumed_shape.get("global_batch_size"), None
