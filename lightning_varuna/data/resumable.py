@@ -15,7 +15,6 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
@@ -43,12 +42,10 @@ class ResumableDistributedSampler(DistributedSampler):
         self.resume_from: DataPosition | None = None
 
     def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(len(self.dataset), generator=generator).tolist()
-        else:
-            order = list(range(len(self.dataset)))
+        # The epoch's whole order, as torch's own sampler makes it for one replica.
+        whole = DistributedSampler(self.dataset, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed)
+        whole.set_epoch(self.epoch)
+        order = list(whole)
         if self.resume_from is not None and self.resume_from.epoch == self.epoch:
             order = order[self.resume_from.rows :]
         if self.drop_last:
