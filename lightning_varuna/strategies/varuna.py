@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import warnings
@@ -238,6 +239,10 @@ class VarunaStrategy(ParallelStrategy):
         self._pp_group = topo.new_groups([topo.stage_ranks(d) for d in range(topo.data_parallel_size)])
 
     def _init_process_group(self, backend: str, **kwargs: Any) -> None:
+        # gloo's worker threads abort the process ("terminate called without an active exception") when the
+        # interpreter finalises before the groups are destroyed: destroy them while it is still alive.
+        atexit.unregister(_destroy_process_groups)
+        atexit.register(_destroy_process_groups)
         if not isinstance(self.cluster_environment, TorchElasticEnvironment) or _distributed_is_initialized():
             _init_dist_connection(self.cluster_environment, backend, **kwargs)
             return
@@ -730,6 +735,11 @@ def _first_batch(trainer: pl.Trainer) -> Any:
     loader = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders
     loader = loader[0] if isinstance(loader, (list, tuple)) else loader
     return next(iter(loader))
+
+
+def _destroy_process_groups() -> None:
+    if _distributed_is_initialized():
+        dist.destroy_process_group()
 
 
 StrategyRegistry.register(
