@@ -16,23 +16,24 @@ VOCAB, SEQ, DIM = 11, 6, 16
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.fc = nn.Linear(dim, dim)
         self.norm = nn.LayerNorm(dim)
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(self.norm(x))) * keep
+        return x + self.drop(torch.tanh(self.fc(self.norm(x)))) * keep
 
 
 class TinyLM(L.LightningModule):
     """Token model with 4 CutPoints (5 segments), a head tied to the embedding and a mask that every block
     reads (a value that crosses several stages besides the activation)."""
 
-    def __init__(self, blocks: int = 5, lr: float = 0.05, scheduler: bool = False) -> None:
+    def __init__(self, blocks: int = 5, lr: float = 0.05, scheduler: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block(DIM) for _ in range(blocks))
+        self.blocks = nn.ModuleList(Block(DIM, dropout) for _ in range(blocks))
         self.cuts = nn.ModuleList(CutPoint() for _ in range(blocks - 1))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.emb.weight
@@ -69,6 +70,11 @@ class TinyLM(L.LightningModule):
         if not self.scheduler:
             return optimizer
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)]
+
+
+def model_for(config: dict) -> TinyLM:
+    """The TinyLM a runner config describes (``scheduler``, ``dropout``)."""
+    return TinyLM(scheduler=config.get("scheduler", False), dropout=config.get("dropout", 0.0))
 
 
 def token_dataset(rows: int, seed: int = 1) -> TensorDataset:

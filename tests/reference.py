@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from models import TinyLM, fit_and_report, token_dataset
+from models import fit_and_report, model_for, token_dataset
 from torch.utils.data import DataLoader, DistributedSampler
 
 
@@ -35,7 +35,7 @@ def train_reference(config: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """Train on one device; return the results `fit_and_report` gives and the final weights."""
     seed = config.get("seed", 0)
     L.seed_everything(seed)
-    model = TinyLM(scheduler=config.get("scheduler", False))
+    model = model_for(config)
     data = token_dataset(config["rows"])
     sampler = GlobalBatches(len(data), config["batch_size"], config["data_parallel_size"], seed)
     _, result = fit_and_report(model, DataLoader(data, batch_sampler=sampler), config, predict=True, devices=1)

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
-from models import RecordLosses, TinyLM, token_dataset  # noqa: E402
+from models import RecordLosses, model_for, token_dataset  # noqa: E402
 
 from lightning_varuna import MorphCallback, VarunaStrategy  # noqa: E402
 
@@ -90,7 +90,7 @@ class RecordSamples(L.Callback):
 
 def main(out_dir: str, config: dict) -> None:
     L.seed_everything(config.get("seed", 0))
-    model = TinyLM(scheduler=config.get("scheduler", False))
+    model = model_for(config)
     data = token_dataset(config["rows"])
     signals = [signal.Signals[name] for name in config.get("signals", ["SIGUSR1"])]
     morph = MorphCallback(config["morph_dir"], signals, machine_list=config.get("machine_list"), poll_interval=0)

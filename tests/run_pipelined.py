@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
-from models import TinyLM, fit_and_report, token_dataset  # noqa: E402
+from models import fit_and_report, model_for, token_dataset  # noqa: E402
 
 from lightning_varuna import VarunaStrategy  # noqa: E402
 
@@ -51,7 +51,7 @@ class KillInSave(L.Callback):
 
 def main(out_dir: str, config: dict) -> None:
     L.seed_everything(config.get("seed", 0))
-    model = TinyLM(scheduler=config.get("scheduler", False))
+    model = model_for(config)
     pp, dp = config["pipeline_parallel_size"], config["data_parallel_size"]
     strategy = VarunaStrategy(
         pipeline_parallel_size=pp,

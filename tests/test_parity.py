@@ -38,8 +38,12 @@ SHAPES = {
         scheduler=True,
         evaluate=True,
     ),
-    "P4xD1-1f1b": dict(
-        pipeline_parallel_size=4, data_parallel_size=1, batch_size=4, micro_batch_size=1, schedule="1f1b"
+    "P4xD1-varuna": dict(
+        pipeline_parallel_size=4, data_parallel_size=1, batch_size=4, micro_batch_size=1, schedule="varuna"
+    ),
+    # Varuna's recompute schedule with replicas; micro-batches [2, 2, 1]
+    "P2xD2-varuna": dict(
+        pipeline_parallel_size=2, data_parallel_size=2, batch_size=5, micro_batch_size=2, schedule="varuna"
     ),
     # 5 segments over 3 stages; micro-batches [2, 2, 1]
     "P3xD1-gpipe-uneven": dict(
@@ -81,6 +85,27 @@ def test_pipelined_training_matches_single_device(tmp_path, name):
     if config["pipeline_parallel_size"] > 1:
         # Each rank holds only its own stage.
         assert all(len(shard) < len(ref_weights) for shard in shards)
+
+
+def test_varuna_schedule_replays_dropout_on_recompute(tmp_path):
+    """With dropout on, recomputing the forward draws the same masks: varuna trains exactly like 1F1B."""
+    config = dict(
+        pipeline_parallel_size=3, data_parallel_size=1, batch_size=5, micro_batch_size=2, dropout=0.3, epochs=1
+    )
+    config["rows"] = 15
+    runs = {}
+    for schedule in ("1f1b", "varuna"):
+        (tmp_path / schedule).mkdir()
+        runs[schedule] = run_pipelined(tmp_path / schedule, {**config, "schedule": schedule})
+    (losses, shards), (varuna_losses, varuna_shards) = runs["1f1b"], runs["varuna"]
+    torch.testing.assert_close(
+        torch.tensor(varuna_losses["losses"]), torch.tensor(losses["losses"]), rtol=1e-6, atol=1e-6
+    )
+    for shard, varuna_shard in zip(shards, varuna_shards):
+        torch.testing.assert_close(varuna_shard, shard, rtol=1e-6, atol=1e-6)
+    # Dropout did act: the same training without it gives other losses.
+    without, _ = train_reference({**config, "dropout": 0.0, "schedule": "1f1b"})
+    assert max(abs(a - b) for a, b in zip(losses["losses"], without["losses"])) > 1e-3
 
 
 def test_bf16_autocast_pipeline_tracks_single_device(tmp_path):

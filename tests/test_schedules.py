@@ -14,11 +14,12 @@ from lightning_varuna.pipeline.schedules import (
     forward_only,
     gpipe,
     one_f_one_b,
+    varuna,
 )
 
 SHAPES = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 5), (3, 2), (4, 1), (4, 3), (4, 4), (4, 8), (5, 7)]
-TRAINING = [gpipe, one_f_one_b]
-ALL = [forward_only, gpipe, one_f_one_b]
+TRAINING = [gpipe, one_f_one_b, varuna]
+ALL = [forward_only, gpipe, one_f_one_b, varuna]
 
 
 def F(m: int) -> Action:  # noqa: N802
@@ -27,6 +28,10 @@ def F(m: int) -> Action:  # noqa: N802
 
 def B(m: int) -> Action:  # noqa: N802
     return Action(Phase.BACKWARD, m)
+
+
+def R(m: int) -> Action:  # noqa: N802
+    return Action(Phase.RECOMPUTE, m)
 
 
 def parse_schedule(*stages: str) -> list[list[Action]]:
@@ -56,25 +61,35 @@ def assert_grid_respects_dependencies(schedule, grid, producers) -> None:
         if action.phase is Phase.FORWARD:
             for p in producers[stage]:
                 assert tick_of[(p, F(m))] < t
+        elif action.phase is Phase.RECOMPUTE:
+            assert tick_of[(stage, F(m))] < t
         else:
             assert tick_of[(stage, F(m))] < t
+            if (stage, R(m)) in tick_of:
+                assert tick_of[(stage, R(m))] < t
             for c in consumers[stage]:
                 assert tick_of[(c, B(m))] < t
 
 
 def max_in_flight(actions: list[Action]) -> int:
-    """Most micro-batches whose forward ran and backward not yet (activations kept alive)."""
+    """Most micro-batches whose activations are alive at once (forward, or recompute if there is one, ran
+    and backward not yet)."""
+    recomputed = {a.microbatch for a in actions if a.phase is Phase.RECOMPUTE}
     alive = peak = 0
     for action in actions:
-        alive += 1 if action.phase is Phase.FORWARD else -1
+        if action.phase is Phase.BACKWARD:
+            alive -= 1
+        elif (action.phase is Phase.RECOMPUTE) == (action.microbatch in recomputed):
+            alive += 1
         peak = max(peak, alive)
     return peak
 
 
 def test_registry_names_the_training_schedules():
-    assert sorted(SCHEDULES) == ["1f1b", "gpipe"]
+    assert sorted(SCHEDULES) == ["1f1b", "gpipe", "varuna"]
     assert SCHEDULES["1f1b"] is one_f_one_b
     assert SCHEDULES["gpipe"] is gpipe
+    assert SCHEDULES["varuna"] is varuna
 
 
 @pytest.mark.parametrize("generator", ALL, ids=lambda g: g.__name__)
@@ -92,12 +107,15 @@ def test_training_schedules_run_each_forward_and_backward_once(generator, num_st
     for actions in generator(num_stages, num_microbatches):
         forwards = [a.microbatch for a in actions if a.phase is Phase.FORWARD]
         backwards = [a.microbatch for a in actions if a.phase is Phase.BACKWARD]
+        recomputes = [a.microbatch for a in actions if a.phase is Phase.RECOMPUTE]
         assert sorted(forwards) == list(range(num_microbatches))
         assert sorted(backwards) == list(range(num_microbatches))
-        assert len(actions) == 2 * num_microbatches
-        # A micro-batch's backward never precedes its own forward within the stage's list.
+        assert len(actions) == 2 * num_microbatches + len(recomputes)
+        # A micro-batch's backward never precedes its own forward (or recompute) within the stage's list.
         for m in range(num_microbatches):
             assert actions.index(F(m)) < actions.index(B(m))
+            if m in recomputes:
+                assert actions.index(F(m)) < actions.index(R(m)) < actions.index(B(m))
 
 
 @pytest.mark.parametrize(("num_stages", "num_microbatches"), SHAPES)
@@ -124,6 +142,39 @@ def test_gpipe_keeps_every_microbatch_in_flight(num_stages, num_microbatches):
     for actions in gpipe(num_stages, num_microbatches):
         assert max_in_flight(actions) == num_microbatches
         assert [a.phase for a in actions] == [Phase.FORWARD] * num_microbatches + [Phase.BACKWARD] * num_microbatches
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), SHAPES)
+def test_varuna_recomputes_on_every_stage_but_the_last(num_stages, num_microbatches):
+    schedule = varuna(num_stages, num_microbatches)
+    for stage, actions in enumerate(schedule):
+        recomputes = sorted(a.microbatch for a in actions if a.phase is Phase.RECOMPUTE)
+        assert recomputes == ([] if stage == num_stages - 1 else list(range(num_microbatches)))
+        # Only one micro-batch's activations are alive at a time; the others keep just their inputs.
+        assert max_in_flight(actions) == 1
+        # Forwards run in micro-batch order, so dropout draws the same random numbers as with 1F1B.
+        assert [a.microbatch for a in actions if a.phase is Phase.FORWARD] == list(range(num_microbatches))
+
+
+def test_varuna_recomputes_while_the_next_stage_runs_its_backward():
+    grid = dry_run(varuna(3, 5))
+    assert format_grid(grid) == (
+        "stage 0:  F0  F1  F2  F3  F4  R0  B0  R1  B1  R2  B2  R3   .   .  B3  R4  B4\n"
+        "stage 1:   .  F0  F1  R0  F2  B0  R1  B1  R2  B2  F3  F4  R3  B3  R4  B4   .\n"
+        "stage 2:   .   .  F0  B0  F1  B1  F2  B2   .   .   .  F3  B3  F4  B4   .   ."
+    )
+    # Stage 1 fills the wait for B0's gradient with an opportunistic forward (R0 F2 B0).
+    assert " ".join(map(str, varuna(3, 5)[1][:5])) == "F0 F1 R0 F2 B0"
+
+
+def test_backward_before_its_recompute_deadlocks():
+    with pytest.raises(ScheduleError, match=r"\['B0', '-'\]"):
+        dry_run(parse_schedule("F0 B0 R0", "F0 B0"))
+
+
+def test_recompute_without_backward_is_incomplete():
+    with pytest.raises(ScheduleError, match=r"Stage 0 recomputes \[0\] but never runs their backward"):
+        dry_run(parse_schedule("F0 R0"))
 
 
 def test_one_f_one_b_shape_for_four_stages():

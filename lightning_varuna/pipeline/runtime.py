@@ -1,9 +1,10 @@
-"""Run one stage's share of a pipeline schedule: its forwards and backwards, talking to the other stages
-with asynchronous point-to-point sends and receives."""
+"""Run one stage's share of a pipeline schedule: its forwards, recomputes and backwards, talking to the other
+stages with asynchronous point-to-point sends and receives."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,8 +24,30 @@ def _tag(microbatch: int, slot: int, phase: Phase) -> int:
     return (microbatch * _MAX_VALUES_PER_EDGE + slot) * 2 + (phase is Phase.BACKWARD)
 
 
+def _as_tuple(outputs: Any) -> tuple:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
 def _carries_grad(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
+
+
+class _RandomState:
+    """The random number generators' state before a forward, to replay it (same dropout masks) on recompute."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._devices = [device] if device.type == "cuda" else []
+        self._cpu = torch.get_rng_state()
+        self._device_states = [torch.cuda.get_rng_state(d) for d in self._devices]
+
+    @contextmanager
+    def replayed(self) -> Iterator[None]:
+        """Run the block from this state; the generators continue afterwards as if it had not run."""
+        with torch.random.fork_rng(devices=self._devices):
+            torch.set_rng_state(self._cpu)
+            for device, state in zip(self._devices, self._device_states):
+                torch.cuda.set_rng_state(state, device)
+            yield
 
 
 class StageRuntime:
@@ -50,6 +73,8 @@ class StageRuntime:
         self._graphs: dict[int, PipelineGraph] = {}
         self._grad_recvs: dict[int, list[tuple[int, int, Tensor, dist.Work]]] = {}
         self._pending_sends: list[tuple[dist.Work, Tensor]] = []
+        self._recomputed: set[int] = set()
+        self._stashed: dict[int, tuple[fx.GraphModule, list[Any], _RandomState]] = {}
 
     @property
     def num_stages(self) -> int:
@@ -74,25 +99,35 @@ class StageRuntime:
         """
         received = self._receive_activations(microbatch, graph, training)
         args = [self._lookup(src, model_inputs, received, None) for src in graph.stage_inputs[self.stage_index]]
-        outputs = module(*args)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        metas = graph.stage_outputs[self.stage_index]
-        sent: dict[int, Tensor] = {}
+        recompute = training and microbatch in self._recomputed
+        if recompute:
+            # Keep only the inputs (and the random state); `recompute` rebuilds the activations later.
+            self._stashed[microbatch] = (module, args, _RandomState(self._device))
+            with torch.no_grad():
+                outputs = _as_tuple(module(*args))
+        else:
+            outputs = _as_tuple(module(*args))
+        sent = self._wire_values(graph, outputs)
         for consumer, values in graph.sends(self.stage_index).items():
             for slot, value in enumerate(values):
-                if value not in sent:
-                    # Autocast may have changed the dtype; the wire format is the traced one.
-                    sent[value] = outputs[value].to(metas[value].dtype)
                 self._isend(sent[value], consumer, _tag(microbatch, slot, Phase.FORWARD))
         if training:
             self._received[microbatch] = received
-            self._sent[microbatch] = sent
+            if not recompute:
+                self._sent[microbatch] = sent
             self._graphs[microbatch] = graph
             self._post_grad_receives(microbatch, graph)
         if not self.is_last_stage:
             return None
         leaves = [self._lookup(src, model_inputs, received, outputs) for src in graph.output_sources]
         return tree_unflatten(leaves, self._output_spec)
+
+    def recompute(self, microbatch: int) -> None:
+        """Run a forward again from its kept inputs and random state, this time keeping its activations."""
+        module, args, random_state = self._stashed.pop(microbatch)
+        with random_state.replayed():
+            outputs = _as_tuple(module(*args))
+        self._sent[microbatch] = self._wire_values(self._graphs[microbatch], outputs)
 
     def backward(self, microbatch: int, loss: Tensor | None) -> None:
         """Back-propagate one micro-batch through this stage and send the input gradients back.
@@ -139,10 +174,13 @@ class StageRuntime:
             Each micro-batch's step output (``None`` on stages other than the last).
         """
         results: dict[int, Any] = {}
+        self._recomputed = {a.microbatch for a in actions if a.phase is Phase.RECOMPUTE}
         try:
             for action in actions:
                 if action.phase is Phase.FORWARD:
                     results[action.microbatch] = run_forward(action.microbatch)
+                elif action.phase is Phase.RECOMPUTE:
+                    self.recompute(action.microbatch)
                 else:
                     step_output = results[action.microbatch]
                     self.backward(action.microbatch, loss_of(action.microbatch, step_output))
@@ -159,6 +197,14 @@ class StageRuntime:
         self._sent.clear()
         self._graphs.clear()
         self._grad_recvs.clear()
+        self._recomputed.clear()
+        self._stashed.clear()
+
+    def _wire_values(self, graph: PipelineGraph, outputs: tuple) -> dict[int, Tensor]:
+        """The outputs this stage sends, by value index, in the traced dtype (autocast may have changed it)."""
+        metas = graph.stage_outputs[self.stage_index]
+        values = {value for values in graph.sends(self.stage_index).values() for value in values}
+        return {value: outputs[value].to(metas[value].dtype) for value in sorted(values)}
 
     def _lookup(
         self,

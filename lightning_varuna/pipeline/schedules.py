@@ -1,7 +1,9 @@
 """Pipeline schedules as data: per-stage lists of actions, plus a dry run that checks them.
 
-An action is a forward (``F``) or backward (``B``) of one micro-batch and prints as ``F3`` / ``B0``. A
-schedule is one action list per stage. Generators produce schedules; one runtime executes any of them.
+An action is a forward (``F``), recompute (``R``) or backward (``B``) of one micro-batch and prints as ``F3`` /
+``R1`` / ``B0``. A schedule is one action list per stage. Generators produce schedules; one runtime executes any
+of them. A stage that recomputes a micro-batch runs its forward without keeping activations (only its inputs) and
+runs it again, keeping them, at the ``R`` action before the backward.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ __all__ = [
     "forward_only",
     "gpipe",
     "one_f_one_b",
+    "varuna",
 ]
 
 
 class Phase(str, Enum):
     FORWARD = "F"
+    RECOMPUTE = "R"
     BACKWARD = "B"
 
 
@@ -79,7 +83,70 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return schedule
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
+def varuna(num_stages: int, num_microbatches: int) -> Schedule:
+    """Varuna's schedule: every stage but the last recomputes its forward just before the backward.
+
+    The order is what Varuna's rules give when a forward or a recompute takes one unit of time and a backward
+    two: a stage runs a backward as soon as it can, else a recompute, else the next forward (so forwards fill
+    the time a stage waits for a gradient). Stage ``s``'s recompute of a micro-batch becomes possible when
+    stage ``s + 1`` starts that micro-batch's backward, so it overlaps the backward it waits for. Non-last
+    stages keep only the inputs of the micro-batches in flight; each stage holds the activations of at most
+    one micro-batch at a time.
+    """
+    last = num_stages - 1
+    duration = {Phase.FORWARD: 1, Phase.RECOMPUTE: 1, Phase.BACKWARD: 2}
+    started: dict[tuple[int, Phase, int], int] = {}
+    finished: dict[tuple[int, Phase, int], int] = {}
+    schedule: Schedule = [[] for _ in range(num_stages)]
+    free_at = [0] * num_stages
+    next_forward = [0] * num_stages
+
+    def done(stage: int, phase: Phase, m: int, now: int) -> bool:
+        return finished.get((stage, phase, m), now + 1) <= now
+
+    def begun(stage: int, phase: Phase, m: int, now: int) -> bool:
+        return started.get((stage, phase, m), now + 1) <= now
+
+    def candidates(stage: int, now: int) -> list[Action]:
+        ran = {(a.phase, a.microbatch) for a in schedule[stage]}
+        found = []
+        for m in range(num_microbatches):
+            if (Phase.BACKWARD, m) in ran:
+                continue
+            if stage == last:
+                ready = done(stage, Phase.FORWARD, m, now)
+            else:
+                ready = done(stage, Phase.RECOMPUTE, m, now) and done(stage + 1, Phase.BACKWARD, m, now)
+            if ready:
+                found.append(Action(Phase.BACKWARD, m))
+        for m in range(num_microbatches if stage < last else 0):
+            recomputable = (Phase.RECOMPUTE, m) not in ran and done(stage, Phase.FORWARD, m, now)
+            if recomputable and begun(stage + 1, Phase.BACKWARD, m, now):
+                found.append(Action(Phase.RECOMPUTE, m))
+        m = next_forward[stage]
+        if m < num_microbatches and (stage == 0 or done(stage - 1, Phase.FORWARD, m, now)):
+            found.append(Action(Phase.FORWARD, m))
+        return found
+
+    now, total = 0, num_stages * num_microbatches * 2 + last * num_microbatches
+    while len(finished) < total:
+        for stage in reversed(range(num_stages)):  # a backward that starts now frees the recompute below it
+            if free_at[stage] > now:
+                continue
+            ready = candidates(stage, now)
+            if not ready:
+                continue
+            action = ready[0]
+            key = (stage, action.phase, action.microbatch)
+            started[key], finished[key] = now, now + duration[action.phase]
+            free_at[stage] = finished[key]
+            next_forward[stage] += action.phase is Phase.FORWARD
+            schedule[stage].append(action)
+        now += 1
+    return schedule
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "gpipe": gpipe, "varuna": varuna}
 
 
 def _chain(num_stages: int) -> dict[int, set[int]]:
@@ -90,7 +157,8 @@ def dry_run(schedule: Schedule, producers: Mapping[int, set[int]] | None = None)
     """Execute ``schedule`` without a device and return the grid of ticks x stages.
 
     A forward of stage ``s`` waits for the same micro-batch's forward on each of its ``producers`` (default:
-    the previous stage); a backward waits for its own forward and for the backwards of the stages it feeds.
+    the previous stage); a recompute waits for its forward; a backward waits for its own forward (or recompute)
+    and for the backwards of the stages it feeds.
 
     Raises:
         ScheduleError: the schedule deadlocks or is incomplete; the message shows the grid so far.
@@ -102,12 +170,16 @@ def dry_run(schedule: Schedule, producers: Mapping[int, set[int]] | None = None)
     position = [0] * num_stages
     grid: list[list[Action | None]] = []
 
+    recomputed = [{a.microbatch for a in actions if a.phase is Phase.RECOMPUTE} for actions in schedule]
+
     def ready(stage: int, action: Action) -> bool:
+        m = action.microbatch
         if action.phase is Phase.FORWARD:
-            return all((p, Phase.FORWARD, action.microbatch) in done for p in producers[stage])
-        return (stage, Phase.FORWARD, action.microbatch) in done and all(
-            (c, Phase.BACKWARD, action.microbatch) in done for c in consumers[stage]
-        )
+            return all((p, Phase.FORWARD, m) in done for p in producers[stage])
+        if action.phase is Phase.RECOMPUTE:
+            return (stage, Phase.FORWARD, m) in done
+        activations = Phase.RECOMPUTE if m in recomputed[stage] else Phase.FORWARD
+        return (stage, activations, m) in done and all((c, Phase.BACKWARD, m) in done for c in consumers[stage])
 
     while any(position[s] < len(schedule[s]) for s in range(num_stages)):
         tick: list[Action | None] = [None] * num_stages
@@ -140,6 +212,10 @@ def _check_complete(schedule: Sequence[Sequence[Action]]) -> None:
             raise ScheduleError(f"Stage {stage} runs forwards {sorted(forwards)} but stage 0 runs {sorted(expected)}.")
         if backwards and backwards != forwards:
             raise ScheduleError(f"Stage {stage} runs backwards {sorted(backwards)} for forwards {sorted(forwards)}.")
+        recomputes = {a.microbatch for a in actions if a.phase is Phase.RECOMPUTE}
+        if not recomputes <= backwards:
+            missing = sorted(recomputes - backwards)
+            raise ScheduleError(f"Stage {stage} recomputes {missing} but never runs their backward.")
 
 
 def format_grid(grid: Sequence[Sequence[Action | None]]) -> str:

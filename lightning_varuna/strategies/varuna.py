@@ -79,7 +79,7 @@ class VarunaStrategy(ParallelStrategy):
         pipeline_parallel_size: number of pipeline stages.
         data_parallel_size: number of replicas of the pipeline; default: world size / pipeline_parallel_size.
         micro_batch_size: rows per micro-batch; a last micro-batch may be smaller.
-        schedule: ``"1f1b"`` or ``"gpipe"``.
+        schedule: ``"1f1b"``, ``"gpipe"`` or ``"varuna"`` (recompute each forward just before its backward).
         shared_weights: pairs of parameter names that must stay identical (Varuna's ``shared_weights``);
             the second is tied to the first. Parameters already tied (``head.weight = emb.weight``) are found
             on their own.
