@@ -1,11 +1,14 @@
-"""``lightning-varuna``: command-line tools around VarunaStrategy checkpoints."""
+"""``lightning-varuna``: command-line tools around VarunaStrategy: checkpoints, profiling and auto-configuration."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import io
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -28,6 +31,79 @@ def _consolidate(args: argparse.Namespace) -> None:
     )
 
 
+def load_model(spec: str, init_args: str | None) -> torch.nn.Module:
+    """Build ``module:Class`` or ``path/to/file.py:Class`` with the JSON ``init_args``."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise SystemExit(f"MODEL must look like `package.module:Class` or `path/to/file.py:Class`, not {spec!r}.")
+    if where.endswith(".py"):
+        path = Path(where).resolve()
+        sys.path.insert(0, str(path.parent))
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[path.stem] = module
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)(**json.loads(init_args or "{}"))
+
+
+def _profile(args: argparse.Namespace) -> None:
+    from lightning_varuna.profiling.network import profile_network
+    from lightning_varuna.profiling.profile import ModelProfile
+    from lightning_varuna.profiling.profiler import default_thread_counts, profile_model
+
+    storage = Storage(json.loads(args.storage_options) if args.storage_options else None)
+    model = load_model(args.model, args.init_args)
+    example = getattr(model, "example_input_array", None)
+    if args.input_shape:
+        shape = [int(n) for n in args.input_shape.split("x")]
+        example = torch.zeros(shape, dtype=getattr(torch, args.input_dtype))
+    if example is None:
+        raise SystemExit(
+            f"`{type(model).__name__}.example_input_array` is not set: give the profiler one batch of forward "
+            "inputs with --input-shape (e.g. 8x64 --input-dtype int64) or set it in the model."
+        )
+    if isinstance(example, dict):
+        forward_args, forward_kwargs = (), example
+    else:
+        forward_args, forward_kwargs = (example if isinstance(example, tuple) else (example,)), {}
+    previous = ModelProfile.load(args.output, storage) if args.update and storage.exists(args.output) else None
+    profile = profile_model(
+        model,
+        forward_args,
+        forward_kwargs,
+        micro_batch_sizes=args.micro_batch_sizes,
+        thread_counts=default_thread_counts(args.devices),
+        previous=previous,
+    )
+    profile_network(profile, list(range(2, args.devices + 1)))
+    profile.save(args.output, storage)
+    print(f"Wrote {args.output}: {len(profile.segments)} segments, micro-batch sizes {profile.micro_batch_sizes}.")
+
+
+def _autoconfig(args: argparse.Namespace) -> None:
+    from lightning_varuna.profiling.autoconfig import format_ranking, rank_configs
+    from lightning_varuna.profiling.profile import ModelProfile
+    from lightning_varuna.profiling.simulator import simulate
+
+    storage = Storage(json.loads(args.storage_options) if args.storage_options else None)
+    profile = ModelProfile.load(args.profile, storage)
+    memory = int(args.memory_gb * 2**30) if args.memory_gb else None
+    ranked = rank_configs(profile, args.devices, args.batch_size, memory_bytes=memory, nodes=args.nodes)
+    print(format_ranking(ranked, args.top))
+    best = ranked[0].config
+    print(
+        f"\nBest: VarunaStrategy(pipeline_parallel_size={best.pipeline_parallel_size}, "
+        f"micro_batch_size={best.micro_batch_size}, schedule={best.schedule!r}) on {args.devices} devices, "
+        f"DataLoader batch {best.replica_batch_size} per replica."
+    )
+    if args.trace:
+        Path(args.trace).write_text(simulate(profile, best, timeline=True).chrome_trace())
+        print(f"Predicted timeline of the best: {args.trace} (open in https://ui.perfetto.dev)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning-varuna", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -39,6 +115,29 @@ def main(argv: list[str] | None = None) -> None:
     merge.add_argument("output", help="the .ckpt file to write (any fsspec URL)")
     merge.add_argument("--storage-options", help='fsspec options as JSON, e.g. \'{"endpoint_url": "http://..."}\'')
     merge.set_defaults(run=_consolidate)
+    profile = commands.add_parser(
+        "profile", help="measure each CutPoint segment and the network; write a JSON profile for autoconfig"
+    )
+    profile.add_argument("model", help="`package.module:Class` or `path/to/file.py:Class`; needs example_input_array")
+    profile.add_argument("--init-args", help="constructor arguments as JSON, e.g. '{\"layers\": 8}'")
+    profile.add_argument("--input-shape", help="forward input of zeros of this shape, e.g. 8x64 (rows x ...)")
+    profile.add_argument("--input-dtype", default="float32", help="dtype of --input-shape, e.g. int64")
+    profile.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    profile.add_argument("--devices", type=int, default=1, help="processes per node to measure communication with")
+    profile.add_argument("--output", required=True, help="where to write the profile (any fsspec URL)")
+    profile.add_argument("--update", action="store_true", help="keep what the profile at --output already has")
+    profile.add_argument("--storage-options", help="fsspec options as JSON")
+    profile.set_defaults(run=_profile)
+    auto = commands.add_parser("autoconfig", help="rank every pipeline configuration by simulated step time")
+    auto.add_argument("--profile", required=True, help="a profile written by `lightning-varuna profile`")
+    auto.add_argument("--devices", type=int, required=True, help="devices (processes) in all")
+    auto.add_argument("--batch-size", type=int, required=True, help="the global batch size")
+    auto.add_argument("--nodes", type=int, default=1)
+    auto.add_argument("--memory-gb", type=float, help="memory per device; configurations needing more are dropped")
+    auto.add_argument("--top", type=int, default=20, help="rows of the table")
+    auto.add_argument("--trace", help="write the best configuration's predicted timeline here (Chrome trace JSON)")
+    auto.add_argument("--storage-options", help="fsspec options as JSON")
+    auto.set_defaults(run=_autoconfig)
     args = parser.parse_args(argv)
     args.run(args)
 

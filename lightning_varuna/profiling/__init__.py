@@ -1,0 +1,1 @@
+"""Profile a model's segments and the network, simulate pipeline configurations, and pick the fastest."""

@@ -1,0 +1,90 @@
+"""Pick the fastest pipeline configuration that fits memory, by simulating every feasible one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_varuna.pipeline.schedules import SCHEDULES
+from lightning_varuna.profiling.profile import ModelProfile
+from lightning_varuna.profiling.simulator import Config, Prediction, simulate
+
+__all__ = ["candidate_configs", "format_ranking", "rank_configs"]
+
+
+def candidate_configs(
+    profile: ModelProfile,
+    devices: int,
+    global_batch_size: int,
+    *,
+    nodes: int = 1,
+    schedules: Sequence[str] | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+) -> list[Config]:
+    """Every (P, D, micro-batch size, schedule) with P x D = ``devices``, P up to the number of segments, D
+    dividing the global batch and a micro-batch no larger than a replica's batch."""
+    sizes = micro_batch_sizes or profile.micro_batch_sizes
+    configs = []
+    for stages in range(1, min(devices, len(profile.segments)) + 1):
+        if devices % stages:
+            continue
+        replicas = devices // stages
+        if global_batch_size % replicas:
+            continue
+        for mb in sizes:
+            if mb > global_batch_size // replicas:
+                continue
+            for schedule in schedules or sorted(SCHEDULES):
+                configs.append(Config(stages, replicas, mb, schedule, global_batch_size, nodes))
+    return configs
+
+
+def rank_configs(
+    profile: ModelProfile,
+    devices: int,
+    global_batch_size: int,
+    *,
+    memory_bytes: int | None = None,
+    nodes: int = 1,
+    schedules: Sequence[str] | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+) -> list[Prediction]:
+    """Simulate every candidate and return those that fit ``memory_bytes`` per device, fastest first.
+
+    Raises:
+        ValueError: no configuration is feasible (says why).
+    """
+    configs = candidate_configs(
+        profile, devices, global_batch_size, nodes=nodes, schedules=schedules, micro_batch_sizes=micro_batch_sizes
+    )
+    if not configs:
+        raise ValueError(
+            f"No pipeline x data-parallel layout of {devices} devices splits a global batch of {global_batch_size} "
+            f"over the profiled micro-batch sizes {profile.micro_batch_sizes} with at most {len(profile.segments)} "
+            "stages; change the batch size or the device count, or profile more micro-batch sizes."
+        )
+    predictions = [simulate(profile, config) for config in configs]
+    fitting = [p for p in predictions if memory_bytes is None or max(p.memory_bytes) <= memory_bytes]
+    if not fitting:
+        least = min(predictions, key=lambda p: max(p.memory_bytes))
+        raise ValueError(
+            f"No configuration fits {memory_bytes / 2**30:.2f} GiB per device; the smallest, {least.config}, needs "
+            f"{max(least.memory_bytes) / 2**30:.2f} GiB. Use more devices or smaller micro-batches."
+        )
+    return sorted(fitting, key=lambda p: (p.step_s, max(p.memory_bytes)))
+
+
+def format_ranking(predictions: Sequence[Prediction], limit: int | None = 20) -> str:
+    """The ranked configurations as a table: predicted step time, memory and bubble."""
+    lines = [
+        f"{'rank':>4}  {'P':>2} {'D':>2} {'mb':>3} {'schedule':<8} {'step ms':>9} {'vs best':>8} "
+        f"{'max memory MB':>14} {'bubble':>7}  stages start at segment"
+    ]
+    best = predictions[0].step_s if predictions else 1.0
+    for i, p in enumerate(predictions[:limit], 1):
+        c = p.config
+        lines.append(
+            f"{i:>4}  {c.pipeline_parallel_size:>2} {c.data_parallel_size:>2} {c.micro_batch_size:>3} "
+            f"{c.schedule:<8} {p.step_s * 1e3:>9.1f} {p.step_s / best:>7.2f}x {max(p.memory_bytes) / 2**20:>14.1f} "
+            f"{p.bubble:>7.0%}  {p.boundaries}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""Measure point-to-point and all-reduce times between processes of this node (gloo on CPU, NCCL on GPUs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from lightning_varuna.profiling.profile import LinearCost, ModelProfile
+
+__all__ = ["profile_network"]
+
+
+def profile_network(
+    profile: ModelProfile,
+    process_counts: list[int],
+    *,
+    repeats: int = 5,
+    progress: bool = True,
+    backend: str = "gloo",
+) -> ModelProfile:
+    """Add the network to ``profile``: send times of its boundary activations and all-reduce times of
+    parameter-sized buffers at every data-parallel width, measured with ``n`` processes running for each ``n``.
+
+    Counts already in the profile are not measured again.
+    """
+    boundary = sorted(
+        {t.output_bytes for s in profile.segments for by_mb in s.timings.values() for t in by_mb.values()}
+    )
+    boundary = [b for b in boundary if b > 0] or [2**16]
+    total = sum(b for s in profile.segments for b in s.parameters.values())
+    reduce_sizes = sorted({max(2**12, int(total / 2**k)) for k in range(0, 8, 2)})
+    todo = [n for n in sorted(set(process_counts)) if n > 1 and n not in profile.p2p]
+    for n in tqdm(todo, desc="Profiling network", disable=not progress, unit="run"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "network.json"
+            job = json.dumps([n, boundary, reduce_sizes, repeats, backend, str(out)])
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            procs = [
+                subprocess.Popen([sys.executable, "-m", __name__, str(rank), job], env=env, stderr=subprocess.PIPE)
+                for rank in range(n)
+            ]
+            failed = [p.stderr.read().decode()[-2000:] for p in procs if p.wait() != 0]  # type: ignore[union-attr]
+            if failed:
+                raise RuntimeError(f"Profiling the network with {n} processes failed:\n{failed[0]}")
+            measured = json.loads(out.read_text())
+        profile.p2p[n] = LinearCost.fit(measured["p2p"])
+        profile.allreduce[n] = {
+            int(d): LinearCost.fit([tuple(s) for s in samples]) for d, samples in measured["allreduce"].items()
+        }
+    return profile
+
+
+def _measure(
+    rank: int, world: int, p2p_sizes: list[int], reduce_sizes: list[int], repeats: int, backend: str, out: str
+) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        result = {"p2p": _point_to_point(rank, world, p2p_sizes, repeats, device), "allreduce": {}}
+        for width in (d for d in range(2, world + 1) if world % d == 0):
+            groups = [dist.new_group(list(range(g, g + width))) for g in range(0, world, width)]
+            group = groups[rank // width]
+            result["allreduce"][width] = [(n, _time_allreduce(n, group, repeats, device)) for n in reduce_sizes]
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _point_to_point(rank: int, world: int, sizes: list[int], repeats: int, device: torch.device) -> list:
+    """One-way time (half a round trip) between ranks 2k and 2k+1, all pairs at once (a lone rank idles)."""
+    peer = rank ^ 1
+    samples = []
+    for nbytes in sizes:
+        buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        times = []
+        for _ in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            if peer < world:
+                if rank % 2 == 0:
+                    dist.send(buffer, peer)
+                    dist.recv(buffer, peer)
+                else:
+                    dist.recv(buffer, peer)
+                    dist.send(buffer, peer)
+            _synchronize(device)
+            times.append((time.perf_counter() - start) / 2)
+        samples.append((nbytes, statistics.median(times[1:])))
+    return samples
+
+
+def _time_allreduce(nbytes: int, group: dist.ProcessGroup, repeats: int, device: torch.device) -> float:
+    buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buffer, group=group)
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    _measure(int(sys.argv[1]), *json.loads(sys.argv[2]))

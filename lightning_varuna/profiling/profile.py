@@ -1,0 +1,170 @@
+"""What the profiler measures, as plain data that reads and writes as human-readable JSON at an fsspec URL."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_varuna.checkpoint.storage import Storage
+
+__all__ = ["LinearCost", "ModelProfile", "SegmentProfile", "SegmentTiming"]
+
+
+@dataclass
+class SegmentTiming:
+    """One segment at one micro-batch size and thread count."""
+
+    forward_s: float  # forward keeping activations for backward (a recompute costs the same)
+    forward_no_grad_s: float  # forward without keeping them (Varuna's first forward on non-last stages)
+    backward_s: float
+    activation_bytes: int  # what autograd saves for backward during the segment's forward
+    output_bytes: int  # the activation at the CutPoint that closes the segment (0 for the last segment)
+
+
+@dataclass
+class SegmentProfile:
+    """The model between two CutPoints: its parameters, optimizer state and timings."""
+
+    name: str  # the CutPoint that closes the segment, or "<output>" for the last one
+    fingerprint: str  # changes when the segment's modules or parameter shapes change
+    parameters: dict[str, int]  # bytes of each parameter it uses (a tied weight appears in each segment using it)
+    optimizer_bytes: int  # optimizer state after one step
+    optimizer_step_s: dict[int, float] = field(default_factory=dict)  # by thread count
+    timings: dict[int, dict[int, SegmentTiming]] = field(default_factory=dict)  # [threads][micro_batch_size]
+
+
+@dataclass
+class LinearCost:
+    """Seconds to move ``n`` bytes: ``latency_s + n / bytes_per_s``, fitted to measurements."""
+
+    latency_s: float
+    bytes_per_s: float
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds) measured
+
+    def __call__(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+
+    @classmethod
+    def fit(cls, samples: list[tuple[int, float]]) -> LinearCost:
+        """Least-squares line through the samples (latency and inverse bandwidth kept non-negative)."""
+        n = len(samples)
+        xs, ys = [float(b) for b, _ in samples], [s for _, s in samples]
+        mean_x, mean_y = sum(xs) / n, sum(ys) / n
+        var = sum((x - mean_x) ** 2 for x in xs)
+        slope = max(sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var, 1e-15) if var else 1e-15
+        latency = max(mean_y - slope * mean_x, 0.0)
+        return cls(latency_s=latency, bytes_per_s=1.0 / slope, samples=[(int(b), s) for b, s in samples])
+
+
+@dataclass
+class ModelProfile:
+    """A model's segments and the network of the machines it will run on, as the simulator needs them."""
+
+    model: str
+    device: str
+    cores_per_node: int  # CPU cores of a node (how many compute streams run at full speed on CPU)
+    segments: list[SegmentProfile]
+    # Measured while ``processes`` ranks of one node run at once (they share its cores): one-way send time by
+    # processes; all-reduce time by processes and group width (all groups of that width reducing together).
+    p2p: dict[int, LinearCost] = field(default_factory=dict)
+    allreduce: dict[int, dict[int, LinearCost]] = field(default_factory=dict)
+    version: int = 1
+
+    @property
+    def cutpoints(self) -> list[str]:
+        return [s.name for s in self.segments[:-1]]
+
+    @property
+    def micro_batch_sizes(self) -> list[int]:
+        sizes = {mb for s in self.segments for by_mb in s.timings.values() for mb in by_mb}
+        return sorted(sizes)
+
+    @property
+    def thread_counts(self) -> list[int]:
+        return sorted({t for s in self.segments for t in s.timings})
+
+    def timing(self, segment: int, threads: int, micro_batch_size: int) -> SegmentTiming:
+        """The timing of a segment, at the nearest profiled thread count, scaled linearly between batch sizes."""
+        by_threads = self.segments[segment].timings
+        threads = min(by_threads, key=lambda t: (abs(t - threads), -t))
+        by_mb = by_threads[threads]
+        if micro_batch_size in by_mb:
+            return by_mb[micro_batch_size]
+        sizes = sorted(by_mb)
+        below = max((s for s in sizes if s < micro_batch_size), default=sizes[0])
+        above = min((s for s in sizes if s > micro_batch_size), default=sizes[-1])
+        if below == above:
+            return _scaled(by_mb[below], micro_batch_size / below)
+        w = (micro_batch_size - below) / (above - below)
+        return _interpolated(by_mb[below], by_mb[above], w)
+
+    # -------------------------------------------------------------------------------------------- storage
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelProfile:
+        raw = json.loads(text)
+        if raw.get("version") != 1:
+            raise ValueError(f"Profile version {raw.get('version')!r} is not supported; profile the model again.")
+        segments = [
+            SegmentProfile(
+                name=s["name"],
+                fingerprint=s["fingerprint"],
+                parameters=s["parameters"],
+                optimizer_bytes=s["optimizer_bytes"],
+                optimizer_step_s={int(t): v for t, v in s["optimizer_step_s"].items()},
+                timings={
+                    int(t): {int(mb): SegmentTiming(**v) for mb, v in by_mb.items()}
+                    for t, by_mb in s["timings"].items()
+                },
+            )
+            for s in raw["segments"]
+        ]
+        return cls(
+            model=raw["model"],
+            device=raw["device"],
+            cores_per_node=raw["cores_per_node"],
+            segments=segments,
+            p2p={int(n): _linear(v) for n, v in raw["p2p"].items()},
+            allreduce={int(n): {int(d): _linear(v) for d, v in by_d.items()} for n, by_d in raw["allreduce"].items()},
+        )
+
+    def save(self, url: str, storage: Storage | None = None) -> None:
+        (storage or Storage()).write_bytes(url, self.to_json().encode())
+
+    @classmethod
+    def load(cls, url: str, storage: Storage | None = None) -> ModelProfile:
+        return cls.from_json((storage or Storage()).read_bytes(url).decode())
+
+
+def _timings_by_size(raw: dict[str, Any]) -> dict[int, SegmentTiming]:
+    return {int(mb): SegmentTiming(**timing) for mb, timing in raw.items()}
+
+
+def _linear(raw: dict[str, Any]) -> LinearCost:
+    return LinearCost(raw["latency_s"], raw["bytes_per_s"], [tuple(s) for s in raw.get("samples", [])])
+
+
+def _interpolated(a: SegmentTiming, b: SegmentTiming, w: float) -> SegmentTiming:
+    def mix(x: float, y: float) -> float:
+        return x + (y - x) * w
+
+    return SegmentTiming(
+        forward_s=mix(a.forward_s, b.forward_s),
+        forward_no_grad_s=mix(a.forward_no_grad_s, b.forward_no_grad_s),
+        backward_s=mix(a.backward_s, b.backward_s),
+        activation_bytes=round(mix(a.activation_bytes, b.activation_bytes)),
+        output_bytes=round(mix(a.output_bytes, b.output_bytes)),
+    )
+
+
+def _scaled(a: SegmentTiming, factor: float) -> SegmentTiming:
+    return SegmentTiming(
+        forward_s=a.forward_s * factor,
+        forward_no_grad_s=a.forward_no_grad_s * factor,
+        backward_s=a.backward_s * factor,
+        activation_bytes=round(a.activation_bytes * factor),
+        output_bytes=round(a.output_bytes * factor),
+    )

@@ -1,0 +1,261 @@
+"""Measure each CutPoint segment of a model: forward, backward and recompute time, activation and parameter memory."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves, tree_map
+from tqdm.auto import tqdm
+
+from lightning_varuna.partition.discovery import _float_leaves, _observe_cutpoints
+from lightning_varuna.pipeline.microbatch import batch_size_of
+from lightning_varuna.profiling.memory import SavedTensorMeter
+from lightning_varuna.profiling.profile import ModelProfile, SegmentProfile, SegmentTiming
+
+__all__ = ["default_thread_counts", "profile_model", "resize_batch"]
+
+
+def default_thread_counts(processes_per_node: int) -> list[int]:
+    """The CPU thread counts a process gets (cores // processes) for every process count up to the given one."""
+    cores = os.cpu_count() or 1
+    return sorted({max(1, cores // n) for n in range(1, processes_per_node + 1)})
+
+
+def resize_batch(inputs: Any, rows: int) -> Any:
+    """The forward inputs with ``rows`` rows: the first rows, repeated when there are fewer."""
+
+    def resize(t: Any) -> Any:
+        if not isinstance(t, Tensor) or t.dim() == 0:
+            return t
+        repeats = -(-rows // t.shape[0])
+        return t.repeat(repeats, *([1] * (t.dim() - 1)))[:rows] if repeats > 1 else t[:rows]
+
+    return tree_map(resize, inputs)
+
+
+def profile_model(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    micro_batch_sizes: Sequence[int] = (1, 2, 4, 8),
+    thread_counts: Sequence[int] | None = None,
+    repeats: int = 5,
+    previous: ModelProfile | None = None,
+    progress: bool = True,
+) -> ModelProfile:
+    """Time and size every segment between the model's CutPoints for each micro-batch size and thread count.
+
+    Args:
+        module: the model; its forward is called with ``args``/``kwargs`` resized to each micro-batch size.
+        micro_batch_sizes: micro-batch sizes to measure (the simulator interpolates between them).
+        thread_counts: CPU threads per process to measure at (default: every ``cores // processes``).
+        repeats: timed passes per measurement (the median is kept).
+        previous: an earlier profile of the same model: what it already has (same segments, size and threads)
+            is kept, not measured again.
+        progress: show a progress bar.
+
+    Returns:
+        A profile without network measurements (see `profile_network`).
+    """
+    kwargs = kwargs or {}
+    thread_counts = sorted(set(thread_counts or default_thread_counts(1)))
+    segments, segment_params = _describe_segments(module, args, kwargs)
+    if previous is not None and [s.fingerprint for s in previous.segments] == [s.fingerprint for s in segments]:
+        for new, old in zip(segments, previous.segments):
+            new.timings = {t: dict(by_mb) for t, by_mb in old.timings.items()}
+            new.optimizer_step_s = dict(old.optimizer_step_s)
+    todo = [
+        (t, mb)
+        for t in thread_counts
+        for mb in sorted(set(micro_batch_sizes))
+        if mb not in segments[0].timings.get(t, {})
+    ]
+    todo += [(t, None) for t in thread_counts if t not in segments[0].optimizer_step_s]
+    was_training, threads_before = module.training, torch.get_num_threads()
+    module.train()
+    try:
+        for threads, mb in tqdm(todo, desc="Profiling segments", disable=not progress, unit="run"):
+            torch.set_num_threads(threads)
+            if mb is None:
+                _time_optimizer_steps(module, segments, segment_params, threads)
+                continue
+            inputs = resize_batch((args, kwargs), mb)
+            for segment, timing in zip(segments, _measure(module, *inputs, repeats)):
+                segment.timings.setdefault(threads, {})[mb] = timing
+    finally:
+        torch.set_num_threads(threads_before)
+        module.train(was_training)
+        module.zero_grad(set_to_none=True)
+    profile = ModelProfile(
+        model=type(module).__name__,
+        device=str(next(iter(module.parameters())).device),
+        cores_per_node=os.cpu_count() or 1,
+        segments=segments,
+    )
+    if previous is not None:  # the network did not change with the model
+        profile.p2p, profile.allreduce = dict(previous.p2p), dict(previous.allreduce)
+    return profile
+
+
+# ------------------------------------------------------------------------------------------------ segments
+def _describe_segments(module: nn.Module, args: tuple, kwargs: dict) -> tuple[list[SegmentProfile], list[list[Tensor]]]:
+    """Which parameters each segment uses (the segment of the first module that owns it) and its fingerprint."""
+    order: list[str] = []
+    first_segment: dict[nn.Module, int] = {}
+
+    def note(mod: nn.Module, _: Any) -> None:
+        first_segment.setdefault(mod, len(order))
+
+    handle = nn.modules.module.register_module_forward_pre_hook(note)
+    try:
+        with torch.no_grad(), _observe_cutpoints(module, batch_size_of(args), on_call=lambda x: None) as order:
+            module(*args, **kwargs)
+    finally:
+        handle.remove()
+    num_segments = len(order) + 1
+    canonical = {p: name for name, p in module.named_parameters()}
+    params: list[dict[str, Tensor]] = [{} for _ in range(num_segments)]
+    kinds: list[list[str]] = [[] for _ in range(num_segments)]
+    for sub in module.modules():
+        segment = first_segment.get(sub, 0)
+        kinds[segment].append(type(sub).__name__)
+        for p in sub.parameters(recurse=False):
+            params[segment][canonical[p]] = p  # a tied weight counts in every segment that uses it
+    result = []
+    for i in range(num_segments):
+        described = [(n, tuple(p.shape), str(p.dtype)) for n, p in params[i].items()]
+        result.append(
+            SegmentProfile(
+                name=order[i] if i < len(order) else "<output>",
+                fingerprint=hashlib.sha1(repr((described, kinds[i])).encode()).hexdigest()[:16],
+                parameters={n: p.numel() * p.element_size() for n, p in params[i].items()},
+                optimizer_bytes=0,
+            )
+        )
+    return result, [list(named.values()) for named in params]
+
+
+# ------------------------------------------------------------------------------------------------ timings
+def _measure(module: nn.Module, args: tuple, kwargs: dict, repeats: int) -> list[SegmentTiming]:
+    _one_pass(module, args, kwargs)  # warm-up: allocator, lazy init
+    runs = [_one_pass(module, args, kwargs) for _ in range(repeats)]
+    no_grad = [_one_forward_no_grad(module, args, kwargs) for _ in range(repeats)]
+    count = len(runs[0]["forward"])
+    return [
+        SegmentTiming(
+            forward_s=statistics.median(r["forward"][i] for r in runs),
+            forward_no_grad_s=statistics.median(r[i] for r in no_grad),
+            backward_s=statistics.median(r["backward"][i] for r in runs),
+            activation_bytes=runs[0]["saved"][i],
+            output_bytes=runs[0]["outputs"][i],
+        )
+        for i in range(count)
+    ]
+
+
+def _one_pass(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, list]:
+    marks: list[float] = []
+    saved_at: list[int] = []
+    outputs: list[int] = []
+    backward_marks: list[float] = []
+    meter = SavedTensorMeter()
+
+    def at_cutpoint(x: Tensor) -> None:
+        marks.append(time.perf_counter())
+        saved_at.append(meter.bytes)
+        outputs.append(x.numel() * x.element_size())
+        if x.requires_grad:
+            x.register_hook(lambda grad: backward_marks.append(time.perf_counter()))
+
+    with meter.measuring(), _observe_cutpoints(module, batch_size_of(args), on_call=at_cutpoint):
+        start = time.perf_counter()
+        output = module(*args, **kwargs)
+        forward_end = time.perf_counter()
+        saved_end = meter.bytes
+    leaves = _float_leaves(output)
+    if leaves:
+        torch.autograd.backward([t.float().sum() for t in leaves])
+    backward_end = time.perf_counter()
+    module.zero_grad(set_to_none=True)
+    bounds = [start, *marks, forward_end]
+    forward = [b - a for a, b in zip(bounds, bounds[1:])]
+    saved_bounds = [0, *saved_at, saved_end]
+    saved = [b - a for a, b in zip(saved_bounds, saved_bounds[1:])]
+    if len(backward_marks) == len(marks):
+        back_bounds = [forward_end, *backward_marks, backward_end]
+        backward = [b - a for a, b in zip(back_bounds, back_bounds[1:])][::-1]
+    else:
+        backward = [2 * f for f in forward]  # no gradient flows through some CutPoint: estimate
+    return {"forward": forward, "backward": backward, "saved": saved, "outputs": [*outputs, 0]}
+
+
+def _one_forward_no_grad(module: nn.Module, args: tuple, kwargs: dict) -> list[float]:
+    marks: list[float] = []
+    with (
+        torch.no_grad(),
+        _observe_cutpoints(module, batch_size_of(args), on_call=lambda x: marks.append(time.perf_counter())),
+    ):
+        start = time.perf_counter()
+        module(*args, **kwargs)
+        end = time.perf_counter()
+    bounds = [start, *marks, end]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+# ------------------------------------------------------------------------------------------------ optimizer
+def _time_optimizer_steps(
+    module: nn.Module,
+    segments: list[SegmentProfile],
+    segment_params: list[list[Tensor]],
+    threads: int,
+    repeats: int = 5,
+) -> None:
+    """Time the model's optimizer stepping each segment's parameters and size the state it keeps."""
+    optimizer_cls, defaults = _optimizer_of(module)
+    for segment, all_params in zip(segments, segment_params):
+        params = [p for p in all_params if p.requires_grad]
+        if not params:
+            segment.optimizer_step_s[threads] = 0.0
+            continue
+        with _scratch_copies(params) as copies:
+            optimizer = optimizer_cls(copies, **defaults)
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                optimizer.step()
+                times.append(time.perf_counter() - start)
+            state = [t for s in optimizer.state.values() for t in tree_leaves(s) if isinstance(t, Tensor)]
+            segment.optimizer_bytes = sum(t.numel() * t.element_size() for t in state if t.dim() > 0)
+        segment.optimizer_step_s[threads] = statistics.median(times[1:])
+
+
+@contextmanager
+def _scratch_copies(params: list[Tensor]) -> Iterator[list[nn.Parameter]]:
+    copies = [nn.Parameter(p.detach().clone()) for p in params]
+    for c in copies:
+        c.grad = torch.full_like(c, 1e-3)
+    yield copies
+
+
+def _optimizer_of(module: nn.Module) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    configure = getattr(module, "configure_optimizers", None)
+    found = configure() if configure is not None else None
+    for _ in range(3):  # a list/tuple/dict of optimizers (and schedulers): take the first optimizer
+        if isinstance(found, dict):
+            found = found.get("optimizer")
+        elif isinstance(found, (list, tuple)) and found:
+            found = found[0]
+    if not isinstance(found, torch.optim.Optimizer):
+        return torch.optim.AdamW, {}
+    accepted = inspect.signature(type(found)).parameters
+    return type(found), {k: v for k, v in found.defaults.items() if k in accepted}

@@ -1,0 +1,285 @@
+"""Predict the step time and memory of a pipeline configuration from a profile, by simulating its schedule."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from lightning_varuna.partition.balance import balance_stages
+from lightning_varuna.pipeline.schedules import SCHEDULES, Action, Phase
+from lightning_varuna.profiling.profile import ModelProfile, SegmentTiming
+
+__all__ = ["Config", "Prediction", "Span", "simulate"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """A way to run the model: ``pipeline_parallel_size`` stages x ``data_parallel_size`` replicas."""
+
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    micro_batch_size: int
+    schedule: str
+    global_batch_size: int
+    nodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def replica_batch_size(self) -> int:
+        return self.global_batch_size // self.data_parallel_size
+
+    def __str__(self) -> str:
+        return f"P={self.pipeline_parallel_size} D={self.data_parallel_size} mb={self.micro_batch_size} {self.schedule}"
+
+
+@dataclass(frozen=True)
+class Span:
+    """One piece of work on one stage of the simulated step."""
+
+    stage: int
+    name: str  # "F3", "R3", "B3", "all-reduce", "optimizer"
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class Prediction:
+    config: Config
+    step_s: float
+    pipeline_s: float  # the pipelined forward/backward of every micro-batch
+    allreduce_s: float
+    optimizer_s: float
+    bubble: float  # share of the pipeline time the stages sit idle, on average
+    memory_bytes: list[int]  # peak per stage: parameters, gradients, optimizer state, activations
+    boundaries: list[int]  # first segment of each stage
+    timeline: list[Span] = field(default_factory=list)
+
+    def chrome_trace(self) -> str:
+        """The step as a Chrome / Perfetto trace (open in ui.perfetto.dev or chrome://tracing)."""
+        events = [
+            {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"predicted: {self.config}"}},
+            *(
+                {"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
+                for s in range(self.config.pipeline_parallel_size)
+            ),
+        ]
+        for span in self.timeline:
+            events.append(
+                {
+                    "name": span.name,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": span.stage,
+                    "ts": span.start_s * 1e6,
+                    "dur": (span.end_s - span.start_s) * 1e6,
+                    "cat": span.name[0],
+                }
+            )
+        return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+
+
+@dataclass
+class _Stage:
+    forward_s: float  # with activations kept
+    forward_no_grad_s: float
+    backward_s: float
+    output_bytes: int  # sent to the next stage per micro-batch (and its gradient back)
+    input_bytes: int
+    activation_bytes: int
+
+
+def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -> Prediction:
+    """Predict one training step of ``config``: the schedule's dependencies and point-to-point transfers,
+    processes sharing the CPU cores of a node, the gradient all-reduce and the optimizer step."""
+    P, D, mb = config.pipeline_parallel_size, config.data_parallel_size, config.micro_batch_size
+    processes_per_node = math.ceil(config.world_size / config.nodes)
+    threads = max(1, profile.cores_per_node // processes_per_node)
+    # Cores per replica-stage stream: replicas run in lockstep, so D copies of each stage compete for the node.
+    streams_per_node = max(1.0, processes_per_node / P)
+    share = profile.cores_per_node / threads / streams_per_node  # how many of one replica's stages run at full speed
+    sizes = _microbatch_sizes(config.replica_batch_size, mb)
+    costs = [t.forward_s + t.backward_s for t in (profile.timing(i, threads, mb) for i in range(len(profile.segments)))]
+    starts = balance_stages(costs, P)
+    bounds = [*starts, len(profile.segments)]
+    stages = {size: _stages(profile, bounds, threads, size) for size in set(sizes)}
+    actions = SCHEDULES[config.schedule](P, len(sizes))
+    spans, ends = _run_pipeline(actions, [stages[s] for s in sizes], profile, processes_per_node, share)
+    pipeline_s = max(ends)
+    stage_params = [_stage_parameters(profile, bounds[s], bounds[s + 1]) for s in range(P)]
+    allreduce_s = 0.0
+    if D > 1:
+        cost = profile.allreduce.get(processes_per_node, {}).get(D) or _nearest_allreduce(profile, D)
+        allreduce_s = max(cost(b) for b in stage_params)
+    optimizer_s = max(
+        sum(_nearest(profile.segments[i].optimizer_step_s, threads) for i in range(bounds[s], bounds[s + 1]))
+        for s in range(P)
+    ) * max(1.0, processes_per_node * threads / profile.cores_per_node)
+    if P > 1:  # the last stage's step output is broadcast to the others (one small message)
+        pipeline_s += _p2p(profile, processes_per_node)(1024)
+    step_s = pipeline_s + allreduce_s + optimizer_s
+    busy = [sum(sp.end_s - sp.start_s for sp in spans if sp.stage == s) for s in range(P)]
+    bubble = 1.0 - sum(busy) / (P * pipeline_s) if pipeline_s > 0 else 0.0
+    memory = [
+        2 * stage_params[s]
+        + sum(profile.segments[i].optimizer_bytes for i in range(bounds[s], bounds[s + 1]))
+        + _peak_activations(actions[s], stages[mb][s] if mb in stages else stages[sizes[0]][s])
+        for s in range(P)
+    ]
+    if timeline:
+        spans += [Span(s, "all-reduce", pipeline_s, pipeline_s + allreduce_s) for s in range(P) if allreduce_s]
+        spans += [Span(s, "optimizer", pipeline_s + allreduce_s, step_s) for s in range(P)]
+    return Prediction(
+        config=config,
+        step_s=step_s,
+        pipeline_s=pipeline_s,
+        allreduce_s=allreduce_s,
+        optimizer_s=optimizer_s,
+        bubble=bubble,
+        memory_bytes=memory,
+        boundaries=starts,
+        timeline=spans if timeline else [],
+    )
+
+
+def _microbatch_sizes(rows: int, micro_batch_size: int) -> list[int]:
+    full, rest = divmod(rows, micro_batch_size)
+    return [micro_batch_size] * full + ([rest] if rest else [])
+
+
+def _stages(profile: ModelProfile, bounds: list[int], threads: int, micro_batch_size: int) -> list[_Stage]:
+    stages = []
+    for s in range(len(bounds) - 1):
+        timings: list[SegmentTiming] = [
+            profile.timing(i, threads, micro_batch_size) for i in range(bounds[s], bounds[s + 1])
+        ]
+        before = profile.timing(bounds[s] - 1, threads, micro_batch_size).output_bytes if s else 0
+        stages.append(
+            _Stage(
+                forward_s=sum(t.forward_s for t in timings),
+                forward_no_grad_s=sum(t.forward_no_grad_s for t in timings),
+                backward_s=sum(t.backward_s for t in timings),
+                output_bytes=timings[-1].output_bytes,
+                input_bytes=before,
+                activation_bytes=sum(t.activation_bytes for t in timings),
+            )
+        )
+    return stages
+
+
+def _run_pipeline(
+    actions: list[list[Action]],
+    microbatches: list[list[_Stage]],
+    profile: ModelProfile,
+    processes_per_node: int,
+    share: float,
+) -> tuple[list[Span], list[float]]:
+    """Event simulation of one replica's stages; the stages that compute at once share ``share`` full-speed
+    streams (processor sharing), and an activation or gradient arrives one transfer after it was produced."""
+    P = len(actions)
+    send = _p2p(profile, processes_per_node)
+    recomputed = [{a.microbatch for a in stage if a.phase is Phase.RECOMPUTE} for stage in actions]
+    arrival: dict[tuple[int, Phase, int], float] = {}  # when stage s may start (phase, m) as far as inputs go
+    position = [0] * P
+    remaining = [0.0] * P
+    running: list[Action | None] = [None] * P
+    started = [0.0] * P
+    free_at = [0.0] * P
+    spans: list[Span] = []
+    now = 0.0
+
+    def duration(stage: int, action: Action) -> float:
+        cost = microbatches[action.microbatch][stage]
+        if action.phase is Phase.FORWARD:
+            return cost.forward_no_grad_s if action.microbatch in recomputed[stage] else cost.forward_s
+        return cost.forward_s if action.phase is Phase.RECOMPUTE else cost.backward_s
+
+    def ready_at(stage: int, action: Action) -> float | None:
+        m = action.microbatch
+        if action.phase is Phase.FORWARD and stage > 0:
+            return arrival.get((stage, Phase.FORWARD, m))
+        if action.phase is Phase.BACKWARD and stage < P - 1:
+            return arrival.get((stage, Phase.BACKWARD, m))
+        return free_at[stage]
+
+    while True:
+        for s in range(P):
+            if running[s] is None and position[s] < len(actions[s]):
+                action = actions[s][position[s]]
+                at = ready_at(s, action)
+                if at is not None and at <= now + 1e-12:
+                    running[s], remaining[s], started[s] = action, duration(s, action), now
+        active = [s for s in range(P) if running[s] is not None]
+        if not active and all(position[s] == len(actions[s]) for s in range(P)):
+            break
+        rate = min(1.0, share / len(active)) if active else 1.0
+        candidates = [now + remaining[s] / rate for s in active]
+        for s in range(P):
+            if running[s] is None and position[s] < len(actions[s]):
+                at = ready_at(s, actions[s][position[s]])
+                if at is not None and at > now:
+                    candidates.append(at)
+        if not candidates:
+            raise RuntimeError("The simulated schedule deadlocks.")  # dry_run-checked schedules never do
+        step = min(candidates) - now
+        now += step
+        for s in active:
+            remaining[s] -= step * rate
+            if remaining[s] <= 1e-12:
+                action = running[s]
+                assert action is not None
+                spans.append(Span(s, str(action), started[s], now))
+                running[s], free_at[s] = None, now
+                position[s] += 1
+                cost = microbatches[action.microbatch][s]
+                if action.phase is Phase.FORWARD and s < P - 1:
+                    arrival[(s + 1, Phase.FORWARD, action.microbatch)] = now + send(cost.output_bytes)
+                if action.phase is Phase.BACKWARD and s > 0:
+                    arrival[(s - 1, Phase.BACKWARD, action.microbatch)] = now + send(cost.input_bytes)
+    return spans, free_at
+
+
+def _peak_activations(actions: list[Action], stage: _Stage) -> int:
+    recomputed = {a.microbatch for a in actions if a.phase is Phase.RECOMPUTE}
+    alive = peak = 0
+    for a in actions:
+        if a.phase is Phase.FORWARD:
+            alive += stage.input_bytes if a.microbatch in recomputed else stage.activation_bytes
+        elif a.phase is Phase.RECOMPUTE:
+            alive += stage.activation_bytes
+        else:
+            alive -= stage.activation_bytes + (stage.input_bytes if a.microbatch in recomputed else 0)
+        peak = max(peak, alive)
+    return peak
+
+
+def _stage_parameters(profile: ModelProfile, first: int, end: int) -> int:
+    merged: dict[str, int] = {}
+    for segment in profile.segments[first:end]:
+        merged.update(segment.parameters)
+    return sum(merged.values())
+
+
+def _p2p(profile: ModelProfile, processes: int):  # noqa: ANN202
+    if not profile.p2p:
+        return lambda nbytes: 0.0
+    return profile.p2p.get(processes) or profile.p2p[min(profile.p2p, key=lambda n: abs(n - processes))]
+
+
+def _nearest_allreduce(profile: ModelProfile, width: int):  # noqa: ANN202
+    options = [(n, by_width[width]) for n, by_width in profile.allreduce.items() if width in by_width]
+    if not options:
+        raise ValueError(
+            f"The profile has no all-reduce time for {width} data-parallel replicas; profile the network with "
+            f"at least {width} processes (`lightning-varuna profile --devices {width}`)."
+        )
+    return min(options, key=lambda item: item[0])[1]
+
+
+def _nearest(by_threads: dict[int, float], threads: int) -> float:
+    if not by_threads:
+        return 0.0
+    return by_threads[min(by_threads, key=lambda t: (abs(t - threads), -t))]
