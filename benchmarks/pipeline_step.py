@@ -262,7 +262,7 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
         _, output_spec = tree_flatten(model(example))
     plan = _StagePlan(model, [cfg.boundary], Topology.from_world(world, rank, world, None), output_spec, example.device)
     graph, stage_module = plan.stage_for((example,), {})
-    plan.release_other_stages(graph)
+    plan.release_other_stages(graph, stage_module)
     if variant.codegen:
         use_fx_codegen(stage_module)  # stage_for caches this module: every step runs it
     params = plan.own_parameters()

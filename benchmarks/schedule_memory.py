@@ -104,6 +104,10 @@ def worker(schedule: str, stages: int, out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+def _per_stage(ranks: list[dict[str, Any]], key: str) -> str:
+    return " / ".join(f"{r[key]:.0f}" for r in ranks)
+
+
 def launch(schedule: str, stages: int, timeout_s: float) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -143,12 +147,8 @@ def main() -> None:
             ranks = launch(schedule, stages, args.timeout)
             rows.append({"stages": stages, "schedule": schedule, "per_stage": ranks})
             print(
-                f"P={stages} {schedule:<7} step ms "
-                + " / ".join(f"{r['step_ms']:.0f}" for r in ranks)
-                + " | saved MB "
-                + " / ".join(f"{r['saved_mb']:.0f}" for r in ranks)
-                + " | peak RSS MB "
-                + " / ".join(f"{r['peak_rss_growth_mb']:.0f}" for r in ranks),
+                f"P={stages} {schedule:<7} step ms {_per_stage(ranks, 'step_ms')} | saved MB "
+                f"{_per_stage(ranks, 'saved_mb')} | peak RSS MB {_per_stage(ranks, 'peak_rss_growth_mb')}",
                 flush=True,
             )
     print("\n| P | schedule | step ms (slowest stage) | saved MB per stage | peak RSS MB per stage |")
@@ -157,10 +157,7 @@ def main() -> None:
         ranks = row["per_stage"]
         print(
             f"| {row['stages']} | {row['schedule']} | {max(r['step_ms'] for r in ranks):.0f} | "
-            + " / ".join(f"{r['saved_mb']:.0f}" for r in ranks)
-            + " | "
-            + " / ".join(f"{r['peak_rss_growth_mb']:.0f}" for r in ranks)
-            + " |"
+            f"{_per_stage(ranks, 'saved_mb')} | {_per_stage(ranks, 'peak_rss_growth_mb')} |"
         )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"config": asdict(cfg), "results": rows}, indent=2) + "\n")

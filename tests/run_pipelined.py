@@ -5,7 +5,8 @@
 Writes ``OUT_DIR/losses.json`` (rank 0: the logged train loss of every step) and ``OUT_DIR/rank{r}.pt``
 (each rank's parameters by name). With ``"checkpoint_dir"`` in the config, a ModelCheckpoint saves there
 every epoch (and ``last``); ``"resume"`` is passed to ``fit(ckpt_path=...)``; ``"save_to"`` saves the final
-state with ``trainer.save_checkpoint``. ``"kill_in_save": {"rank": r, "step": s}`` makes rank ``r`` SIGKILL
+state with ``trainer.save_checkpoint``; ``"trace"`` writes a `PipelineTrace` of step 1 there.
+``"kill_in_save": {"rank": r, "step": s}`` makes rank ``r`` SIGKILL
 itself in the middle of the save at global step ``s``, right after writing its shard.
 """
 
@@ -25,7 +26,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(__file__))
 from models import fit_and_report, model_for, token_dataset  # noqa: E402
 
-from lightning_varuna import VarunaStrategy  # noqa: E402
+from lightning_varuna import PipelineTrace, VarunaStrategy  # noqa: E402
 
 
 class KillInSave(L.Callback):
@@ -59,9 +60,13 @@ def main(out_dir: str, config: dict) -> None:
         schedule=config["schedule"],
         checkpoint_tempdir=config.get("tempdir"),
         storage_options=config.get("storage_options"),
+        profile=config.get("profile"),
+        global_batch_size=config.get("global_batch_size"),
     )
     loader = DataLoader(token_dataset(config["rows"]), batch_size=config["batch_size"])
     callbacks = []
+    if "trace" in config:
+        callbacks.append(PipelineTrace(config["trace"], step=1))
     if "kill_in_save" in config:
         callbacks.append(KillInSave(**config["kill_in_save"]))
     if "checkpoint_dir" in config:
@@ -76,7 +81,7 @@ def main(out_dir: str, config: dict) -> None:
         predict=dp == 1,
         callbacks=callbacks,
         ckpt_path=config.get("resume"),
-        devices=pp * dp,
+        devices=config.get("devices") or pp * dp,
         strategy=strategy,
     )
     if "save_to" in config:
@@ -84,6 +89,8 @@ def main(out_dir: str, config: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
     torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, f"{out_dir}/rank{trainer.global_rank}.pt")
     if trainer.is_global_zero:
+        topology = trainer.strategy.topology
+        result["shape"] = [topology.pipeline_parallel_size, topology.data_parallel_size, strategy.micro_batch_size]
         with open(f"{out_dir}/losses.json", "w") as f:
             json.dump(result, f)
 

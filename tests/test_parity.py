@@ -56,7 +56,7 @@ def run_pipelined(tmp_path, config: dict) -> tuple[dict, list[dict[str, torch.Te
     out = tmp_path / "out"
     proc = run_job([RUNNER, str(out), json.dumps(config)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    world = config["pipeline_parallel_size"] * config["data_parallel_size"]
+    world = config.get("devices") or config["pipeline_parallel_size"] * config["data_parallel_size"]
     shards = [torch.load(out / f"rank{r}.pt") for r in range(world)]
     return json.loads((out / "losses.json").read_text()), shards
 

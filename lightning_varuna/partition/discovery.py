@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +15,9 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.pipeline.microbatch import batch_size_of
+from lightning_varuna.profiling.memory import SavedTensorMeter
 
-__all__ = ["SegmentProfile", "discover_cutpoints", "forward_with_cutpoints", "profile_segments"]
+__all__ = ["SegmentProfile", "discover_cutpoints", "forward_with_cutpoints", "profile_segments", "timed_pass"]
 
 
 @dataclass(frozen=True)
@@ -93,42 +94,55 @@ def _float_leaves(output: Any) -> list[Tensor]:
     return [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
 
 
-def _time_one_step(module: nn.Module, args: tuple, kwargs: dict) -> tuple[list[str], list[float], list[float]]:
-    forward_marks: list[float] = []
-    backward_marks: list[float] = []
+def timed_pass(module: nn.Module, args: tuple, kwargs: dict, meter: SavedTensorMeter | None = None) -> dict[str, list]:
+    """One forward + backward, timed at every CutPoint.
 
-    def mark(x: Tensor) -> None:
-        forward_marks.append(time.perf_counter())
+    Returns:
+        Per segment: ``forward`` and ``backward`` seconds, ``saved`` bytes autograd kept for backward (with a
+        ``meter``; zeros without) and ``outputs``, the bytes of the activation at its closing CutPoint.
+    """
+    marks: list[float] = []
+    saved_at: list[int] = []
+    outputs: list[int] = []
+    backward_marks: list[float] = []
+    measuring = meter.measuring() if meter is not None else nullcontext()
+    meter = meter or SavedTensorMeter()
+
+    def at_cutpoint(x: Tensor) -> None:
+        marks.append(time.perf_counter())
+        saved_at.append(meter.bytes)
+        outputs.append(x.numel() * x.element_size())
         if x.requires_grad:
             x.register_hook(lambda grad: backward_marks.append(time.perf_counter()))
 
-    with _observe_cutpoints(module, batch_size_of(args), on_call=mark) as order:
+    with measuring, _observe_cutpoints(module, batch_size_of(args), on_call=at_cutpoint):
         start = time.perf_counter()
         output = module(*args, **kwargs)
         forward_end = time.perf_counter()
-    outputs = _float_leaves(output)
-    if outputs:
-        torch.autograd.backward([t.float().sum() for t in outputs])
+        saved_end = meter.bytes
+    leaves = _float_leaves(output)
+    if leaves:
+        torch.autograd.backward([t.float().sum() for t in leaves])
     backward_end = time.perf_counter()
     module.zero_grad(set_to_none=True)
-
-    fwd_bounds = [start, *forward_marks, forward_end]
-    forward = [b - a for a, b in zip(fwd_bounds, fwd_bounds[1:])]
-    if len(backward_marks) == len(forward_marks):
-        # Gradients reach the cutpoints last-to-first; segment i's backward ends at cutpoint i-1's mark.
-        bwd_bounds = [forward_end, *backward_marks, backward_end]
-        backward = [b - a for a, b in zip(bwd_bounds, bwd_bounds[1:])][::-1]
+    bounds = [start, *marks, forward_end]
+    forward = [b - a for a, b in zip(bounds, bounds[1:])]
+    saved_bounds = [0, *saved_at, saved_end]
+    saved = [b - a for a, b in zip(saved_bounds, saved_bounds[1:])]
+    if len(backward_marks) == len(marks):
+        back_bounds = [forward_end, *backward_marks, backward_end]
+        backward = [b - a for a, b in zip(back_bounds, back_bounds[1:])][::-1]
     else:
-        backward = [2 * f for f in forward]  # no gradient flows through some cutpoint: estimate
-    return order, forward, backward
+        backward = [2 * f for f in forward]  # no gradient flows through some CutPoint: estimate
+    return {"forward": forward, "backward": backward, "saved": saved, "outputs": [*outputs, 0]}
 
 
 def profile_segments(module: nn.Module, args: tuple, kwargs: dict | None = None, *, repeats: int = 3) -> SegmentProfile:
     """Time forward and backward of every segment between cutpoints (median of ``repeats`` steps)."""
     kwargs = kwargs or {}
-    _time_one_step(module, args, kwargs)  # warm-up: allocator, lazy init
-    runs = [_time_one_step(module, args, kwargs) for _ in range(repeats)]
-    order = runs[0][0]
-    forward = [statistics.median(r[1][i] for r in runs) for i in range(len(order) + 1)]
-    backward = [statistics.median(r[2][i] for r in runs) for i in range(len(order) + 1)]
+    order = discover_cutpoints(module, args, kwargs)
+    timed_pass(module, args, kwargs)  # warm-up: allocator, lazy init
+    runs = [timed_pass(module, args, kwargs) for _ in range(repeats)]
+    forward = [statistics.median(r["forward"][i] for r in runs) for i in range(len(order) + 1)]
+    backward = [statistics.median(r["backward"][i] for r in runs) for i in range(len(order) + 1)]
     return SegmentProfile(cutpoint_names=order, forward_seconds=forward, backward_seconds=backward)

@@ -3,6 +3,7 @@ stages with asynchronous point-to-point sends and receives."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -74,6 +75,8 @@ class StageRuntime:
         self._grad_recvs: dict[int, list[tuple[int, int, Tensor, dist.Work]]] = {}
         self._pending_sends: list[tuple[dist.Work, Tensor]] = []
         self._recomputed: set[int] = set()
+        self.timeline: list[tuple[str, float, float]] | None = None  # when recording: (action, start, end)
+        self._compute_start: float | None = None
         self._stashed: dict[int, tuple[fx.GraphModule, list[Any], _RandomState]] = {}
 
     @property
@@ -98,6 +101,7 @@ class StageRuntime:
             On the last stage, the model's output for the micro-batch; ``None`` elsewhere.
         """
         received = self._receive_activations(microbatch, graph, training)
+        self._compute_start = time.time()
         args = [self._lookup(src, model_inputs, received, None) for src in graph.stage_inputs[self.stage_index]]
         recompute = training and microbatch in self._recomputed
         if recompute:
@@ -145,6 +149,7 @@ class StageRuntime:
         for _, value, grad, work in self._grad_recvs.pop(microbatch, []):
             work.wait()
             summed[value] = summed[value] + grad if value in summed else grad
+        self._compute_start = time.time()
         for value, grad in summed.items():
             if sent[value].requires_grad:
                 tensors.append(sent[value])
@@ -177,6 +182,7 @@ class StageRuntime:
         self._recomputed = {a.microbatch for a in actions if a.phase is Phase.RECOMPUTE}
         try:
             for action in actions:
+                start, self._compute_start = time.time(), None
                 if action.phase is Phase.FORWARD:
                     results[action.microbatch] = run_forward(action.microbatch)
                 elif action.phase is Phase.RECOMPUTE:
@@ -184,6 +190,8 @@ class StageRuntime:
                 else:
                     step_output = results[action.microbatch]
                     self.backward(action.microbatch, loss_of(action.microbatch, step_output))
+                if self.timeline is not None:  # the time spent waiting for a message is not the action's
+                    self.timeline.append((str(action), self._compute_start or start, time.time()))
         finally:
             self.finish()
         return [results[m] for m in sorted(results)]

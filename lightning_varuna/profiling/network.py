@@ -25,7 +25,7 @@ def profile_network(
     profile: ModelProfile,
     process_counts: list[int],
     *,
-    repeats: int = 5,
+    repeats: int = 15,
     progress: bool = True,
     backend: str = "gloo",
 ) -> ModelProfile:
@@ -39,7 +39,8 @@ def profile_network(
     )
     boundary = [b for b in boundary if b > 0] or [2**16]
     total = sum(b for s in profile.segments for b in s.parameters.values())
-    reduce_sizes = sorted({max(2**12, int(total / 2**k)) for k in range(0, 8, 2)})
+    reduce_sizes = sorted({2**12, 2**15, 2**18, 2**21} | {max(2**12, int(total / 2**k)) for k in range(0, 6, 2)})
+    boundary = sorted(set(boundary) | {min(boundary) // 8 or 1, max(boundary) * 4})
     todo = [n for n in sorted(set(process_counts)) if n > 1 and n not in profile.p2p]
     for n in tqdm(todo, desc="Profiling network", disable=not progress, unit="run"):
         with tempfile.TemporaryDirectory() as tmp:
@@ -58,6 +59,7 @@ def profile_network(
         profile.allreduce[n] = {
             int(d): LinearCost.fit([tuple(s) for s in samples]) for d, samples in measured["allreduce"].items()
         }
+        profile.object_broadcast[n] = {int(d): seconds for d, seconds in measured["object_broadcast"].items()}
     return profile
 
 
@@ -69,11 +71,14 @@ def _measure(
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        result = {"p2p": _point_to_point(rank, world, p2p_sizes, repeats, device), "allreduce": {}}
+        result: dict = {"p2p": _point_to_point(rank, world, p2p_sizes, repeats, device)}
+        result["allreduce"], result["object_broadcast"] = {}, {}
         for width in (d for d in range(2, world + 1) if world % d == 0):
             groups = [dist.new_group(list(range(g, g + width))) for g in range(0, world, width)]
             group = groups[rank // width]
+            _time_allreduce(2**12, group, repeats, device)  # warm-up: the group's first collective connects it
             result["allreduce"][width] = [(n, _time_allreduce(n, group, repeats, device)) for n in reduce_sizes]
+            result["object_broadcast"][width] = _time_object_broadcast(group, rank // width * width, repeats)
         if rank == 0:
             Path(out).write_text(json.dumps(result))
     finally:
@@ -111,6 +116,18 @@ def _time_allreduce(nbytes: int, group: dist.ProcessGroup, repeats: int, device:
         start = time.perf_counter()
         dist.all_reduce(buffer, group=group)
         _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _time_object_broadcast(group: dist.ProcessGroup, source: int, repeats: int) -> float:
+    """What VarunaStrategy pays per step to share the last stage's logged values with the other stages."""
+    times = []
+    for _ in range(repeats + 1):
+        payload = [{"loss": torch.tensor(1.0), "logged": {"train_loss": (torch.tensor(1.0), 1.0)}}]
+        dist.barrier()
+        start = time.perf_counter()
+        dist.broadcast_object_list(payload, src=source, group=group)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 

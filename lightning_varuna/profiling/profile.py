@@ -36,25 +36,36 @@ class SegmentProfile:
 
 @dataclass
 class LinearCost:
-    """Seconds to move ``n`` bytes: ``latency_s + n / bytes_per_s``, fitted to measurements."""
+    """Seconds to move ``n`` bytes: between measured sizes, the line through the two nearest samples; beyond them,
+    ``latency_s + n / bytes_per_s`` fitted to all samples (small transfers often cost more than a line says)."""
 
     latency_s: float
     bytes_per_s: float
-    samples: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds) measured
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds) measured, by size
 
     def __call__(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+        if nbytes <= 0:
+            return 0.0
+        points = self.samples
+        if len(points) >= 2 and points[0][0] <= nbytes <= points[-1][0]:
+            for (b0, s0), (b1, s1) in zip(points, points[1:]):
+                if nbytes <= b1:
+                    return s0 + (s1 - s0) * (nbytes - b0) / (b1 - b0) if b1 > b0 else s1
+        if points and nbytes < points[0][0]:
+            return points[0][1]
+        return self.latency_s + nbytes / self.bytes_per_s
 
     @classmethod
     def fit(cls, samples: list[tuple[int, float]]) -> LinearCost:
-        """Least-squares line through the samples (latency and inverse bandwidth kept non-negative)."""
+        """Keep the samples and fit a line to them (latency and inverse bandwidth kept non-negative)."""
+        samples = sorted((int(b), float(s)) for b, s in samples)
         n = len(samples)
         xs, ys = [float(b) for b, _ in samples], [s for _, s in samples]
         mean_x, mean_y = sum(xs) / n, sum(ys) / n
         var = sum((x - mean_x) ** 2 for x in xs)
         slope = max(sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var, 1e-15) if var else 1e-15
         latency = max(mean_y - slope * mean_x, 0.0)
-        return cls(latency_s=latency, bytes_per_s=1.0 / slope, samples=[(int(b), s) for b, s in samples])
+        return cls(latency_s=latency, bytes_per_s=1.0 / slope, samples=samples)
 
 
 @dataclass
@@ -69,6 +80,8 @@ class ModelProfile:
     # processes; all-reduce time by processes and group width (all groups of that width reducing together).
     p2p: dict[int, LinearCost] = field(default_factory=dict)
     allreduce: dict[int, dict[int, LinearCost]] = field(default_factory=dict)
+    # Seconds to broadcast a small Python object (a step's logged values) in groups of each width, by processes.
+    object_broadcast: dict[int, dict[int, float]] = field(default_factory=dict)
     version: int = 1
 
     @property
@@ -129,6 +142,9 @@ class ModelProfile:
             segments=segments,
             p2p={int(n): _linear(v) for n, v in raw["p2p"].items()},
             allreduce={int(n): {int(d): _linear(v) for d, v in by_d.items()} for n, by_d in raw["allreduce"].items()},
+            object_broadcast={
+                int(n): {int(d): v for d, v in by_d.items()} for n, by_d in raw.get("object_broadcast", {}).items()
+            },
         )
 
     def save(self, url: str, storage: Storage | None = None) -> None:

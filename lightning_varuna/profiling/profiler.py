@@ -12,11 +12,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves, tree_map
 from tqdm.auto import tqdm
 
-from lightning_varuna.partition.discovery import _float_leaves, _observe_cutpoints
+from lightning_varuna.partition.discovery import _float_leaves, _observe_cutpoints, timed_pass
+from lightning_varuna.partition.skeleton import ModelSkeleton
+from lightning_varuna.partition.split import PipelineGraph, split_into_stages
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.profiling.profile import ModelProfile, SegmentProfile, SegmentTiming
@@ -83,6 +85,7 @@ def profile_model(
     todo += [(t, None) for t in thread_counts if t not in segments[0].optimizer_step_s]
     was_training, threads_before = module.training, torch.get_num_threads()
     module.train()
+    traced: dict[int, tuple[PipelineGraph, fx.GraphModule]] = {}
     try:
         for threads, mb in tqdm(todo, desc="Profiling segments", disable=not progress, unit="run"):
             torch.set_num_threads(threads)
@@ -90,8 +93,12 @@ def profile_model(
                 _time_optimizer_steps(module, segments, segment_params, threads)
                 continue
             inputs = resize_batch((args, kwargs), mb)
-            for segment, timing in zip(segments, _measure(module, *inputs, repeats)):
-                segment.timings.setdefault(threads, {})[mb] = timing
+            if mb not in traced:
+                traced[mb] = _trace_as_one_stage(module, *inputs)
+            timings = _measure(module, *inputs, repeats)
+            ratios = _runtime_ratio(module, traced[mb], *inputs, repeats)
+            for segment, timing in zip(segments, timings):
+                segment.timings.setdefault(threads, {})[mb] = _scaled_time(timing, ratios)
     finally:
         torch.set_num_threads(threads_before)
         module.train(was_training)
@@ -147,8 +154,8 @@ def _describe_segments(module: nn.Module, args: tuple, kwargs: dict) -> tuple[li
 
 # ------------------------------------------------------------------------------------------------ timings
 def _measure(module: nn.Module, args: tuple, kwargs: dict, repeats: int) -> list[SegmentTiming]:
-    _one_pass(module, args, kwargs)  # warm-up: allocator, lazy init
-    runs = [_one_pass(module, args, kwargs) for _ in range(repeats)]
+    sized = timed_pass(module, args, kwargs, SavedTensorMeter())  # also the warm-up: allocator, lazy init
+    runs = [timed_pass(module, args, kwargs) for _ in range(repeats)]  # timed without the meter's overhead
     no_grad = [_one_forward_no_grad(module, args, kwargs) for _ in range(repeats)]
     count = len(runs[0]["forward"])
     return [
@@ -156,47 +163,11 @@ def _measure(module: nn.Module, args: tuple, kwargs: dict, repeats: int) -> list
             forward_s=statistics.median(r["forward"][i] for r in runs),
             forward_no_grad_s=statistics.median(r[i] for r in no_grad),
             backward_s=statistics.median(r["backward"][i] for r in runs),
-            activation_bytes=runs[0]["saved"][i],
-            output_bytes=runs[0]["outputs"][i],
+            activation_bytes=sized["saved"][i],
+            output_bytes=sized["outputs"][i],
         )
         for i in range(count)
     ]
-
-
-def _one_pass(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, list]:
-    marks: list[float] = []
-    saved_at: list[int] = []
-    outputs: list[int] = []
-    backward_marks: list[float] = []
-    meter = SavedTensorMeter()
-
-    def at_cutpoint(x: Tensor) -> None:
-        marks.append(time.perf_counter())
-        saved_at.append(meter.bytes)
-        outputs.append(x.numel() * x.element_size())
-        if x.requires_grad:
-            x.register_hook(lambda grad: backward_marks.append(time.perf_counter()))
-
-    with meter.measuring(), _observe_cutpoints(module, batch_size_of(args), on_call=at_cutpoint):
-        start = time.perf_counter()
-        output = module(*args, **kwargs)
-        forward_end = time.perf_counter()
-        saved_end = meter.bytes
-    leaves = _float_leaves(output)
-    if leaves:
-        torch.autograd.backward([t.float().sum() for t in leaves])
-    backward_end = time.perf_counter()
-    module.zero_grad(set_to_none=True)
-    bounds = [start, *marks, forward_end]
-    forward = [b - a for a, b in zip(bounds, bounds[1:])]
-    saved_bounds = [0, *saved_at, saved_end]
-    saved = [b - a for a, b in zip(saved_bounds, saved_bounds[1:])]
-    if len(backward_marks) == len(marks):
-        back_bounds = [forward_end, *backward_marks, backward_end]
-        backward = [b - a for a, b in zip(back_bounds, back_bounds[1:])][::-1]
-    else:
-        backward = [2 * f for f in forward]  # no gradient flows through some CutPoint: estimate
-    return {"forward": forward, "backward": backward, "saved": saved, "outputs": [*outputs, 0]}
 
 
 def _one_forward_no_grad(module: nn.Module, args: tuple, kwargs: dict) -> list[float]:
@@ -210,6 +181,63 @@ def _one_forward_no_grad(module: nn.Module, args: tuple, kwargs: dict) -> list[f
         end = time.perf_counter()
     bounds = [start, *marks, end]
     return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+# --------------------------------------------------------------------------------------- runtime overhead
+def _trace_as_one_stage(module: nn.Module, args: tuple, kwargs: dict) -> tuple[PipelineGraph, fx.GraphModule]:
+    """The traced module VarunaStrategy runs for a stage (here: the whole model as one stage)."""
+    real = dict(module.named_parameters())
+    real.update(module.named_buffers())
+    return split_into_stages(module, ModelSkeleton(module), real, args, kwargs, [], 0)
+
+
+def _runtime_ratio(
+    module: nn.Module, traced: tuple[PipelineGraph, fx.GraphModule], args: tuple, kwargs: dict, repeats: int
+) -> tuple[float, float]:
+    """How much longer the traced stage module takes than the eager model: (forward, backward) ratios.
+
+    The segments are timed in eager mode (where CutPoints can be observed); the pipeline runs the traced module,
+    whose forward has a larger per-operation overhead (its backward is the same autograd graph). The simulator
+    needs what the pipeline runs.
+    """
+    graph, stage = traced
+    leaves = tree_leaves((args, kwargs))
+    stage_args = [leaves[src.index] for src in graph.stage_inputs[0]]
+
+    def eager() -> list[Tensor]:
+        return _float_leaves(module(*args, **kwargs))
+
+    def pipelined() -> list[Tensor]:
+        outputs = stage(*stage_args)
+        return _float_leaves(outputs if isinstance(outputs, tuple) else (outputs,))
+
+    times = {}
+    for name, forward in (("eager", eager), ("pipelined", pipelined)):
+        forwards, backwards = [], []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            outputs = forward()
+            middle = time.perf_counter()
+            torch.autograd.backward([t.float().sum() for t in outputs])
+            backwards.append(time.perf_counter() - middle)
+            forwards.append(middle - start)
+            module.zero_grad(set_to_none=True)
+        times[name] = (statistics.median(forwards[1:]), statistics.median(backwards[1:]))
+    return (
+        max(1.0, times["pipelined"][0] / times["eager"][0]),
+        max(1.0, times["pipelined"][1] / times["eager"][1]),
+    )
+
+
+def _scaled_time(timing: SegmentTiming, ratios: tuple[float, float]) -> SegmentTiming:
+    forward, backward = ratios
+    return SegmentTiming(
+        forward_s=timing.forward_s * forward,
+        forward_no_grad_s=timing.forward_no_grad_s * forward,
+        backward_s=timing.backward_s * backward,
+        activation_bytes=timing.activation_bytes,
+        output_bytes=timing.output_bytes,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ optimizer

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.pipeline.schedules import SCHEDULES, Action, Phase
-from lightning_varuna.profiling.profile import ModelProfile, SegmentTiming
+from lightning_varuna.profiling.profile import LinearCost, ModelProfile, SegmentTiming
+from lightning_varuna.profiling.trace import Span, chrome_trace
 
 __all__ = ["Config", "Prediction", "Span", "simulate"]
 
@@ -36,22 +37,12 @@ class Config:
         return f"P={self.pipeline_parallel_size} D={self.data_parallel_size} mb={self.micro_batch_size} {self.schedule}"
 
 
-@dataclass(frozen=True)
-class Span:
-    """One piece of work on one stage of the simulated step."""
-
-    stage: int
-    name: str  # "F3", "R3", "B3", "all-reduce", "optimizer"
-    start_s: float
-    end_s: float
-
-
 @dataclass
 class Prediction:
     config: Config
     step_s: float
     pipeline_s: float  # the pipelined forward/backward of every micro-batch
-    allreduce_s: float
+    allreduce_s: float  # gradients over the replicas, then tied weights over the stages that hold them
     optimizer_s: float
     bubble: float  # share of the pipeline time the stages sit idle, on average
     memory_bytes: list[int]  # peak per stage: parameters, gradients, optimizer state, activations
@@ -60,26 +51,7 @@ class Prediction:
 
     def chrome_trace(self) -> str:
         """The step as a Chrome / Perfetto trace (open in ui.perfetto.dev or chrome://tracing)."""
-        events = [
-            {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"predicted: {self.config}"}},
-            *(
-                {"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
-                for s in range(self.config.pipeline_parallel_size)
-            ),
-        ]
-        for span in self.timeline:
-            events.append(
-                {
-                    "name": span.name,
-                    "ph": "X",
-                    "pid": 0,
-                    "tid": span.stage,
-                    "ts": span.start_s * 1e6,
-                    "dur": (span.end_s - span.start_s) * 1e6,
-                    "cat": span.name[0],
-                }
-            )
-        return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+        return chrome_trace(self.timeline, f"predicted: {self.config}")
 
 
 @dataclass
@@ -112,14 +84,15 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
     stage_params = [_stage_parameters(profile, bounds[s], bounds[s + 1]) for s in range(P)]
     allreduce_s = 0.0
     if D > 1:
-        cost = profile.allreduce.get(processes_per_node, {}).get(D) or _nearest_allreduce(profile, D)
-        allreduce_s = max(cost(b) for b in stage_params)
+        allreduce_s = max(_allreduce(profile, processes_per_node, D)(b) for b in stage_params)
+    for name, holders in _tied_parameters(profile, bounds).items():  # tied weights: summed across their stages
+        allreduce_s += _allreduce(profile, processes_per_node, holders)(_parameter_bytes(profile, name))
     optimizer_s = max(
         sum(_nearest(profile.segments[i].optimizer_step_s, threads) for i in range(bounds[s], bounds[s + 1]))
         for s in range(P)
     ) * max(1.0, processes_per_node * threads / profile.cores_per_node)
-    if P > 1:  # the last stage's step output is broadcast to the others (one small message)
-        pipeline_s += _p2p(profile, processes_per_node)(1024)
+    if P > 1:  # the last stage's step output and logged values go to the other stages
+        pipeline_s += _object_broadcast(profile, processes_per_node, P)
     step_s = pipeline_s + allreduce_s + optimizer_s
     busy = [sum(sp.end_s - sp.start_s for sp in spans if sp.stage == s) for s in range(P)]
     bubble = 1.0 - sum(busy) / (P * pipeline_s) if pipeline_s > 0 else 0.0
@@ -178,7 +151,8 @@ def _run_pipeline(
     share: float,
 ) -> tuple[list[Span], list[float]]:
     """Event simulation of one replica's stages; the stages that compute at once share ``share`` full-speed
-    streams (processor sharing), and an activation or gradient arrives one transfer after it was produced."""
+    streams (processor sharing). A gradient arrives one transfer after it was produced (its receive is posted
+    early); an activation one transfer after both it was sent and its consumer started the forward."""
     P = len(actions)
     send = _p2p(profile, processes_per_node)
     recomputed = [{a.microbatch for a in stage if a.phase is Phase.RECOMPUTE} for stage in actions]
@@ -200,7 +174,12 @@ def _run_pipeline(
     def ready_at(stage: int, action: Action) -> float | None:
         m = action.microbatch
         if action.phase is Phase.FORWARD and stage > 0:
-            return arrival.get((stage, Phase.FORWARD, m))
+            # The runtime posts an activation's receive when the forward starts; the transfer begins then.
+            sent = arrival.get((stage, Phase.FORWARD, m))
+            if sent is None:
+                return None
+            cost = microbatches[m][stage - 1]
+            return max(sent, free_at[stage]) + send(cost.output_bytes)
         if action.phase is Phase.BACKWARD and stage < P - 1:
             return arrival.get((stage, Phase.BACKWARD, m))
         return free_at[stage]
@@ -236,8 +215,8 @@ def _run_pipeline(
                 position[s] += 1
                 cost = microbatches[action.microbatch][s]
                 if action.phase is Phase.FORWARD and s < P - 1:
-                    arrival[(s + 1, Phase.FORWARD, action.microbatch)] = now + send(cost.output_bytes)
-                if action.phase is Phase.BACKWARD and s > 0:
+                    arrival[(s + 1, Phase.FORWARD, action.microbatch)] = now  # sent; see ready_at
+                if action.phase is Phase.BACKWARD and s > 0:  # its receive was posted at the forward
                     arrival[(s - 1, Phase.BACKWARD, action.microbatch)] = now + send(cost.input_bytes)
     return spans, free_at
 
@@ -263,20 +242,42 @@ def _stage_parameters(profile: ModelProfile, first: int, end: int) -> int:
     return sum(merged.values())
 
 
-def _p2p(profile: ModelProfile, processes: int):  # noqa: ANN202
+def _p2p(profile: ModelProfile, processes: int) -> Callable[[float], float]:
     if not profile.p2p:
         return lambda nbytes: 0.0
     return profile.p2p.get(processes) or profile.p2p[min(profile.p2p, key=lambda n: abs(n - processes))]
 
 
-def _nearest_allreduce(profile: ModelProfile, width: int):  # noqa: ANN202
+def _allreduce(profile: ModelProfile, processes: int, width: int) -> LinearCost:
+    """The all-reduce cost of groups of ``width`` measured with ``processes`` running (else the nearest count)."""
     options = [(n, by_width[width]) for n, by_width in profile.allreduce.items() if width in by_width]
     if not options:
         raise ValueError(
-            f"The profile has no all-reduce time for {width} data-parallel replicas; profile the network with "
-            f"at least {width} processes (`lightning-varuna profile --devices {width}`)."
+            f"The profile has no all-reduce time for groups of {width} processes; profile the network with at "
+            f"least {width} processes (`lightning-varuna profile --devices {width}`)."
         )
-    return min(options, key=lambda item: item[0])[1]
+    return min(options, key=lambda item: abs(item[0] - processes))[1]
+
+
+def _object_broadcast(profile: ModelProfile, processes: int, width: int) -> float:
+    options = [(n, d, s) for n, by_width in profile.object_broadcast.items() for d, s in by_width.items()]
+    if not options:
+        return 0.0
+    return min(options, key=lambda item: (abs(item[1] - width), abs(item[0] - processes)))[2]
+
+
+def _tied_parameters(profile: ModelProfile, bounds: list[int]) -> dict[str, int]:
+    """Parameters held by more than one stage, and by how many."""
+    holders: dict[str, set[int]] = {}
+    for stage in range(len(bounds) - 1):
+        for segment in profile.segments[bounds[stage] : bounds[stage + 1]]:
+            for name in segment.parameters:
+                holders.setdefault(name, set()).add(stage)
+    return {name: len(stages) for name, stages in holders.items() if len(stages) > 1}
+
+
+def _parameter_bytes(profile: ModelProfile, name: str) -> int:
+    return next(s.parameters[name] for s in profile.segments if name in s.parameters)
 
 
 def _nearest(by_threads: dict[int, float], threads: int) -> float:

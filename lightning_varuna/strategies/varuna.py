@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -51,6 +52,8 @@ from lightning_varuna.pipeline.runtime import StageRuntime
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
 from lightning_varuna.pipeline.shared_params import SharedParameters
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.profiling.autoconfig import format_ranking, rank_configs
+from lightning_varuna.profiling.profile import ModelProfile
 from lightning_varuna.strategies.resume_last import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_varuna.strategies.step_logging import LogRecorder, replay
 
@@ -76,14 +79,17 @@ class VarunaStrategy(ParallelStrategy):
     training on the global batch (DataLoader batch x data_parallel_size).
 
     Args:
-        pipeline_parallel_size: number of pipeline stages.
+        pipeline_parallel_size: number of pipeline stages, or ``"auto"``: the fastest for the world size that the
+            simulator predicts from ``profile`` (chosen again at every start, so an elastic job adapts).
         data_parallel_size: number of replicas of the pipeline; default: world size / pipeline_parallel_size.
-        micro_batch_size: rows per micro-batch; a last micro-batch may be smaller.
+        micro_batch_size: rows per micro-batch (a last micro-batch may be smaller), or ``"auto"`` (as above).
         schedule: ``"1f1b"``, ``"gpipe"`` or ``"varuna"`` (recompute each forward just before its backward).
         shared_weights: pairs of parameter names that must stay identical (Varuna's ``shared_weights``);
             the second is tied to the first. Parameters already tied (``head.weight = emb.weight``) are found
             on their own.
         profile_repeats: steps timed per segment to balance the stages.
+        profile: a profile written by ``lightning-varuna profile`` (any fsspec URL): the stages are balanced with
+            its timings instead of timing the segments at start-up, so the cut is the one the simulator assumed.
         global_batch_size: rows per optimizer step over all replicas. The training DataLoader is re-batched to
             ``global_batch_size / data_parallel_size`` rows per replica, so a job that restarts at another world
             size trains the same model. Default: DataLoader batch x data_parallel_size.
@@ -101,12 +107,13 @@ class VarunaStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        pipeline_parallel_size: int = 1,
+        pipeline_parallel_size: int | Literal["auto"] = 1,
         data_parallel_size: int | None = None,
-        micro_batch_size: int = 1,
+        micro_batch_size: int | Literal["auto"] = 1,
         schedule: str = "1f1b",
         shared_weights: list[tuple[str, str]] | None = None,
         profile_repeats: int = 3,
+        profile: str | None = None,
         global_batch_size: int | None = None,
         checkpoint_tempdir: str | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -126,20 +133,29 @@ class VarunaStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        for name, value in (("pipeline_parallel_size", pipeline_parallel_size), ("micro_batch_size", micro_batch_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"`VarunaStrategy({name}={value!r})` must be a positive integer.")
+        chosen = {"pipeline_parallel_size": pipeline_parallel_size, "micro_batch_size": micro_batch_size}
+        self._auto = {name for name, value in chosen.items() if value == "auto"}
+        for name, value in chosen.items():
+            if name not in self._auto and (not isinstance(value, int) or value < 1):
+                raise ValueError(f'`VarunaStrategy({name}={value!r})` must be a positive integer or "auto".')
+        if self._auto and (profile is None or global_batch_size is None):
+            auto = ", ".join(f'{name}="auto"' for name in sorted(self._auto))
+            raise ValueError(
+                f"`VarunaStrategy({auto})` picks the fastest configuration from a profile of the model: pass "
+                "`profile=` (written by `lightning-varuna profile`) and the `global_batch_size=` to keep."
+            )
         for name, value in (("data_parallel_size", data_parallel_size), ("global_batch_size", global_batch_size)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"`VarunaStrategy({name}={value!r})` must be a positive integer.")
         if schedule not in SCHEDULES:
             raise ValueError(f"`VarunaStrategy(schedule={schedule!r})` is unknown; choose one of {sorted(SCHEDULES)}.")
-        self.pipeline_parallel_size = pipeline_parallel_size
+        self.pipeline_parallel_size: int = 0 if pipeline_parallel_size == "auto" else pipeline_parallel_size
         self.data_parallel_size = data_parallel_size
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size: int = 0 if micro_batch_size == "auto" else micro_batch_size
         self.schedule = schedule
         self.shared_weights = [tuple(pair) for pair in shared_weights or []]
         self.profile_repeats = profile_repeats
+        self.profile = profile
         self.global_batch_size = global_batch_size
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -218,6 +234,8 @@ class VarunaStrategy(ParallelStrategy):
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
+        if self._auto:
+            self._autoconfigure()
         self.topology = Topology.from_world(
             self.world_size, self.global_rank, self.pipeline_parallel_size, self.data_parallel_size
         )
@@ -237,6 +255,42 @@ class VarunaStrategy(ParallelStrategy):
         topo = self.topology
         self._dp_group = topo.new_groups([topo.replica_ranks(s) for s in range(topo.pipeline_parallel_size)])
         self._pp_group = topo.new_groups([topo.stage_ranks(d) for d in range(topo.data_parallel_size)])
+
+    def _autoconfigure(self) -> None:
+        """Choose what was left ``"auto"`` for this world size: the fastest configuration the simulator predicts."""
+        assert self.profile is not None and self.global_batch_size is not None
+        profile = ModelProfile.load(self.profile, self.checkpoint_storage)
+        memory = None
+        if self.root_device.type == "cuda":
+            memory = torch.cuda.get_device_properties(self.root_device).total_memory
+        ranked = rank_configs(
+            profile,
+            self.world_size,
+            self.global_batch_size,
+            memory_bytes=memory,
+            nodes=self.num_nodes,
+            schedules=[self.schedule],
+            micro_batch_sizes=None if "micro_batch_size" in self._auto else [self.micro_batch_size],
+        )
+        ranked = [
+            p
+            for p in ranked
+            if (
+                "pipeline_parallel_size" in self._auto or p.config.pipeline_parallel_size == self.pipeline_parallel_size
+            )
+            and self.data_parallel_size in (None, p.config.data_parallel_size)
+        ]
+        if not ranked:
+            raise ValueError(
+                f"No configuration of {self.world_size} processes with the sizes you fixed fits; let more of "
+                "`pipeline_parallel_size`, `data_parallel_size` and `micro_batch_size` be chosen, or change them."
+            )
+        best = ranked[0].config
+        self.pipeline_parallel_size, self.micro_batch_size = best.pipeline_parallel_size, best.micro_batch_size
+        rank_zero_info(
+            f"VarunaStrategy chose {best} for {self.world_size} processes (predicted {ranked[0].step_s * 1e3:.1f} ms "
+            f"per step):\n{format_ranking(ranked, 5)}"
+        )
 
     def _init_process_group(self, backend: str, **kwargs: Any) -> None:
         # gloo's worker threads abort the process ("terminate called without an active exception") when the
@@ -342,13 +396,7 @@ class VarunaStrategy(ParallelStrategy):
                 f"{len(cutpoints) + 1} stages or add CutPoints."
             )
         if num_stages > 1:
-            costs = (
-                profile_segments(module, args, kwargs, repeats=self.profile_repeats).costs
-                if self.is_global_zero
-                else None
-            )
-            costs = self.broadcast(costs)
-            starts = balance_stages(costs, num_stages)
+            starts = balance_stages(self._segment_costs(args, kwargs, cutpoints), num_stages)
             boundaries = [cutpoints[start - 1] for start in starts[1:]]
         else:
             boundaries = []
@@ -360,6 +408,28 @@ class VarunaStrategy(ParallelStrategy):
         plan.shared = SharedParameters(graph.stage_parameters, self.topology, dict(module.named_parameters()))
         plan.shared.broadcast_initial_values(self._dp_group)
         return plan
+
+    def _segment_costs(self, args: tuple, kwargs: dict, cutpoints: list[str]) -> list[float]:
+        """Forward + backward seconds of each segment: from ``profile`` if given, else measured now on rank 0."""
+        if self.profile is None:
+            module = self.lightning_module
+            assert module is not None
+            costs = (
+                profile_segments(module, args, kwargs, repeats=self.profile_repeats).costs
+                if self.is_global_zero
+                else None
+            )
+            return self.broadcast(costs)
+        profile = ModelProfile.load(self.profile, self.checkpoint_storage)
+        if profile.cutpoints != cutpoints:
+            raise ValueError(
+                f"The profile {self.profile} was taken of a model with CutPoints {profile.cutpoints}, but this one "
+                f"calls {cutpoints}; profile it again (`lightning-varuna profile`)."
+            )
+        threads, mb = torch.get_num_threads(), self.micro_batch_size
+        return [
+            (t.forward_s + t.backward_s) for t in (profile.timing(i, threads, mb) for i in range(len(profile.segments)))
+        ]
 
     def _example_forward_inputs(self, trainer: pl.Trainer) -> tuple[tuple, dict]:
         """Forward arguments of one micro-batch: ``example_input_array`` or what the first step passes."""
@@ -488,6 +558,16 @@ class VarunaStrategy(ParallelStrategy):
         dist.broadcast_object_list(objects, src=topo.stage_ranks()[-1], group=self._pp_group)
         return objects[0]
 
+    def record_timeline(self) -> None:
+        """Record when each action of the coming training steps runs on this rank (see `PipelineTrace`)."""
+        self._stage_plan().runtime.timeline = []
+
+    def take_timeline(self) -> list[tuple[str, float, float]]:
+        """Stop recording; return this rank's ``(action, start, end)`` in wall-clock seconds."""
+        runtime = self._stage_plan().runtime
+        timeline, runtime.timeline = runtime.timeline or [], None
+        return timeline
+
     def _check_micro_batch_size(self, rows: int) -> None:
         if self.micro_batch_size > rows:
             raise ValueError(
@@ -522,6 +602,7 @@ class VarunaStrategy(ParallelStrategy):
         params = self._stage_plan().own_parameters()
         grads = [parked[p] if p in parked else torch.zeros_like(p) for p in params]
         scale = 1.0 / (topo.data_parallel_size * trainer.accumulate_grad_batches)
+        start = time.time()
         if grads:
             flat = torch._utils._flatten_dense_tensors(grads)
             if topo.data_parallel_size > 1:
@@ -529,6 +610,9 @@ class VarunaStrategy(ParallelStrategy):
             flat.mul_(scale)
             grads = list(torch._utils._unflatten_dense_tensors(flat, grads))
         self._stage_plan().shared.sum_across_stages(dict(zip(params, grads)))
+        timeline = self._stage_plan().runtime.timeline
+        if timeline is not None:
+            timeline.append(("all-reduce", start, time.time()))
         for p, g in zip(params, grads):
             p.grad = g if p.grad is None else p.grad + g
         if getattr(self.precision_plugin, "scaler", None) is not None:

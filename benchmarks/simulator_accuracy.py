@@ -1,0 +1,208 @@
+"""How well the simulator predicts real step times, and whether AutoConfig picks the fastest configuration.
+
+Run from the repository root (about 5 minutes on 2 CPU cores)::
+
+    python benchmarks/simulator_accuracy.py
+
+1. Profiles examples/gpt.py's GPT (8 layers, dim 128, block 64) with ``lightning-varuna profile`` (micro-batch sizes
+   1, 2, 4, 8; communication with 2 to 4 processes) into ``benchmarks/results/gpt.profile.json``.
+2. Trains it with ``Trainer.fit`` + ``VarunaStrategy(profile=...)`` (so the stages are cut where the simulator cuts
+   them) for every configuration in ``CONFIGS`` on a global batch of 16, in fresh processes, and takes the median
+   step time (``on_train_batch_start`` -> ``on_train_batch_end`` on rank 0) after a warm-up. Before each run it
+   waits for other processes to leave the CPUs idle.
+3. Prints measured against predicted step time per configuration, the median absolute error, and where AutoConfig's
+   pick among the measured configurations ranks.
+
+Writes ``benchmarks/results/simulator_accuracy.json`` and, per configuration, the predicted and the measured
+(``PipelineTrace``) timeline of a step to ``benchmarks/results/traces/`` (open them in https://ui.perfetto.dev).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+RESULTS = ROOT / "benchmarks" / "results"
+TRACES = RESULTS / "traces"
+PROFILE = RESULTS / "gpt.profile.json"
+MODEL = dict(vocab_size=65, block_size=64, dim=128, layers=8, heads=4)
+GLOBAL_BATCH = 16
+# (P, D, micro-batch size, schedule)
+CONFIGS = [
+    (1, 1, 4, "1f1b"),
+    (1, 2, 8, "1f1b"),
+    (2, 1, 4, "1f1b"),
+    (2, 1, 2, "gpipe"),
+    (2, 1, 4, "varuna"),
+    (4, 1, 2, "1f1b"),
+    (4, 1, 4, "varuna"),
+    (2, 2, 4, "gpipe"),
+    (2, 2, 2, "varuna"),
+    (1, 4, 4, "1f1b"),
+]
+
+
+def worker(config: list, out: str, warmup: int, steps: int) -> None:
+    """One configuration in Lightning's own processes (Trainer(devices=P*D) starts the other ranks)."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, CharDataset, make_text
+    from pipeline_step import StepTimer
+
+    from lightning_varuna import PipelineTrace, VarunaStrategy
+
+    P, D, mb, schedule = config
+    L.seed_everything(0, verbose=False)
+    data = CharDataset(make_text(), block_size=MODEL["block_size"])
+    model = GPT(**MODEL)
+    timer = StepTimer()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=P * D,
+        strategy=VarunaStrategy(pipeline_parallel_size=P, micro_batch_size=mb, schedule=schedule, profile=str(PROFILE)),
+        max_steps=warmup + steps,
+        callbacks=[timer, PipelineTrace(str(TRACES / f"{_name(config)}.measured.json"), step=warmup)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH // D, shuffle=True))
+    if trainer.is_global_zero:
+        Path(out).write_text(json.dumps({"step_s": timer.step_s[warmup:]}))
+
+
+def measure(config: tuple, warmup: int, steps: int) -> float:
+    """Median step time of ``config``, started once other processes leave the CPUs idle."""
+    from pipeline_step import wait_until_quiet
+
+    wait_until_quiet(60.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "steps.json"
+        command = [sys.executable, __file__, "--worker", json.dumps(config), "--out", str(out)]
+        command += ["--warmup", str(warmup), "--steps", str(steps)]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=_env())
+        if done.returncode != 0:
+            raise RuntimeError(f"{config} failed:\n{done.stderr[-3000:]}")
+        return statistics.median(json.loads(out.read_text())["step_s"])
+
+
+def _name(config: tuple | list) -> str:
+    P, D, mb, schedule = config
+    return f"P{P}-D{D}-mb{mb}-{schedule}"
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--reuse-profile", action="store_true", help="keep an existing profile")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker), args.out, args.warmup, args.steps)
+        return
+
+    from lightning_varuna.profiling.autoconfig import rank_configs
+    from lightning_varuna.profiling.profile import ModelProfile
+    from lightning_varuna.profiling.simulator import Config, simulate
+
+    if not (args.reuse_profile and PROFILE.exists()):
+        subprocess.run(
+            [
+                sys.executable, "-m", "lightning_varuna.cli", "profile", "examples/gpt.py:GPT",
+                "--init-args", json.dumps(MODEL), "--input-shape", f"8x{MODEL['block_size']}", "--input-dtype",
+                "int64", "--micro-batch-sizes", "1", "2", "4", "8", "--devices", "4", "--output", str(PROFILE),
+            ],
+            cwd=ROOT,
+            check=True,
+        )  # fmt: skip
+    profile = ModelProfile.load(str(PROFILE))
+    TRACES.mkdir(parents=True, exist_ok=True)
+    measure(CONFIGS[0], args.warmup, args.steps)  # discarded: the first run after start is slower on this VM
+    rows = []
+    print(f"{'config':<24} {'measured ms':>12} {'predicted ms':>13} {'error':>7}", flush=True)
+    for config in CONFIGS:
+        P, D, mb, schedule = config
+        prediction = simulate(profile, Config(P, D, mb, schedule, GLOBAL_BATCH), timeline=True)
+        (TRACES / f"{_name(config)}.predicted.json").write_text(prediction.chrome_trace())
+        predicted = prediction.step_s
+        measured = measure(config, args.warmup, args.steps)
+        error = (predicted - measured) / measured
+        rows.append(
+            dict(
+                config=list(config),
+                measured_ms=measured * 1e3,
+                predicted_ms=predicted * 1e3,
+                error=error,
+            )
+        )
+        name = f"P={P} D={D} mb={mb} {schedule}"
+        print(
+            f"{name:<24} {measured * 1e3:>12.1f} {predicted * 1e3:>13.1f} {error:>+7.1%}",
+            flush=True,
+        )
+    median_error = statistics.median(abs(r["error"]) for r in rows)
+    by_world: dict[int, list[dict]] = {}
+    for row in rows:
+        by_world.setdefault(row["config"][0] * row["config"][1], []).append(row)
+    picks = []
+    for world, measured_rows in sorted(by_world.items()):
+        if len(measured_rows) < 2:
+            continue
+        ranked = rank_configs(profile, world, GLOBAL_BATCH)
+        among = {tuple(r["config"]) for r in measured_rows}
+        pick = next(p.config for p in ranked if (p.config.pipeline_parallel_size, p.config.data_parallel_size,
+                                                   p.config.micro_batch_size, p.config.schedule) in among)  # fmt: skip
+        key = [pick.pipeline_parallel_size, pick.data_parallel_size, pick.micro_batch_size, pick.schedule]
+        fastest = min(measured_rows, key=lambda r: r["measured_ms"])
+        picked = next(r for r in measured_rows if r["config"] == key)
+        picks.append(
+            dict(
+                devices=world,
+                pick=key,
+                measured_fastest=fastest["config"],
+                pick_vs_fastest=picked["measured_ms"] / fastest["measured_ms"],
+            )
+        )
+        print(
+            f"{world} devices: AutoConfig picks {key} ({picked['measured_ms']:.1f} ms measured); the measured fastest "
+            f"is {fastest['config']} ({fastest['measured_ms']:.1f} ms): {picks[-1]['pick_vs_fastest']:.2f}x"
+        )
+    print(f"\nmedian absolute error: {median_error:.1%} over {len(rows)} configurations")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "simulator_accuracy.json").write_text(
+        json.dumps(
+            {
+                "global_batch": GLOBAL_BATCH,
+                "model": MODEL,
+                "rows": rows,
+                "median_abs_error": median_error,
+                "autoconfig": picks,
+            },
+            indent=2,
+        )
+        + "\n"  # fmt: skip
+    )
+    print(f"wrote {(RESULTS / 'simulator_accuracy.json').relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""`PipelineTrace`: the measured timeline of a training step, as a Chrome / Perfetto trace."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+
+from lightning_varuna.checkpoint.storage import Storage
+from lightning_varuna.profiling.trace import Span, chrome_trace
+
+__all__ = ["PipelineTrace"]
+
+
+class PipelineTrace(pl.Callback):
+    """Record one training step of a `VarunaStrategy` run on every rank and write it as a trace file.
+
+    The trace has a process per data-parallel replica and a thread per pipeline stage; each forward,
+    recompute and backward shows when it computed (waiting for a message is left out, so the gaps are the
+    bubble), followed by the gradient all-reduce and the optimizer step. Open it in https://ui.perfetto.dev
+    next to the simulator's prediction (``lightning-varuna autoconfig --trace``).
+
+    Args:
+        path: where to write the trace (any fsspec URL), written by rank 0.
+        step: the global step to record (after a few steps, when the allocator and caches are warm).
+    """
+
+    def __init__(self, path: str, step: int = 5, storage_options: dict[str, Any] | None = None) -> None:
+        self.path, self.step = path, step
+        self._storage = Storage(storage_options)
+        self._recording = False
+        self._optimizer_start = 0.0
+        self.spans: list[Span] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if trainer.global_step == self.step and not self.spans:
+            trainer.strategy.record_timeline()
+            self._recording = True
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._optimizer_start = time.time()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        if not self._recording:
+            return
+        self._recording = False
+        strategy = trainer.strategy
+        topology = strategy.topology
+        mine = [(name, start, end) for name, start, end in strategy.take_timeline()]
+        mine.append(("optimizer", self._optimizer_start, time.time()))
+        ranks: list[Any] = [None] * trainer.world_size
+        if dist.is_available() and dist.is_initialized():
+            dist.all_gather_object(ranks, (topology.dp_rank, topology.pp_rank, mine))
+        else:
+            ranks = [(0, 0, mine)]
+        self.spans = [
+            Span(stage, name, start, end, replica) for replica, stage, spans in ranks for name, start, end in spans
+        ]
+        if trainer.is_global_zero:
+            title = (
+                f"measured step {self.step}: P={topology.pipeline_parallel_size} D={topology.data_parallel_size} "
+                f"mb={strategy.micro_batch_size} {strategy.schedule}"
+            )
+            self._storage.write_bytes(self.path, chrome_trace(self.spans, title).encode())

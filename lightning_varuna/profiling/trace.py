@@ -1,0 +1,49 @@
+"""Write pipeline timelines (predicted or measured) as Chrome / Perfetto trace files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["Span", "chrome_trace"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One piece of work on one stage of one replica during a training step (seconds)."""
+
+    stage: int
+    name: str  # "F3", "R3", "B3", "all-reduce", "optimizer"
+    start_s: float
+    end_s: float
+    replica: int = 0
+
+
+def chrome_trace(spans: Iterable[Span], title: str) -> str:
+    """A trace with one process per replica and one thread per stage; open it in ui.perfetto.dev or
+    chrome://tracing. Times start at the earliest span."""
+    spans = list(spans)
+    origin = min((s.start_s for s in spans), default=0.0)
+    events: list[dict] = []
+    for replica in sorted({s.replica for s in spans}):
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": replica, "args": {"name": f"{title}, replica {replica}"}}
+        )
+        for stage in sorted({s.stage for s in spans if s.replica == replica}):
+            events.append(
+                {"name": "thread_name", "ph": "M", "pid": replica, "tid": stage, "args": {"name": f"stage {stage}"}}
+            )
+    for span in spans:
+        events.append(
+            {
+                "name": span.name,
+                "cat": span.name.rstrip("0123456789") or span.name,
+                "ph": "X",
+                "pid": span.replica,
+                "tid": span.stage,
+                "ts": (span.start_s - origin) * 1e6,
+                "dur": (span.end_s - span.start_s) * 1e6,
+            }
+        )
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})

@@ -1,0 +1,257 @@
+"""The profiler measures what the simulator needs; the simulator follows the schedules; AutoConfig ranks configs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from models import DIM, SEQ, TinyLM
+
+from lightning_varuna.cli import main as cli
+from lightning_varuna.partition.discovery import discover_cutpoints
+from lightning_varuna.pipeline.schedules import SCHEDULES
+from lightning_varuna.profiling.autoconfig import candidate_configs, format_ranking, rank_configs
+from lightning_varuna.profiling.network import profile_network
+from lightning_varuna.profiling.profile import LinearCost, ModelProfile, SegmentProfile, SegmentTiming
+from lightning_varuna.profiling.profiler import profile_model, resize_batch
+from lightning_varuna.profiling.simulator import Config, simulate
+
+
+def tokens(rows: int) -> torch.Tensor:
+    return torch.randint(0, 11, (rows, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def tiny_profile() -> ModelProfile:
+    torch.manual_seed(0)
+    return profile_model(TinyLM(), (tokens(4),), micro_batch_sizes=[1, 2], thread_counts=[1], repeats=2, progress=False)
+
+
+def test_profile_has_a_segment_per_cutpoint_and_sizes_them(tiny_profile):
+    model = TinyLM()
+    assert tiny_profile.cutpoints == discover_cutpoints(model, (tokens(2),))
+    assert len(tiny_profile.segments) == 5 and tiny_profile.segments[-1].name == "<output>"
+    assert tiny_profile.micro_batch_sizes == [1, 2] and tiny_profile.thread_counts == [1]
+    for segment in tiny_profile.segments[:-1]:
+        one, two = segment.timings[1][1], segment.timings[1][2]
+        # The activation at the CutPoint: rows x SEQ x DIM float32.
+        assert (one.output_bytes, two.output_bytes) == (SEQ * DIM * 4, 2 * SEQ * DIM * 4)
+        assert 0 < one.activation_bytes < two.activation_bytes
+        assert one.forward_s > 0 and one.backward_s > 0 and one.forward_no_grad_s > 0
+    assert tiny_profile.segments[-1].timings[1][1].output_bytes == 0
+    # The tied embedding / head weight is held by the first and the last segment.
+    assert "emb.weight" in tiny_profile.segments[0].parameters
+    assert "emb.weight" in tiny_profile.segments[-1].parameters
+    assert "blocks.2.fc.weight" in tiny_profile.segments[2].parameters
+    # AdamW keeps two moments per parameter.
+    for segment in tiny_profile.segments:
+        assert segment.optimizer_bytes == 2 * sum(segment.parameters.values())
+
+
+def test_profile_round_trips_through_an_fsspec_url(tiny_profile):
+    tiny_profile.save("memory://profiles/tiny.json")
+    assert ModelProfile.load("memory://profiles/tiny.json") == tiny_profile
+    assert json.loads(tiny_profile.to_json())["segments"][0]["name"] == "cuts.0"
+
+
+def test_profiling_again_measures_only_what_is_missing(tiny_profile):
+    updated = profile_model(
+        TinyLM(), (tokens(4),), micro_batch_sizes=[1, 2, 4], thread_counts=[1], previous=tiny_profile, progress=False
+    )
+    for old, new in zip(tiny_profile.segments, updated.segments):
+        assert new.timings[1][1] == old.timings[1][1] and new.timings[1][2] == old.timings[1][2]
+        assert 4 in new.timings[1]
+    # A changed model is measured afresh.
+    changed = profile_model(
+        TinyLM(blocks=4), (tokens(4),), micro_batch_sizes=[1], thread_counts=[1], previous=tiny_profile, progress=False
+    )
+    assert len(changed.segments) == 4 and changed.micro_batch_sizes == [1]
+
+
+def test_resize_batch_repeats_or_cuts_rows():
+    x = torch.arange(6).reshape(3, 2)
+    assert resize_batch((x,), 2)[0].tolist() == [[0, 1], [2, 3]]
+    assert resize_batch((x,), 5)[0].tolist() == [[0, 1], [2, 3], [4, 5], [0, 1], [2, 3]]
+
+
+# ------------------------------------------------------------------------------------------- simulator
+def synthetic(
+    segments: int = 4, forward: float = 1.0, backward: float = 2.0, no_grad: float = 0.5, cores: int = 64
+) -> ModelProfile:
+    """Segments that each take ``forward``/``backward`` seconds per row, save 100 bytes per row, send 10."""
+
+    def timing(rows: int, last: bool) -> SegmentTiming:
+        return SegmentTiming(forward * rows, no_grad * rows, backward * rows, 100 * rows, 0 if last else 10 * rows)
+
+    return ModelProfile(
+        model="synthetic",
+        device="cpu",
+        cores_per_node=cores,
+        segments=[
+            SegmentProfile(
+                name=f"cut{i}",
+                fingerprint=str(i),
+                parameters={f"w{i}": 1000},
+                optimizer_bytes=2000,
+                optimizer_step_s={1: 0.0},
+                timings={1: {1: timing(1, i == segments - 1), 2: timing(2, i == segments - 1)}},
+            )
+            for i in range(segments)
+        ],
+        p2p={n: LinearCost(0.0, 1e18) for n in range(2, 65)},
+        allreduce={n: {d: LinearCost(0.25, 1e3) for d in range(2, 65)} for n in range(2, 65)},
+    )
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize(("stages", "microbatches"), [(1, 4), (2, 4), (4, 8), (2, 1)])
+def test_uniform_pipeline_takes_microbatches_plus_stages_minus_one_slots(schedule, stages, microbatches):
+    profile = synthetic()
+    prediction = simulate(profile, Config(stages, 1, 1, schedule, microbatches), timeline=True)
+    per_stage = (1.0 + 2.0) * 4 / stages
+    assert prediction.pipeline_s == pytest.approx((microbatches + stages - 1) * per_stage)
+    assert prediction.bubble == pytest.approx((stages - 1) / (microbatches + stages - 1))
+    ran = sorted((s.stage, s.name) for s in prediction.timeline if s.name[0] in "FB")
+    assert ran == sorted(
+        (st, str(a)) for st, acts in enumerate(SCHEDULES[schedule](stages, microbatches)) for a in acts
+    )
+
+
+def test_varuna_schedule_pays_the_recompute_and_saves_activation_memory():
+    profile = synthetic()
+    plain = simulate(profile, Config(2, 1, 1, "1f1b", 8))
+    gpipe = simulate(profile, Config(2, 1, 1, "gpipe", 8))
+    varuna = simulate(profile, Config(2, 1, 1, "varuna", 8), timeline=True)
+    assert varuna.step_s > plain.step_s
+    # Stage 0 runs each forward without grad (0.5/row/segment) and again with (1.0) before the backward.
+    stage0 = [s for s in varuna.timeline if s.stage == 0]
+    assert {round(s.end_s - s.start_s, 6) for s in stage0 if s.name[0] == "F"} == {1.0}
+    assert {round(s.end_s - s.start_s, 6) for s in stage0 if s.name[0] == "R"} == {2.0}
+    weights = 2 * 2000 + 2 * 2000  # parameters + gradients + optimizer state of two segments
+    assert gpipe.memory_bytes[0] - weights == 8 * 200  # all 8 micro-batches' activations
+    assert plain.memory_bytes[0] - weights == 2 * 200  # 1F1B: P - stage in flight
+    assert varuna.memory_bytes[0] - weights < plain.memory_bytes[0] - weights
+
+
+def test_replicas_add_the_allreduce_and_share_the_cores():
+    alone = simulate(synthetic(), Config(1, 1, 1, "1f1b", 4))
+    crowded = simulate(synthetic(cores=1), Config(1, 2, 1, "1f1b", 8))  # 2 processes on 1 core
+    roomy = simulate(synthetic(cores=2), Config(1, 2, 1, "1f1b", 8))
+    assert roomy.pipeline_s == pytest.approx(alone.pipeline_s)
+    assert crowded.pipeline_s == pytest.approx(2 * alone.pipeline_s)
+    assert roomy.allreduce_s == pytest.approx(0.25 + 4000 / 1e3)  # all four segments' parameters
+
+
+def test_chrome_trace_has_an_event_per_action():
+    prediction = simulate(synthetic(), Config(2, 2, 1, "varuna", 4), timeline=True)
+    events = json.loads(prediction.chrome_trace())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == len(prediction.timeline)
+    assert {e["name"] for e in spans} >= {"F0", "R0", "B1", "all-reduce", "optimizer"}
+
+
+def test_simulates_hundreds_of_configs_per_second():
+    import time
+
+    profile, configs = synthetic(segments=8), candidate_configs(synthetic(segments=8), 8, 32)
+    start = time.perf_counter()
+    for config in configs:
+        simulate(profile, config)
+    assert len(configs) / (time.perf_counter() - start) > 100
+
+
+# ------------------------------------------------------------------------------------------- AutoConfig
+def test_candidates_cover_every_stage_count_that_divides_the_devices():
+    configs = candidate_configs(synthetic(segments=3), 6, 12)
+    assert {(c.pipeline_parallel_size, c.data_parallel_size) for c in configs} == {(1, 6), (2, 3), (3, 2)}
+    assert {c.schedule for c in configs} == set(SCHEDULES)
+    # A replica's batch of 2 rows has no room for micro-batches of more than 2.
+    assert all(c.micro_batch_size <= c.replica_batch_size for c in configs)
+
+
+def test_ranking_is_fastest_first_and_respects_memory():
+    ranked = rank_configs(synthetic(), 4, 8)
+    assert [p.step_s for p in ranked] == sorted(p.step_s for p in ranked)
+    limit = sorted(max(p.memory_bytes) for p in ranked)[len(ranked) // 2]
+    assert all(max(p.memory_bytes) <= limit for p in rank_configs(synthetic(), 4, 8, memory_bytes=limit))
+    with pytest.raises(ValueError, match="No configuration fits"):
+        rank_configs(synthetic(), 4, 8, memory_bytes=10)
+    with pytest.raises(ValueError, match="No pipeline x data-parallel layout"):
+        rank_configs(synthetic(segments=1), 2, 3)
+    assert "bubble" in format_ranking(ranked).splitlines()[0]
+
+
+def test_cli_profiles_and_autoconfigures(tmp_path, capsys):
+    out = tmp_path / "tiny.json"
+    cli(
+        ["profile", "tests/models.py:TinyLM", "--input-shape", f"4x{SEQ}", "--input-dtype", "int64"]
+        + ["--micro-batch-sizes", "1", "2", "--devices", "2", "--output", str(out)]
+    )
+    profile = ModelProfile.load(str(out))
+    assert profile.micro_batch_sizes == [1, 2] and 2 in profile.p2p and 2 in profile.allreduce[2]
+    trace = tmp_path / "t.json"
+    cli(
+        [
+            "autoconfig",
+            "--profile",
+            str(out),
+            "--devices",
+            "2",
+            "--batch-size",
+            "4",
+            "--trace",
+            str(trace),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert "Best: VarunaStrategy(pipeline_parallel_size=" in printed
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+# ------------------------------------------------------------------------------------------- in training
+def test_auto_configured_run_trains_like_one_device_and_traces_its_step(tmp_path):
+    """``"auto"`` picks AutoConfig's best for the world size; the run matches single-device training; a
+    PipelineTrace of the step shows every action of the chosen schedule on every stage."""
+    from reference import train_reference
+    from test_parity import run_pipelined
+
+    torch.manual_seed(0)
+    profile = profile_model(TinyLM(), (tokens(6),), micro_batch_sizes=[1, 2, 3], thread_counts=[1], progress=False)
+    profile_network(profile, [2], progress=False)
+    profile.save(str(tmp_path / "tiny.json"))
+    config = dict(
+        pipeline_parallel_size="auto",
+        data_parallel_size=None,
+        micro_batch_size="auto",
+        schedule="1f1b",
+        profile=str(tmp_path / "tiny.json"),
+        global_batch_size=6,
+        devices=2,
+        batch_size=6,
+        rows=18,
+        epochs=1,
+        trace=str(tmp_path / "step1.json"),
+    )
+    result, _ = run_pipelined(tmp_path, config)
+    best = rank_configs(profile, 2, 6, schedules=["1f1b"])[0].config
+    P, D, mb = result["shape"]
+    assert (P, D, mb) == (best.pipeline_parallel_size, best.data_parallel_size, best.micro_batch_size)
+    reference, _ = train_reference({**config, "data_parallel_size": D, "batch_size": 6 // D})
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-5)
+
+    events = [e for e in json.loads((tmp_path / "step1.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    for replica in range(D):
+        for stage, actions in enumerate(SCHEDULES["1f1b"](P, -(-6 // D // mb))):
+            mine = sorted((e for e in events if (e["pid"], e["tid"]) == (replica, stage)), key=lambda e: e["ts"])
+            assert [e["name"] for e in mine] == [*map(str, actions), "all-reduce", "optimizer"]
+            assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(mine, mine[1:]))  # one at a time
+
+
+def test_auto_needs_a_profile_and_a_global_batch():
+    from lightning_varuna import VarunaStrategy
+
+    with pytest.raises(ValueError, match=r'pipeline_parallel_size="auto".*pass `profile=`.*global_batch_size='):
+        VarunaStrategy(pipeline_parallel_size="auto")
+    with pytest.raises(ValueError, match=r"must be a positive integer or \"auto\""):
+        VarunaStrategy(micro_batch_size="fast")
