@@ -10,6 +10,13 @@ The LM head is tied to the token embedding, so the first and last stages share i
 Elastic: under ``torchrun`` the process count comes from torchrun; with ``--global-batch-size`` and
 ``--checkpoint-dir``, SIGUSR1 (or SIGTERM) checkpoints and stops the job with exit code 0, and the same command
 at another size resumes it with the same training (see the README's "Morphing").
+
+Auto-configured: profile the model once, then let the strategy pick stages and micro-batches for the devices::
+
+    lightning-varuna profile examples/gpt.py:GPT --init-args '{"vocab_size": 25}' --input-shape 8x32 \
+        --input-dtype int64 --devices 4 --output gpt.profile.json
+    python examples/gpt.py --devices 4 --pipeline-parallel-size auto --micro-batch-size auto \
+        --global-batch-size 16 --profile gpt.profile.json --trace step5.json
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_varuna import CutPoint, MorphCallback, VarunaStrategy
+from lightning_varuna import CutPoint, MorphCallback, PipelineTrace, VarunaStrategy
 
 
 def make_text(num_sentences: int = 2000, seed: int = 0) -> str:
@@ -119,12 +126,18 @@ class GPT(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+def int_or_auto(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--pipeline-parallel-size", type=int, default=2)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument(
+        "--pipeline-parallel-size", type=int_or_auto, default=2, help='stages, or "auto" (needs --profile)'
+    )
+    parser.add_argument("--micro-batch-size", type=int_or_auto, default=2, help='or "auto" (needs --profile)')
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument(
@@ -133,6 +146,8 @@ def main() -> None:
         help="rows per step over all replicas, at any world size (the DataLoader is re-batched to it)",
     )
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--profile", help="a `lightning-varuna profile` of this model: cut with it; needed by auto")
+    parser.add_argument("--trace", help="write the measured timeline of step 5 here (Chrome / Perfetto trace)")
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument(
         "--checkpoint-dir",
@@ -147,6 +162,10 @@ def main() -> None:
     split = int(0.9 * len(data))
     train, val = torch.utils.data.Subset(data, range(split)), torch.utils.data.Subset(data, range(split, len(data)))
     model = GPT(len(data.vocab), layers=args.layers)
+    callbacks: list[L.Callback] = [PipelineTrace(args.trace, step=5)] if args.trace else []
+    if args.checkpoint_dir:
+        callbacks.append(ModelCheckpoint(args.checkpoint_dir, every_n_train_steps=20, save_last=True))
+        callbacks.append(MorphCallback(f"{args.checkpoint_dir}/morph", signal=(signal.SIGUSR1, signal.SIGTERM)))
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
@@ -155,17 +174,13 @@ def main() -> None:
             micro_batch_size=args.micro_batch_size,
             schedule=args.schedule,
             global_batch_size=args.global_batch_size,
+            profile=args.profile,
         ),
         max_steps=args.max_steps,
         val_check_interval=args.max_steps // 2,
         check_val_every_n_epoch=None,  # validate every val_check_interval steps, across epochs
         limit_val_batches=4,
-        callbacks=[
-            ModelCheckpoint(args.checkpoint_dir, every_n_train_steps=20, save_last=True),
-            MorphCallback(f"{args.checkpoint_dir}/morph", signal=(signal.SIGUSR1, signal.SIGTERM)),
-        ]
-        if args.checkpoint_dir
-        else None,
+        callbacks=callbacks,
         enable_checkpointing=bool(args.checkpoint_dir),
         logger=False,
     )
