@@ -10,7 +10,8 @@ builds, 8 micro-batches of 4 sequences per step, 1 thread per process, gloo, fre
 each stage:
 
 * ``saved MB``: the most bytes autograd held for backward at any moment of a step (tensors saved by the forward,
-  counted once per storage, measured with ``torch.autograd.graph.saved_tensors_hooks``). It does not include the
+  counted once per storage, measured with ``torch.autograd.graph.saved_tensors_hooks``; the stage's weights,
+  which matmuls save too, are left out). It does not include the
   stage inputs Varuna's schedule keeps between a forward and its recompute (a few MB here).
 * ``peak RSS MB``: the process's peak resident memory above what it held before the first step (the model is
   built and cut by then); what the machine had to provide (it includes the optimizer state, a few MB).
@@ -74,7 +75,7 @@ def worker(schedule: str, stages: int, out: Path) -> None:
     params = plan.own_parameters()
     optimizer = torch.optim.AdamW(params, lr=3e-3)
     actions = GENERATORS[schedule](stages, cfg.num_microbatches)[rank]
-    meter, step_s = SavedTensorMeter(), []
+    meter, step_s = SavedTensorMeter(exclude=[*stage_module.parameters(), *stage_module.buffers()]), []
     rss_before = current_rss_mb()
     for x, y in batches:
         xs, ys = x.split(cfg.micro_batch_size), y.split(cfg.micro_batch_size)

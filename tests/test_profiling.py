@@ -12,8 +12,9 @@ from lightning_varuna.cli import main as cli
 from lightning_varuna.partition.discovery import discover_cutpoints
 from lightning_varuna.pipeline.schedules import SCHEDULES
 from lightning_varuna.profiling.autoconfig import candidate_configs, format_ranking, rank_configs
+from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.profiling.network import profile_network
-from lightning_varuna.profiling.profile import LinearCost, ModelProfile, SegmentProfile, SegmentTiming
+from lightning_varuna.profiling.profile import LinearCost, ModelProfile, ProfiledSegment, SegmentTiming
 from lightning_varuna.profiling.profiler import profile_model, resize_batch
 from lightning_varuna.profiling.simulator import Config, simulate
 
@@ -61,7 +62,7 @@ def test_profiling_again_measures_only_what_is_missing(tiny_profile):
     )
     for old, new in zip(tiny_profile.segments, updated.segments):
         assert new.timings[1][1] == old.timings[1][1] and new.timings[1][2] == old.timings[1][2]
-        assert 4 in new.timings[1]
+        assert 4 in new.timings[1] and new.optimizer_bytes == old.optimizer_bytes > 0
     # A changed model is measured afresh.
     changed = profile_model(
         TinyLM(blocks=4), (tokens(4),), micro_batch_sizes=[1], thread_counts=[1], previous=tiny_profile, progress=False
@@ -70,9 +71,24 @@ def test_profiling_again_measures_only_what_is_missing(tiny_profile):
 
 
 def test_resize_batch_repeats_or_cuts_rows():
-    x = torch.arange(6).reshape(3, 2)
+    x, mask = torch.arange(6).reshape(3, 2), torch.ones(4, 4)
     assert resize_batch((x,), 2)[0].tolist() == [[0, 1], [2, 3]]
     assert resize_batch((x,), 5)[0].tolist() == [[0, 1], [2, 3], [4, 5], [0, 1], [2, 3]]
+    # Only batch tensors change; a cut batch owns its memory (a view would charge the whole example batch).
+    (cut, same), _ = resize_batch(((x, mask), {}), 1)
+    assert same is mask and cut.untyped_storage().nbytes() == cut.numel() * cut.element_size()
+
+
+def test_saved_tensor_meter_counts_activations_not_weights():
+    linear = torch.nn.Linear(256, 256)
+    x = torch.randn(1, 256, requires_grad=True)
+    counted, activations_only = SavedTensorMeter(), SavedTensorMeter(exclude=linear.parameters())
+    for meter in (counted, activations_only):
+        with meter.measuring():
+            y = linear(x)
+        del y
+    assert counted.peak >= 256 * 256 * 4  # the matmul saves the weight too
+    assert activations_only.peak == 256 * 4  # just the input row
 
 
 # ------------------------------------------------------------------------------------------- simulator
@@ -89,7 +105,7 @@ def synthetic(
         device="cpu",
         cores_per_node=cores,
         segments=[
-            SegmentProfile(
+            ProfiledSegment(
                 name=f"cut{i}",
                 fingerprint=str(i),
                 parameters={f"w{i}": 1000},
@@ -141,6 +157,22 @@ def test_replicas_add_the_allreduce_and_share_the_cores():
     assert roomy.pipeline_s == pytest.approx(alone.pipeline_s)
     assert crowded.pipeline_s == pytest.approx(2 * alone.pipeline_s)
     assert roomy.allreduce_s == pytest.approx(0.25 + 4000 / 1e3)  # all four segments' parameters
+
+
+def test_stages_on_their_own_nodes_do_not_share_cores():
+    crowded = simulate(synthetic(cores=1), Config(2, 1, 1, "1f1b", 4))
+    apart = simulate(synthetic(cores=1), Config(2, 1, 1, "1f1b", 4, nodes=2))
+    roomy = simulate(synthetic(cores=2), Config(2, 1, 1, "1f1b", 4))
+    assert apart.pipeline_s == pytest.approx(roomy.pipeline_s)
+    assert apart.pipeline_s < crowded.pipeline_s
+
+
+def test_configs_the_network_profile_cannot_predict_are_left_out():
+    profile = synthetic()
+    profile.allreduce = {}  # profiled on one device: no data-parallel all-reduce measured
+    with pytest.warns(UserWarning, match="Left out .* all-reduce"):
+        ranked = rank_configs(profile, 2, 4)
+    assert {p.config.data_parallel_size for p in ranked} == {1}
 
 
 def test_chrome_trace_has_an_event_per_action():

@@ -31,16 +31,17 @@ class PipelineTrace(pl.Callback):
         self.path, self.step = path, step
         self._storage = Storage(storage_options)
         self._recording = False
-        self._optimizer_start = 0.0
+        self._optimizer_start: float | None = None
         self.spans: list[Span] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if trainer.global_step == self.step and not self.spans:
             trainer.strategy.record_timeline()
-            self._recording = True
+            self._recording, self._optimizer_start = True, None
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self._optimizer_start = time.time()
+        if self._recording:
+            self._optimizer_start = time.time()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
@@ -50,8 +51,9 @@ class PipelineTrace(pl.Callback):
         self._recording = False
         strategy = trainer.strategy
         topology = strategy.topology
-        mine = [(name, start, end) for name, start, end in strategy.take_timeline()]
-        mine.append(("optimizer", self._optimizer_start, time.time()))
+        mine = strategy.take_timeline()
+        if self._optimizer_start is not None:  # not on a batch that only accumulates gradients
+            mine.append(("optimizer", self._optimizer_start, time.time()))
         ranks: list[Any] = [None] * trainer.world_size
         if dist.is_available() and dist.is_initialized():
             dist.all_gather_object(ranks, (topology.dp_rank, topology.pp_rank, mine))

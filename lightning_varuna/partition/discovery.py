@@ -85,7 +85,7 @@ def discover_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = Non
 
 def forward_with_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = None) -> tuple[list[str], Any]:
     """Run one forward without gradients; return the cutpoints it went through, in order, and its output."""
-    with torch.no_grad(), _observe_cutpoints(module, batch_size_of(args)) as order:
+    with torch.no_grad(), _observe_cutpoints(module, batch_size_of((args, kwargs))) as order:
         output = module(*args, **(kwargs or {}))
     return order, output
 
@@ -115,7 +115,7 @@ def timed_pass(module: nn.Module, args: tuple, kwargs: dict, meter: SavedTensorM
         if x.requires_grad:
             x.register_hook(lambda grad: backward_marks.append(time.perf_counter()))
 
-    with measuring, _observe_cutpoints(module, batch_size_of(args), on_call=at_cutpoint):
+    with measuring, _observe_cutpoints(module, batch_size_of((args, kwargs)), on_call=at_cutpoint):
         start = time.perf_counter()
         output = module(*args, **kwargs)
         forward_end = time.perf_counter()

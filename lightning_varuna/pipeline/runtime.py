@@ -129,8 +129,13 @@ class StageRuntime:
     def recompute(self, microbatch: int) -> None:
         """Run a forward again from its kept inputs and random state, this time keeping its activations."""
         module, args, random_state = self._stashed.pop(microbatch)
+        # The forward already updated the buffers (BatchNorm running statistics): the replay must not again.
+        buffers = [(b, b.clone()) for b in module.buffers()]
         with random_state.replayed():
             outputs = _as_tuple(module(*args))
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
         self._sent[microbatch] = self._wire_values(self._graphs[microbatch], outputs)
 
     def backward(self, microbatch: int, loss: Tensor | None) -> None:

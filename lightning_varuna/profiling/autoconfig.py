@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 from lightning_varuna.pipeline.schedules import SCHEDULES
 from lightning_varuna.profiling.profile import ModelProfile
-from lightning_varuna.profiling.simulator import Config, Prediction, simulate
+from lightning_varuna.profiling.simulator import Config, MissingMeasurement, Prediction, simulate
 
 __all__ = ["candidate_configs", "format_ranking", "rank_configs"]
 
@@ -50,6 +51,8 @@ def rank_configs(
 ) -> list[Prediction]:
     """Simulate every candidate and return those that fit ``memory_bytes`` per device, fastest first.
 
+    Candidates that need a network measurement the profile lacks are left out with a warning.
+
     Raises:
         ValueError: no configuration is feasible (says why).
     """
@@ -62,7 +65,17 @@ def rank_configs(
             f"over the profiled micro-batch sizes {profile.micro_batch_sizes} with at most {len(profile.segments)} "
             "stages; change the batch size or the device count, or profile more micro-batch sizes."
         )
-    predictions = [simulate(profile, config) for config in configs]
+    predictions, skipped = [], []
+    for config in configs:
+        try:
+            predictions.append(simulate(profile, config))
+        except MissingMeasurement as missing:
+            skipped.append(f"{config}: {missing}")
+    if skipped:
+        message = f"Left out {len(skipped)} configuration(s) the profile cannot predict, e.g. {skipped[0]}"
+        warnings.warn(message, stacklevel=2)
+    if not predictions:
+        raise ValueError(f"No configuration can be predicted from this profile: {skipped[0]}")
     fitting = [p for p in predictions if memory_bytes is None or max(p.memory_bytes) <= memory_bytes]
     if not fitting:
         least = min(predictions, key=lambda p: max(p.memory_bytes))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -15,16 +15,15 @@ class SavedTensorMeter:
     """Bytes of the tensors autograd saves for backward while `measuring`, counted once per storage.
 
     ``bytes`` is what is alive now (a saved tensor is released when its graph is freed by backward), ``peak``
-    the most alive at once since the meter was made or ``reset``.
+    the most alive at once. Tensors whose storage is one of ``exclude`` (a model's parameters and buffers,
+    which a matmul saves too) are not activations and are not counted.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
         self._live: dict[int, list[int]] = {}  # storage address -> [references, bytes]
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
         self.bytes = 0
         self.peak = 0
-
-    def reset(self) -> None:
-        self.peak = self.bytes
 
     @contextmanager
     def measuring(self) -> Iterator[None]:
@@ -35,6 +34,8 @@ class SavedTensorMeter:
             def __init__(self, tensor: Tensor) -> None:
                 storage = tensor.untyped_storage()
                 self.tensor, self.key = tensor, storage.data_ptr()
+                if self.key in meter._excluded:
+                    return
                 entry = meter._live.setdefault(self.key, [0, storage.nbytes()])
                 if entry[0] == 0:
                     meter.bytes += entry[1]
@@ -42,6 +43,8 @@ class SavedTensorMeter:
                 entry[0] += 1
 
             def __del__(self) -> None:
+                if self.key in meter._excluded:
+                    return
                 entry = meter._live[self.key]
                 entry[0] -= 1
                 if entry[0] == 0:

@@ -28,6 +28,7 @@ def profile_network(
     repeats: int = 15,
     progress: bool = True,
     backend: str = "gloo",
+    timeout_s: float = 600.0,
 ) -> ModelProfile:
     """Add the network to ``profile``: send times of its boundary activations and all-reduce times of
     parameter-sized buffers at every data-parallel width, measured with ``n`` processes running for each ``n``.
@@ -47,13 +48,13 @@ def profile_network(
             out = Path(tmp) / "network.json"
             job = json.dumps([n, boundary, reduce_sizes, repeats, backend, str(out)])
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-            procs = [
-                subprocess.Popen([sys.executable, "-m", __name__, str(rank), job], env=env, stderr=subprocess.PIPE)
-                for rank in range(n)
-            ]
-            failed = [p.stderr.read().decode()[-2000:] for p in procs if p.wait() != 0]  # type: ignore[union-attr]
-            if failed:
-                raise RuntimeError(f"Profiling the network with {n} processes failed:\n{failed[0]}")
+            logs = [Path(tmp) / f"rank{rank}.log" for rank in range(n)]
+            procs = []
+            for rank, log in enumerate(logs):
+                with open(log, "wb") as sink:
+                    command = [sys.executable, "-m", __name__, str(rank), job]
+                    procs.append(subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT))
+            _wait_all(procs, logs, timeout_s, n)
             measured = json.loads(out.read_text())
         profile.p2p[n] = LinearCost.fit(measured["p2p"])
         profile.allreduce[n] = {
@@ -61,6 +62,24 @@ def profile_network(
         }
         profile.object_broadcast[n] = {int(d): seconds for d, seconds in measured["object_broadcast"].items()}
     return profile
+
+
+def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float, n: int) -> None:
+    """Wait for every rank; if one fails or time runs out, stop the others and raise with its log."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+                p.wait()
+            break
+        time.sleep(0.1)
+    failed = [log for p, log in zip(procs, logs) if p.returncode != 0]
+    if failed:
+        raise RuntimeError(
+            f"Profiling the network with {n} processes failed or took over {timeout_s:.0f} s:\n"
+            + failed[0].read_text(errors="replace")[-3000:]
+        )
 
 
 def _measure(

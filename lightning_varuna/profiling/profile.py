@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning_varuna.checkpoint.storage import Storage
 
-__all__ = ["LinearCost", "ModelProfile", "SegmentProfile", "SegmentTiming"]
+__all__ = ["LinearCost", "ModelProfile", "ProfiledSegment", "SegmentTiming"]
 
 
 @dataclass
@@ -23,7 +23,7 @@ class SegmentTiming:
 
 
 @dataclass
-class SegmentProfile:
+class ProfiledSegment:
     """The model between two CutPoints: its parameters, optimizer state and timings."""
 
     name: str  # the CutPoint that closes the segment, or "<output>" for the last one
@@ -36,8 +36,9 @@ class SegmentProfile:
 
 @dataclass
 class LinearCost:
-    """Seconds to move ``n`` bytes: between measured sizes, the line through the two nearest samples; beyond them,
-    ``latency_s + n / bytes_per_s`` fitted to all samples (small transfers often cost more than a line says)."""
+    """Seconds to move ``n`` bytes: between measured sizes, the line through the two nearest samples; below them,
+    the smallest sample's time; above them, ``latency_s + n / bytes_per_s`` fitted to all samples (small
+    transfers often cost more than a line says)."""
 
     latency_s: float
     bytes_per_s: float
@@ -75,7 +76,7 @@ class ModelProfile:
     model: str
     device: str
     cores_per_node: int  # CPU cores of a node (how many compute streams run at full speed on CPU)
-    segments: list[SegmentProfile]
+    segments: list[ProfiledSegment]
     # Measured while ``processes`` ranks of one node run at once (they share its cores): one-way send time by
     # processes; all-reduce time by processes and group width (all groups of that width reducing together).
     p2p: dict[int, LinearCost] = field(default_factory=dict)
@@ -83,6 +84,10 @@ class ModelProfile:
     # Seconds to broadcast a small Python object (a step's logged values) in groups of each width, by processes.
     object_broadcast: dict[int, dict[int, float]] = field(default_factory=dict)
     version: int = 1
+
+    def threads_per_process(self, processes_per_node: int) -> int:
+        """The CPU threads each process gets when ``processes_per_node`` share a node (as Lightning sets them)."""
+        return max(1, self.cores_per_node // processes_per_node)
 
     @property
     def cutpoints(self) -> list[str]:
@@ -122,16 +127,13 @@ class ModelProfile:
         if raw.get("version") != 1:
             raise ValueError(f"Profile version {raw.get('version')!r} is not supported; profile the model again.")
         segments = [
-            SegmentProfile(
+            ProfiledSegment(
                 name=s["name"],
                 fingerprint=s["fingerprint"],
                 parameters=s["parameters"],
                 optimizer_bytes=s["optimizer_bytes"],
                 optimizer_step_s={int(t): v for t, v in s["optimizer_step_s"].items()},
-                timings={
-                    int(t): {int(mb): SegmentTiming(**v) for mb, v in by_mb.items()}
-                    for t, by_mb in s["timings"].items()
-                },
+                timings={int(t): _timings_by_size(by_mb) for t, by_mb in s["timings"].items()},
             )
             for s in raw["segments"]
         ]

@@ -21,7 +21,7 @@ from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.profiling.memory import SavedTensorMeter
-from lightning_varuna.profiling.profile import ModelProfile, SegmentProfile, SegmentTiming
+from lightning_varuna.profiling.profile import ModelProfile, ProfiledSegment, SegmentTiming
 
 __all__ = ["default_thread_counts", "profile_model", "resize_batch"]
 
@@ -33,13 +33,15 @@ def default_thread_counts(processes_per_node: int) -> list[int]:
 
 
 def resize_batch(inputs: Any, rows: int) -> Any:
-    """The forward inputs with ``rows`` rows: the first rows, repeated when there are fewer."""
+    """The forward inputs with ``rows`` rows: the first rows, repeated when there are fewer. Only tensors whose
+    dim 0 is the batch are resized (as micro-batching does); the results own their memory."""
+    batch = batch_size_of(inputs)
 
     def resize(t: Any) -> Any:
-        if not isinstance(t, Tensor) or t.dim() == 0:
+        if not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] != batch:
             return t
-        repeats = -(-rows // t.shape[0])
-        return t.repeat(repeats, *([1] * (t.dim() - 1)))[:rows] if repeats > 1 else t[:rows]
+        repeats = -(-rows // batch)
+        return t.repeat(repeats, *([1] * (t.dim() - 1)))[:rows].clone()
 
     return tree_map(resize, inputs)
 
@@ -76,6 +78,7 @@ def profile_model(
         for new, old in zip(segments, previous.segments):
             new.timings = {t: dict(by_mb) for t, by_mb in old.timings.items()}
             new.optimizer_step_s = dict(old.optimizer_step_s)
+            new.optimizer_bytes = old.optimizer_bytes
     todo = [
         (t, mb)
         for t in thread_counts
@@ -111,21 +114,28 @@ def profile_model(
     )
     if previous is not None:  # the network did not change with the model
         profile.p2p, profile.allreduce = dict(previous.p2p), dict(previous.allreduce)
+        profile.object_broadcast = dict(previous.object_broadcast)
     return profile
 
 
 # ------------------------------------------------------------------------------------------------ segments
-def _describe_segments(module: nn.Module, args: tuple, kwargs: dict) -> tuple[list[SegmentProfile], list[list[Tensor]]]:
-    """Which parameters each segment uses (the segment of the first module that owns it) and its fingerprint."""
+def _describe_segments(
+    module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[list[ProfiledSegment], list[list[Tensor]]]:
+    """The parameters each segment uses (those of every module it calls) and its fingerprint: the modules,
+    parameter shapes and the shape of one input row, so a changed model or sequence length is measured again."""
     order: list[str] = []
-    first_segment: dict[nn.Module, int] = {}
+    calls: dict[nn.Module, set[int]] = {}
 
     def note(mod: nn.Module, _: Any) -> None:
-        first_segment.setdefault(mod, len(order))
+        calls.setdefault(mod, set()).add(len(order))
 
     handle = nn.modules.module.register_module_forward_pre_hook(note)
     try:
-        with torch.no_grad(), _observe_cutpoints(module, batch_size_of(args), on_call=lambda x: None) as order:
+        with (
+            torch.no_grad(),
+            _observe_cutpoints(module, batch_size_of((args, kwargs)), on_call=lambda x: None) as order,
+        ):
             module(*args, **kwargs)
     finally:
         handle.remove()
@@ -134,17 +144,18 @@ def _describe_segments(module: nn.Module, args: tuple, kwargs: dict) -> tuple[li
     params: list[dict[str, Tensor]] = [{} for _ in range(num_segments)]
     kinds: list[list[str]] = [[] for _ in range(num_segments)]
     for sub in module.modules():
-        segment = first_segment.get(sub, 0)
-        kinds[segment].append(type(sub).__name__)
-        for p in sub.parameters(recurse=False):
-            params[segment][canonical[p]] = p  # a tied weight counts in every segment that uses it
+        for segment in sorted(calls.get(sub, {0})):
+            kinds[segment].append(type(sub).__name__)
+            for p in sub.parameters(recurse=False):
+                params[segment][canonical[p]] = p  # a tied or reused weight counts in every segment using it
+    row_shapes = [(tuple(t.shape[1:]), str(t.dtype)) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
     result = []
     for i in range(num_segments):
         described = [(n, tuple(p.shape), str(p.dtype)) for n, p in params[i].items()]
         result.append(
-            SegmentProfile(
+            ProfiledSegment(
                 name=order[i] if i < len(order) else "<output>",
-                fingerprint=hashlib.sha1(repr((described, kinds[i])).encode()).hexdigest()[:16],
+                fingerprint=hashlib.sha1(repr((described, kinds[i], row_shapes)).encode()).hexdigest()[:16],
                 parameters={n: p.numel() * p.element_size() for n, p in params[i].items()},
                 optimizer_bytes=0,
             )
@@ -154,7 +165,8 @@ def _describe_segments(module: nn.Module, args: tuple, kwargs: dict) -> tuple[li
 
 # ------------------------------------------------------------------------------------------------ timings
 def _measure(module: nn.Module, args: tuple, kwargs: dict, repeats: int) -> list[SegmentTiming]:
-    sized = timed_pass(module, args, kwargs, SavedTensorMeter())  # also the warm-up: allocator, lazy init
+    weights = [*module.parameters(), *module.buffers()]
+    sized = timed_pass(module, args, kwargs, SavedTensorMeter(exclude=weights))  # also the warm-up
     runs = [timed_pass(module, args, kwargs) for _ in range(repeats)]  # timed without the meter's overhead
     no_grad = [_one_forward_no_grad(module, args, kwargs) for _ in range(repeats)]
     count = len(runs[0]["forward"])
@@ -243,7 +255,7 @@ def _scaled_time(timing: SegmentTiming, ratios: tuple[float, float]) -> SegmentT
 # ------------------------------------------------------------------------------------------------ optimizer
 def _time_optimizer_steps(
     module: nn.Module,
-    segments: list[SegmentProfile],
+    segments: list[ProfiledSegment],
     segment_params: list[list[Tensor]],
     threads: int,
     repeats: int = 5,

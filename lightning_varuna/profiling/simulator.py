@@ -11,7 +11,11 @@ from lightning_varuna.pipeline.schedules import SCHEDULES, Action, Phase
 from lightning_varuna.profiling.profile import LinearCost, ModelProfile, SegmentTiming
 from lightning_varuna.profiling.trace import Span, chrome_trace
 
-__all__ = ["Config", "Prediction", "Span", "simulate"]
+__all__ = ["Config", "MissingMeasurement", "Prediction", "Span", "simulate"]
+
+
+class MissingMeasurement(ValueError):
+    """The profile lacks a network measurement the configuration needs."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,39 @@ class Prediction:
         return chrome_trace(self.timeline, f"predicted: {self.config}")
 
 
+@dataclass(frozen=True)
+class _CoreSharing:
+    """How the processes of a node share its CPU cores (processor sharing); on GPUs each has its own device."""
+
+    node_of_stage: list[int]  # the node of each stage of replica 0 (ranks are replica-major)
+    copies: int  # replicas of a stage on one node: they run in lockstep and compete with each other
+    streams: float  # processes a node runs at full speed at once (cores / threads per process); 0: no sharing
+
+    @classmethod
+    def of(cls, profile: ModelProfile, stages: int, processes_per_node: int, threads: int) -> _CoreSharing:
+        on_cpu = not profile.device.startswith("cuda")
+        return cls(
+            node_of_stage=[s // processes_per_node for s in range(stages)],
+            copies=max(1, processes_per_node // stages),
+            streams=profile.cores_per_node / threads if on_cpu else 0.0,
+        )
+
+    def rate(self, stage: int, active: list[int]) -> float:
+        """Speed of ``stage`` (1 = as profiled) while the stages ``active`` compute."""
+        if not self.streams:
+            return 1.0
+        busy = self.copies * sum(self.node_of_stage[s] == self.node_of_stage[stage] for s in active)
+        return min(1.0, self.streams / busy)
+
+    @property
+    def slowdown_all_busy(self) -> float:
+        """How much slower a step that every process runs at once (the optimizer step) takes than profiled."""
+        if not self.streams:
+            return 1.0
+        busy = self.copies * max(self.node_of_stage.count(n) for n in set(self.node_of_stage))
+        return max(1.0, busy / self.streams)
+
+
 @dataclass
 class _Stage:
     forward_s: float  # with activations kept
@@ -69,17 +106,15 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
     processes sharing the CPU cores of a node, the gradient all-reduce and the optimizer step."""
     P, D, mb = config.pipeline_parallel_size, config.data_parallel_size, config.micro_batch_size
     processes_per_node = math.ceil(config.world_size / config.nodes)
-    threads = max(1, profile.cores_per_node // processes_per_node)
-    # Cores per replica-stage stream: replicas run in lockstep, so D copies of each stage compete for the node.
-    streams_per_node = max(1.0, processes_per_node / P)
-    share = profile.cores_per_node / threads / streams_per_node  # how many of one replica's stages run at full speed
+    threads = profile.threads_per_process(processes_per_node)
+    sharing = _CoreSharing.of(profile, P, processes_per_node, threads)
     sizes = _microbatch_sizes(config.replica_batch_size, mb)
     costs = [t.forward_s + t.backward_s for t in (profile.timing(i, threads, mb) for i in range(len(profile.segments)))]
     starts = balance_stages(costs, P)
     bounds = [*starts, len(profile.segments)]
     stages = {size: _stages(profile, bounds, threads, size) for size in set(sizes)}
     actions = SCHEDULES[config.schedule](P, len(sizes))
-    spans, ends = _run_pipeline(actions, [stages[s] for s in sizes], profile, processes_per_node, share)
+    spans, ends = _run_pipeline(actions, [stages[s] for s in sizes], profile, processes_per_node, sharing)
     pipeline_s = max(ends)
     stage_params = [_stage_parameters(profile, bounds[s], bounds[s + 1]) for s in range(P)]
     allreduce_s = 0.0
@@ -87,10 +122,13 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
         allreduce_s = max(_allreduce(profile, processes_per_node, D)(b) for b in stage_params)
     for name, holders in _tied_parameters(profile, bounds).items():  # tied weights: summed across their stages
         allreduce_s += _allreduce(profile, processes_per_node, holders)(_parameter_bytes(profile, name))
-    optimizer_s = max(
-        sum(_nearest(profile.segments[i].optimizer_step_s, threads) for i in range(bounds[s], bounds[s + 1]))
-        for s in range(P)
-    ) * max(1.0, processes_per_node * threads / profile.cores_per_node)
+    optimizer_s = (
+        max(
+            sum(_nearest(profile.segments[i].optimizer_step_s, threads) for i in range(bounds[s], bounds[s + 1]))
+            for s in range(P)
+        )
+        * sharing.slowdown_all_busy
+    )
     if P > 1:  # the last stage's step output and logged values go to the other stages
         pipeline_s += _object_broadcast(profile, processes_per_node, P)
     step_s = pipeline_s + allreduce_s + optimizer_s
@@ -148,10 +186,10 @@ def _run_pipeline(
     microbatches: list[list[_Stage]],
     profile: ModelProfile,
     processes_per_node: int,
-    share: float,
+    sharing: _CoreSharing,
 ) -> tuple[list[Span], list[float]]:
-    """Event simulation of one replica's stages; the stages that compute at once share ``share`` full-speed
-    streams (processor sharing). A gradient arrives one transfer after it was produced (its receive is posted
+    """Event simulation of one replica's stages; the stages that compute at once on a node share its cores
+    (processor sharing). A gradient arrives one transfer after it was produced (its receive is posted
     early); an activation one transfer after both it was sent and its consumer started the forward."""
     P = len(actions)
     send = _p2p(profile, processes_per_node)
@@ -194,8 +232,8 @@ def _run_pipeline(
         active = [s for s in range(P) if running[s] is not None]
         if not active and all(position[s] == len(actions[s]) for s in range(P)):
             break
-        rate = min(1.0, share / len(active)) if active else 1.0
-        candidates = [now + remaining[s] / rate for s in active]
+        rates = {s: sharing.rate(s, active) for s in active}
+        candidates = [now + remaining[s] / rates[s] for s in active]
         for s in range(P):
             if running[s] is None and position[s] < len(actions[s]):
                 at = ready_at(s, actions[s][position[s]])
@@ -206,7 +244,7 @@ def _run_pipeline(
         step = min(candidates) - now
         now += step
         for s in active:
-            remaining[s] -= step * rate
+            remaining[s] -= step * rates[s]
             if remaining[s] <= 1e-12:
                 action = running[s]
                 assert action is not None
@@ -244,7 +282,9 @@ def _stage_parameters(profile: ModelProfile, first: int, end: int) -> int:
 
 def _p2p(profile: ModelProfile, processes: int) -> Callable[[float], float]:
     if not profile.p2p:
-        return lambda nbytes: 0.0
+        raise MissingMeasurement(
+            "the profile has no point-to-point times between stages; profile with `--devices` 2 or more."
+        )
     return profile.p2p.get(processes) or profile.p2p[min(profile.p2p, key=lambda n: abs(n - processes))]
 
 
@@ -252,9 +292,9 @@ def _allreduce(profile: ModelProfile, processes: int, width: int) -> LinearCost:
     """The all-reduce cost of groups of ``width`` measured with ``processes`` running (else the nearest count)."""
     options = [(n, by_width[width]) for n, by_width in profile.allreduce.items() if width in by_width]
     if not options:
-        raise ValueError(
-            f"The profile has no all-reduce time for groups of {width} processes; profile the network with at "
-            f"least {width} processes (`lightning-varuna profile --devices {width}`)."
+        raise MissingMeasurement(
+            f"the profile has no all-reduce time for groups of {width} processes; profile the network with a "
+            f"multiple of {width} processes on one node (`lightning-varuna profile --devices {width}`)."
         )
     return min(options, key=lambda item: abs(item[0] - processes))[1]
 

@@ -54,6 +54,7 @@ from lightning_varuna.pipeline.shared_params import SharedParameters
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.profiling.autoconfig import format_ranking, rank_configs
 from lightning_varuna.profiling.profile import ModelProfile
+from lightning_varuna.profiling.simulator import Config
 from lightning_varuna.strategies.resume_last import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_varuna.strategies.step_logging import LogRecorder, replay
 
@@ -234,6 +235,12 @@ class VarunaStrategy(ParallelStrategy):
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        self._init_process_group(backend, **kwargs)
         if self._auto:
             self._autoconfigure()
         self.topology = Topology.from_world(
@@ -246,25 +253,36 @@ class VarunaStrategy(ParallelStrategy):
                 f"pipeline_parallel_size {self.pipeline_parallel_size}). Use a global batch that is a multiple of "
                 "the data-parallel sizes the job may run at, or another pipeline_parallel_size."
             )
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        self._init_process_group(backend, **kwargs)
         topo = self.topology
         self._dp_group = topo.new_groups([topo.replica_ranks(s) for s in range(topo.pipeline_parallel_size)])
         self._pp_group = topo.new_groups([topo.stage_ranks(d) for d in range(topo.data_parallel_size)])
 
     def _autoconfigure(self) -> None:
-        """Choose what was left ``"auto"`` for this world size: the fastest configuration the simulator predicts."""
+        """Choose what was left ``"auto"`` for this world size: the fastest configuration the simulator predicts
+        that fits the smallest device of the job. Rank 0 decides; every rank takes its choice."""
         assert self.profile is not None and self.global_batch_size is not None
-        profile = ModelProfile.load(self.profile, self.checkpoint_storage)
         memory = None
         if self.root_device.type == "cuda":
-            memory = torch.cuda.get_device_properties(self.root_device).total_memory
+            memories: list[Any] = [None] * self.world_size
+            dist.all_gather_object(memories, torch.cuda.get_device_properties(self.root_device).total_memory)
+            memory = min(memories)
+        choice: Any = None
+        if self.is_global_zero:
+            try:
+                choice = self._rank_configs(memory)
+            except ValueError as error:  # every rank raises it, none waits for a choice
+                choice = str(error)
+        choice = self.broadcast(choice)
+        if isinstance(choice, str):
+            raise ValueError(choice)
+        best, table = choice
+        self.pipeline_parallel_size, self.micro_batch_size = best.pipeline_parallel_size, best.micro_batch_size
+        rank_zero_info(f"VarunaStrategy chose {best} for {self.world_size} processes:\n{table}")
+
+    def _rank_configs(self, memory: int | None) -> tuple[Config, str]:
+        assert self.profile is not None and self.global_batch_size is not None
         ranked = rank_configs(
-            profile,
+            ModelProfile.load(self.profile, self.checkpoint_storage),
             self.world_size,
             self.global_batch_size,
             memory_bytes=memory,
@@ -272,12 +290,11 @@ class VarunaStrategy(ParallelStrategy):
             schedules=[self.schedule],
             micro_batch_sizes=None if "micro_batch_size" in self._auto else [self.micro_batch_size],
         )
+        fixed_stages = None if "pipeline_parallel_size" in self._auto else self.pipeline_parallel_size
         ranked = [
             p
             for p in ranked
-            if (
-                "pipeline_parallel_size" in self._auto or p.config.pipeline_parallel_size == self.pipeline_parallel_size
-            )
+            if fixed_stages in (None, p.config.pipeline_parallel_size)
             and self.data_parallel_size in (None, p.config.data_parallel_size)
         ]
         if not ranked:
@@ -285,12 +302,7 @@ class VarunaStrategy(ParallelStrategy):
                 f"No configuration of {self.world_size} processes with the sizes you fixed fits; let more of "
                 "`pipeline_parallel_size`, `data_parallel_size` and `micro_batch_size` be chosen, or change them."
             )
-        best = ranked[0].config
-        self.pipeline_parallel_size, self.micro_batch_size = best.pipeline_parallel_size, best.micro_batch_size
-        rank_zero_info(
-            f"VarunaStrategy chose {best} for {self.world_size} processes (predicted {ranked[0].step_s * 1e3:.1f} ms "
-            f"per step):\n{format_ranking(ranked, 5)}"
-        )
+        return ranked[0].config, format_ranking(ranked, 5)
 
     def _init_process_group(self, backend: str, **kwargs: Any) -> None:
         # gloo's worker threads abort the process ("terminate called without an active exception") when the
@@ -426,7 +438,7 @@ class VarunaStrategy(ParallelStrategy):
                 f"The profile {self.profile} was taken of a model with CutPoints {profile.cutpoints}, but this one "
                 f"calls {cutpoints}; profile it again (`lightning-varuna profile`)."
             )
-        threads, mb = torch.get_num_threads(), self.micro_batch_size
+        threads, mb = profile.threads_per_process(self.num_processes), self.micro_batch_size
         return [
             (t.forward_s + t.backward_s) for t in (profile.timing(i, threads, mb) for i in range(len(profile.segments)))
         ]
