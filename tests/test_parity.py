@@ -8,7 +8,10 @@ import os
 import pytest
 import torch
 from conftest import run_job
+from models import TinyLM, token_dataset
 from reference import train_reference
+
+from lightning_varuna.profiling.profiler import profile_model
 
 RUNNER = os.path.join(os.path.dirname(__file__), "run_pipelined.py")
 
@@ -93,6 +96,11 @@ def test_varuna_schedule_replays_dropout_on_recompute(tmp_path):
         pipeline_parallel_size=3, data_parallel_size=1, batch_size=5, micro_batch_size=2, dropout=0.3, epochs=1
     )
     config["rows"] = 15
+    # Each stage draws its own dropout masks: both runs must cut the model in the same place, so they balance the
+    # stages with one profile instead of timing the segments at start-up (which a busy machine can change).
+    profile = profile_model(TinyLM(), (token_dataset(4).tensors[0],), micro_batch_sizes=[2], progress=False)
+    profile.save(str(tmp_path / "profile.json"))
+    config["profile"] = str(tmp_path / "profile.json")
     runs = {}
     for schedule in ("1f1b", "varuna"):
         (tmp_path / schedule).mkdir()

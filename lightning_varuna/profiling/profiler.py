@@ -63,7 +63,7 @@ def profile_model(
         module: the model; its forward is called with ``args``/``kwargs`` resized to each micro-batch size.
         micro_batch_sizes: micro-batch sizes to measure (the simulator interpolates between them).
         thread_counts: CPU threads per process to measure at (default: every ``cores // processes``).
-        repeats: timed passes per measurement (the median is kept).
+        repeats: timed passes per measurement (the fastest is kept).
         previous: an earlier profile of the same model: what it already has (same segments, size and threads)
             is kept, not measured again.
         progress: show a progress bar.
@@ -165,20 +165,22 @@ def _describe_segments(
 
 # ------------------------------------------------------------------------------------------------ timings
 def _measure(module: nn.Module, args: tuple, kwargs: dict, repeats: int) -> list[SegmentTiming]:
+    """Each segment's timings from the fastest of ``repeats`` passes: the machine's speed when nothing else
+    interferes (a busy neighbour on a shared machine slows some passes, never speeds one up)."""
     weights = [*module.parameters(), *module.buffers()]
     sized = timed_pass(module, args, kwargs, SavedTensorMeter(exclude=weights))  # also the warm-up
     runs = [timed_pass(module, args, kwargs) for _ in range(repeats)]  # timed without the meter's overhead
-    no_grad = [_one_forward_no_grad(module, args, kwargs) for _ in range(repeats)]
-    count = len(runs[0]["forward"])
+    fastest = min(runs, key=lambda run: sum(run["forward"]) + sum(run["backward"]))
+    fastest_no_grad = min((_one_forward_no_grad(module, args, kwargs) for _ in range(repeats)), key=sum)
     return [
         SegmentTiming(
-            forward_s=statistics.median(r["forward"][i] for r in runs),
-            forward_no_grad_s=statistics.median(r[i] for r in no_grad),
-            backward_s=statistics.median(r["backward"][i] for r in runs),
+            forward_s=fastest["forward"][i],
+            forward_no_grad_s=fastest_no_grad[i],
+            backward_s=fastest["backward"][i],
             activation_bytes=sized["saved"][i],
             output_bytes=sized["outputs"][i],
         )
-        for i in range(count)
+        for i in range(len(fastest["forward"]))
     ]
 
 
@@ -234,7 +236,7 @@ def _runtime_ratio(
             backwards.append(time.perf_counter() - middle)
             forwards.append(middle - start)
             module.zero_grad(set_to_none=True)
-        times[name] = (statistics.median(forwards[1:]), statistics.median(backwards[1:]))
+        times[name] = (min(forwards[1:]), min(backwards[1:]))
     return (
         max(1.0, times["pipelined"][0] / times["eager"][0]),
         max(1.0, times["pipelined"][1] / times["eager"][1]),
