@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +121,7 @@ def main() -> None:
         worker(json.loads(args.worker), args.out, args.warmup, args.steps)
         return
 
-    from lightning_varuna.profiling.autoconfig import rank_configs
+    from lightning_varuna.profiling.autoconfig import candidate_configs, rank_configs
     from lightning_varuna.profiling.profile import ModelProfile
     from lightning_varuna.profiling.simulator import Config, simulate
 
@@ -187,6 +188,12 @@ def main() -> None:
             f"is {fastest['config']} ({fastest['measured_ms']:.1f} ms): {picks[-1]['pick_vs_fastest']:.2f}x"
         )
     print(f"\nmedian absolute error: {median_error:.1%} over {len(rows)} configurations")
+    candidates = candidate_configs(profile, 4, GLOBAL_BATCH)
+    start = time.perf_counter()
+    for config in candidates:
+        simulate(profile, config)
+    per_second = len(candidates) / (time.perf_counter() - start)
+    print(f"simulator speed: {per_second:.0f} configurations per second ({len(candidates)} candidates for 4 devices)")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "simulator_accuracy.json").write_text(
         json.dumps(
@@ -196,6 +203,7 @@ def main() -> None:
                 "rows": rows,
                 "median_abs_error": median_error,
                 "autoconfig": picks,
+                "simulated_configs_per_s": per_second,
             },
             indent=2,
         )
