@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from tqdm.auto import tqdm
 
 from lightning_varuna.profiling.profile import LinearCost, ModelProfile
@@ -47,7 +47,7 @@ def profile_network(
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "network.json"
             job = json.dumps([n, boundary, reduce_sizes, repeats, backend, str(out)])
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
             logs = [Path(tmp) / f"rank{rank}.log" for rank in range(n)]
             procs = []
             for rank, log in enumerate(logs):
@@ -154,12 +154,6 @@ def _time_object_broadcast(group: dist.ProcessGroup, source: int, repeats: int) 
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -105,8 +105,7 @@ class ModelProfile:
     def timing(self, segment: int, threads: int, micro_batch_size: int) -> SegmentTiming:
         """The timing of a segment, at the nearest profiled thread count, scaled linearly between batch sizes."""
         by_threads = self.segments[segment].timings
-        threads = min(by_threads, key=lambda t: (abs(t - threads), -t))
-        by_mb = by_threads[threads]
+        by_mb = by_threads[_nearest_threads(by_threads, threads)]
         if micro_batch_size in by_mb:
             return by_mb[micro_batch_size]
         sizes = sorted(by_mb)
@@ -116,6 +115,11 @@ class ModelProfile:
             return _scaled(by_mb[below], micro_batch_size / below)
         w = (micro_batch_size - below) / (above - below)
         return _interpolated(by_mb[below], by_mb[above], w)
+
+    def optimizer_step_s(self, segment: int, threads: int) -> float:
+        """The optimizer step time of a segment's parameters at the nearest profiled thread count (0 if none)."""
+        by_threads = self.segments[segment].optimizer_step_s
+        return by_threads[_nearest_threads(by_threads, threads)] if by_threads else 0.0
 
     # -------------------------------------------------------------------------------------------- storage
     def to_json(self) -> str:
@@ -155,6 +159,11 @@ class ModelProfile:
     @classmethod
     def load(cls, url: str, storage: Storage | None = None) -> ModelProfile:
         return cls.from_json((storage or Storage()).read_bytes(url).decode())
+
+
+def _nearest_threads(measured: dict[int, Any], threads: int) -> int:
+    """The measured thread count closest to ``threads`` (the larger one on a tie)."""
+    return min(measured, key=lambda t: (abs(t - threads), -t))
 
 
 def _timings_by_size(raw: dict[str, Any]) -> dict[int, SegmentTiming]:

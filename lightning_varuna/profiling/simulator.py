@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_varuna.partition.balance import balance_stages
+from lightning_varuna.pipeline.microbatch import microbatch_sizes
 from lightning_varuna.pipeline.schedules import SCHEDULES, Action, Phase
 from lightning_varuna.profiling.profile import LinearCost, ModelProfile, SegmentTiming
 from lightning_varuna.profiling.trace import Span, chrome_trace
@@ -108,7 +109,7 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
     processes_per_node = math.ceil(config.world_size / config.nodes)
     threads = profile.threads_per_process(processes_per_node)
     sharing = _CoreSharing.of(profile, P, processes_per_node, threads)
-    sizes = _microbatch_sizes(config.replica_batch_size, mb)
+    sizes = microbatch_sizes(config.replica_batch_size, mb)
     costs = [t.forward_s + t.backward_s for t in (profile.timing(i, threads, mb) for i in range(len(profile.segments)))]
     starts = balance_stages(costs, P)
     bounds = [*starts, len(profile.segments)]
@@ -123,10 +124,7 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
     for name, holders in _tied_parameters(profile, bounds).items():  # tied weights: summed across their stages
         allreduce_s += _allreduce(profile, processes_per_node, holders)(_parameter_bytes(profile, name))
     optimizer_s = (
-        max(
-            sum(_nearest(profile.segments[i].optimizer_step_s, threads) for i in range(bounds[s], bounds[s + 1]))
-            for s in range(P)
-        )
+        max(sum(profile.optimizer_step_s(i, threads) for i in range(bounds[s], bounds[s + 1])) for s in range(P))
         * sharing.slowdown_all_busy
     )
     if P > 1:  # the last stage's step output and logged values go to the other stages
@@ -154,11 +152,6 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
         boundaries=starts,
         timeline=spans if timeline else [],
     )
-
-
-def _microbatch_sizes(rows: int, micro_batch_size: int) -> list[int]:
-    full, rest = divmod(rows, micro_batch_size)
-    return [micro_batch_size] * full + ([rest] if rest else [])
 
 
 def _stages(profile: ModelProfile, bounds: list[int], threads: int, micro_batch_size: int) -> list[_Stage]:
@@ -318,9 +311,3 @@ def _tied_parameters(profile: ModelProfile, bounds: list[int]) -> dict[str, int]
 
 def _parameter_bytes(profile: ModelProfile, name: str) -> int:
     return next(s.parameters[name] for s in profile.segments if name in s.parameters)
-
-
-def _nearest(by_threads: dict[int, float], threads: int) -> float:
-    if not by_threads:
-        return 0.0
-    return by_threads[min(by_threads, key=lambda t: (abs(t - threads), -t))]
