@@ -26,6 +26,10 @@ SHAPES = {
         clip=0.05,
         evaluate=True,
     ),
+    # micro-batches [2, 2, 1], gradient accumulation without replicas (gradients scaled, not all-reduced)
+    "P3xD1-1f1b-accumulate": dict(
+        pipeline_parallel_size=3, data_parallel_size=1, batch_size=5, micro_batch_size=2, schedule="1f1b", accumulate=2
+    ),
     # micro-batches [4, 2], gradient accumulation
     "P1xD2-gpipe-accumulate": dict(
         pipeline_parallel_size=1, data_parallel_size=2, batch_size=6, micro_batch_size=4, schedule="gpipe", accumulate=2

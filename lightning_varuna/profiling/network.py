@@ -16,6 +16,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from tqdm.auto import tqdm
 
+from lightning_varuna.pipeline.gradients import average_gradients
 from lightning_varuna.profiling.profile import LinearCost, ModelProfile
 
 __all__ = ["profile_network"]
@@ -30,8 +31,9 @@ def profile_network(
     backend: str = "gloo",
     timeout_s: float = 600.0,
 ) -> ModelProfile:
-    """Add the network to ``profile``: send times of its boundary activations and all-reduce times of
-    parameter-sized buffers at every data-parallel width, measured with ``n`` processes running for each ``n``.
+    """Add the network to ``profile``: send times of its boundary activations, gradient all-reduce times of
+    parameter-sized buffers at every data-parallel width, and how much slower a process computes while all ``n``
+    compute at once, measured with ``n`` processes running for each ``n``.
 
     Counts already in the profile are not measured again.
     """
@@ -61,6 +63,7 @@ def profile_network(
             int(d): LinearCost.fit([tuple(s) for s in samples]) for d, samples in measured["allreduce"].items()
         }
         profile.object_broadcast[n] = {int(d): seconds for d, seconds in measured["object_broadcast"].items()}
+        profile.compute_contention[n] = measured["compute_contention"]
     return profile
 
 
@@ -98,6 +101,7 @@ def _measure(
             _time_allreduce(2**12, group, repeats, device)  # warm-up: the group's first collective connects it
             result["allreduce"][width] = [(n, _time_allreduce(n, group, repeats, device)) for n in reduce_sizes]
             result["object_broadcast"][width] = _time_object_broadcast(group, rank // width * width, repeats)
+        result["compute_contention"] = _compute_contention(rank, world)
         if rank == 0:
             Path(out).write_text(json.dumps(result))
     finally:
@@ -128,15 +132,52 @@ def _point_to_point(rank: int, world: int, sizes: list[int], repeats: int, devic
 
 
 def _time_allreduce(nbytes: int, group: dist.ProcessGroup, repeats: int, device: torch.device) -> float:
-    buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    """The gradient averaging of a stage holding ``nbytes`` of gradients, as VarunaStrategy runs it."""
+    width = dist.get_world_size(group)
+    elements = max(4, nbytes // 4)
+    grads = list(torch.zeros(elements, dtype=torch.float32, device=device).chunk(4))
     times = []
     for _ in range(repeats + 1):
         dist.barrier()
         start = time.perf_counter()
-        dist.all_reduce(buffer, group=group)
+        average_gradients(grads, group, width, 1.0 / width)
         _synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def _compute_contention(rank: int, world: int, seconds: float = 1.0) -> float:
+    """How much slower rank 0 computes while all ``world`` processes compute than while it computes alone, beyond
+    the share of the cores each gets (shared caches and memory bandwidth, hyper-threads of the host). 1 on GPUs."""
+    if dist.get_backend() == "nccl":
+        return 1.0
+    probe = _ComputeProbe()
+    probe.rate(0.2)  # warm-up
+    dist.barrier()
+    alone = probe.rate(seconds) if rank == 0 else 0.0
+    dist.barrier()
+    together = probe.rate(seconds)
+    dist.barrier()
+    streams = (os.cpu_count() or 1) / torch.get_num_threads()
+    return max(1.0, alone / together / max(1.0, world / streams)) if rank == 0 else 0.0
+
+
+class _ComputeProbe:
+    """A small training workload (matrix products, an activation, a layer norm, forward and backward)."""
+
+    def __init__(self) -> None:
+        self.x = torch.randn(512, 256)
+        self.w1 = torch.randn(256, 1024, requires_grad=True)
+        self.w2 = torch.randn(1024, 256, requires_grad=True)
+
+    def rate(self, seconds: float) -> float:
+        """Forward and backward passes per second, over ``seconds``."""
+        done, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            out = torch.nn.functional.layer_norm(torch.nn.functional.gelu(self.x @ self.w1) @ self.w2, (256,))
+            out.sum().backward()
+            done += 1
+        return done / elapsed
 
 
 def _time_object_broadcast(group: dist.ProcessGroup, source: int, repeats: int) -> float:

@@ -47,6 +47,7 @@ from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.partition.discovery import forward_with_cutpoints, profile_segments
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
+from lightning_varuna.pipeline.gradients import average_gradients
 from lightning_varuna.pipeline.microbatch import batch_size_of, merge_microbatches, split_microbatches
 from lightning_varuna.pipeline.runtime import StageRuntime
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
@@ -615,12 +616,7 @@ class VarunaStrategy(ParallelStrategy):
         grads = [parked[p] if p in parked else torch.zeros_like(p) for p in params]
         scale = 1.0 / (topo.data_parallel_size * trainer.accumulate_grad_batches)
         start = time.time()
-        if grads:
-            flat = torch._utils._flatten_dense_tensors(grads)
-            if topo.data_parallel_size > 1:
-                dist.all_reduce(flat, group=self._dp_group)
-            flat.mul_(scale)
-            grads = list(torch._utils._unflatten_dense_tensors(flat, grads))
+        grads = average_gradients(grads, self._dp_group, topo.data_parallel_size, scale)
         self._stage_plan().shared.sum_across_stages(dict(zip(params, grads)))
         timeline = self._stage_plan().runtime.timeline
         if timeline is not None:
