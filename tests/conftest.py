@@ -1,8 +1,13 @@
 import logging
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import time
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -10,12 +15,23 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")
+# Azurite's local-only development account, published in its documentation (not a secret).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+# Where .ci/run installs Azurite (npm --prefix .ci/node).
+_LOCAL_AZURITE = Path(__file__).resolve().parents[1] / ".ci" / "node" / "node_modules" / ".bin" / "azurite-blob"
 
 
 def clean_env() -> dict[str, str]:
     """The environment for a fresh multi-process job: without the launch variables that in-process
     Lightning runs of this test session left in ``os.environ``."""
     return {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("PL_")}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_job(
@@ -58,6 +74,87 @@ def s3_bucket(s3_server: dict[str, str], request: pytest.FixtureRequest) -> str:
     return f"s3://{name}"
 
 
-def s3_env(options: dict[str, str]) -> dict[str, str]:
+def fsspec_env(protocol: str, options: dict[str, str]) -> dict[str, str]:
     """fsspec's environment configuration for ``options``: how Lightning's own ModelCheckpoint finds the server."""
-    return {f"FSSPEC_S3_{key.upper()}": value for key, value in options.items()}
+    return {f"FSSPEC_{protocol.upper()}_{key.upper()}": value for key, value in options.items()}
+
+
+def azurite_command() -> str | None:
+    """Azurite's blob server: the one .ci/run installs into .ci/node, else one on PATH."""
+    return str(_LOCAL_AZURITE) if _LOCAL_AZURITE.exists() else shutil.which("azurite-blob")
+
+
+def azurite_connection_string(port: int) -> str:
+    return (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+        f"BlobEndpoint=http://127.0.0.1:{port}/{AZURITE_ACCOUNT};"
+    )
+
+
+@pytest.fixture(scope="session")
+def azure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """An Azure Blob Storage server (Azurite, in memory) on loopback for this test session; yields adlfs's options."""
+    pytest.importorskip("adlfs", reason="adlfs is needed for the az:// tests")
+    command = azurite_command()
+    if command is None:
+        pytest.skip("Azurite is needed for the az:// tests: run .ci/run, or `npm install -g azurite`")
+    workspace = tmp_path_factory.mktemp("azurite")
+    port = free_port()
+    flags = ["--inMemoryPersistence", "--skipApiVersionCheck", "--loose", "--silent", "--disableTelemetry"]
+    with open(workspace / "azurite.log", "wb") as log:
+        server = subprocess.Popen(
+            [command, "--blobHost", "127.0.0.1", "--blobPort", str(port), *flags],
+            cwd=workspace,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 60
+    while server.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        server.kill()
+        server.wait()
+        output = (workspace / "azurite.log").read_text(errors="replace")[-2000:]
+        pytest.skip(f"the Azurite server did not start (exit code {server.returncode}): {output}")
+    yield {"connection_string": azurite_connection_string(port)}
+    server.terminate()
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+@pytest.fixture
+def azure_container(azure_server: dict[str, str], request: pytest.FixtureRequest) -> str:
+    """A fresh container on the loopback Azurite server; returns its ``az://`` URL."""
+    import adlfs
+
+    name = "test-" + "".join(c for c in request.node.name.lower() if c.isalnum())[:40] + f"-{uuid.uuid4().hex[:8]}"
+    adlfs.AzureBlobFileSystem(**azure_server).mkdir(name)
+    return f"az://{name}"
+
+
+@dataclass(frozen=True)
+class ObjectStore:
+    """A fresh bucket or container on a loopback server: its URL and its fsspec options."""
+
+    url: str
+    options: dict[str, str]
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The options as fsspec's environment configuration, for code that passes none (Lightning's callbacks)."""
+        return fsspec_env(self.url.split("://")[0], self.options)
+
+
+@pytest.fixture(params=["s3", "az"])
+def object_store(request: pytest.FixtureRequest) -> ObjectStore:
+    """Each blob store in turn: S3 (moto) and Azure Blob Storage (Azurite)."""
+    server, container = {"s3": ("s3_server", "s3_bucket"), "az": ("azure_server", "azure_container")}[request.param]
+    return ObjectStore(request.getfixturevalue(container), request.getfixturevalue(server))

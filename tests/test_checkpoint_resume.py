@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import run_job, s3_env
+from conftest import fsspec_env, run_job
 from reference import train_reference
 
 from lightning_varuna.checkpoint.layout import COMMIT_MARKER, IncompleteCheckpointError, open_complete
@@ -107,7 +107,7 @@ def test_single_process_checkpoint_resumes_pipelined(tmp_path, uninterrupted):
 
 def test_background_upload_to_s3_resumes_with_another_shape(tmp_path, s3_server, s3_bucket, uninterrupted):
     folder, tempdir = f"{s3_bucket}/run/checkpoints", tmp_path / "local"
-    env = s3_env(s3_server)  # how Lightning's ModelCheckpoint (fsspec) reaches the server
+    env = fsspec_env("s3", s3_server)  # how Lightning's ModelCheckpoint (fsspec) reaches the server
     run(tmp_path, "first", shape(4, 1, epochs=2, checkpoint_dir=folder, tempdir=str(tempdir)), env=env)
     assert not any(tempdir.rglob("*.distcp")), "uploaded local files are removed"
     storage = Storage(s3_server)

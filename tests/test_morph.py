@@ -10,7 +10,7 @@ import socket
 import lightning as L
 import pytest
 import torch
-from conftest import run_job
+from conftest import free_port, run_job
 from models import TinyLM, token_dataset
 from reference import train_reference
 from torch.utils.data import DataLoader, DistributedSampler
@@ -36,12 +36,6 @@ def config(tmp_path, **extra) -> dict:
         "every_n_steps": 2,
         **extra,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torchrun(tmp_path, name: str, nproc: int, cfg: dict, *flags: str):  # noqa: ANN201
