@@ -1,5 +1,5 @@
 """A checkpoint written at one pipeline x data-parallel shape resumes at another and training continues
-exactly as if it had never stopped (real processes, gloo; local folders and a loopback S3 server)."""
+exactly as if it had never stopped (real processes, gloo; local folders and loopback S3 and Azure Blob servers)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import fsspec_env, run_job
+from conftest import run_job
 from reference import train_reference
 
 from lightning_varuna.checkpoint.layout import COMMIT_MARKER, IncompleteCheckpointError, open_complete
@@ -105,12 +105,12 @@ def test_single_process_checkpoint_resumes_pipelined(tmp_path, uninterrupted):
     assert_continues(result, weights, uninterrupted, from_step=3)
 
 
-def test_background_upload_to_s3_resumes_with_another_shape(tmp_path, s3_server, s3_bucket, uninterrupted):
-    folder, tempdir = f"{s3_bucket}/run/checkpoints", tmp_path / "local"
-    env = fsspec_env("s3", s3_server)  # how Lightning's ModelCheckpoint (fsspec) reaches the server
+def test_background_upload_to_object_store_resumes_with_another_shape(tmp_path, object_store, uninterrupted):
+    folder, tempdir = f"{object_store.url}/run/checkpoints", tmp_path / "local"
+    env = object_store.env  # how Lightning's ModelCheckpoint (fsspec) reaches the server
     run(tmp_path, "first", shape(4, 1, epochs=2, checkpoint_dir=folder, tempdir=str(tempdir)), env=env)
     assert not any(tempdir.rglob("*.distcp")), "uploaded local files are removed"
-    storage = Storage(s3_server)
+    storage = Storage(object_store.options)
     info = open_complete(storage, f"{folder}/last.ckpt")
     assert (info.global_step, info.shape["pipeline_parallel_size"]) == (6, 4)
     result, weights = run(

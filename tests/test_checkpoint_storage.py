@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from conftest import clean_env
+from conftest import AZURITE_KEY, azurite_connection_string, clean_env
 from models import TinyLM, token_dataset
 from torch import nn
 from torch.utils.data import DataLoader
@@ -111,11 +113,28 @@ def test_overwriting_keeps_one_version_and_last_skips_interrupted_saves(trained,
     torch.testing.assert_close(weights(load_into_fresh_model(str(folder / "a.ckpt"))), weights(model))
 
 
-def test_unreachable_store_fails_at_the_first_save_and_training_state_survives(trained, tmp_path):
-    model, fitted = trained
-    with socket.socket() as closed:  # a port nobody listens on
+def closed_port() -> int:
+    """A port nobody listens on."""
+    with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
+        return closed.getsockname()[1]
+
+
+def assert_first_save_fails(
+    trained: tuple[TinyLM, L.Trainer], tmp_path: Path, url: str, options: dict, match: str
+) -> None:
+    """Saving to ``url`` fails with an error matching ``match``; the model is untouched and local saves work."""
+    model, fitted = trained
+    before = weights(model)
+    with pytest.raises(OSError, match=match):
+        fitted.save_checkpoint(url, storage_options=options)
+    torch.testing.assert_close(weights(model), before, rtol=0, atol=0)
+    fitted.save_checkpoint(tmp_path / "after.ckpt")  # still works
+    torch.testing.assert_close(weights(load_into_fresh_model(str(tmp_path / "after.ckpt"))), before)
+
+
+def test_unreachable_store_fails_at_the_first_save_and_training_state_survives(trained, tmp_path):
+    port = closed_port()
     options = {
         "endpoint_url": f"http://127.0.0.1:{port}",
         "key": "k",
@@ -123,12 +142,17 @@ def test_unreachable_store_fails_at_the_first_save_and_training_state_survives(t
         "config_kwargs": {"retries": {"max_attempts": 1}},
     }
     pytest.importorskip("s3fs")
-    before = weights(model)
-    with pytest.raises(OSError, match=f"Cannot write checkpoints to 's3://bucket/run/x.ckpt'.*127.0.0.1:{port}"):
-        fitted.save_checkpoint("s3://bucket/run/x.ckpt", storage_options=options)
-    torch.testing.assert_close(weights(model), before, rtol=0, atol=0)
-    fitted.save_checkpoint(tmp_path / "after.ckpt")  # still works
-    torch.testing.assert_close(weights(load_into_fresh_model(str(tmp_path / "after.ckpt"))), before)
+    match = f"Cannot write checkpoints to 's3://bucket/run/x.ckpt'.*127.0.0.1:{port}"
+    assert_first_save_fails(trained, tmp_path, "s3://bucket/run/x.ckpt", options, match)
+
+
+def test_wrong_azure_key_fails_at_the_first_save_and_training_state_survives(
+    trained, tmp_path, azure_server, azure_container
+):
+    url = f"{azure_container}/run/x.ckpt"
+    options = {"connection_string": azure_server["connection_string"].replace(AZURITE_KEY, "d3Jvbmcga2V5")}
+    match = f"(?s)Cannot write checkpoints to '{re.escape(url)}'.*AuthorizationFailure"
+    assert_first_save_fails(trained, tmp_path, url, options, match)
 
 
 def test_a_store_that_never_answers_times_out():
@@ -144,13 +168,21 @@ def test_a_store_that_never_answers_times_out():
         assert time.monotonic() - start < 10
 
 
-def test_s3_url_with_storage_options(trained, s3_server, s3_bucket):
+def test_a_refused_azure_connection_ends_at_the_timeout():
+    """Azure's SDK retries a refused connection for ~90 s: the storage timeout ends the wait."""
+    pytest.importorskip("adlfs")
+    storage = Storage({"connection_string": azurite_connection_string(closed_port())}, timeout=2)
+    with pytest.raises(TimeoutError, match="Checkpoint storage 'az://bucket/run' did not answer within 2 s"):
+        storage.check_writable("az://bucket/run")
+
+
+def test_object_store_url_with_storage_options(trained, object_store):
     model, _ = trained
-    url = f"{s3_bucket}/run/model.ckpt"
-    fitted = trainer(strategy=VarunaStrategy(micro_batch_size=2, storage_options=s3_server))
+    url = f"{object_store.url}/run/model.ckpt"
+    fitted = trainer(strategy=VarunaStrategy(micro_batch_size=2, storage_options=object_store.options))
     fitted.fit(model, loader())
     fitted.save_checkpoint(url)
-    fresh = load_into_fresh_model(url, storage_options=s3_server)
+    fresh = load_into_fresh_model(url, storage_options=object_store.options)
     torch.testing.assert_close(weights(fresh), weights(model), rtol=0, atol=0)
 
 
