@@ -4,7 +4,8 @@
 
 Writes ``OUT_DIR/losses.json`` (rank 0: the logged train loss of every step) and ``OUT_DIR/rank{r}.pt``
 (each rank's parameters by name). With ``"checkpoint_dir"`` in the config, a ModelCheckpoint saves there
-every epoch (and ``last``); ``"resume"`` is passed to ``fit(ckpt_path=...)``; ``"save_to"`` saves the final
+every epoch (and ``last``); ``"resume"`` is passed to ``fit(ckpt_path=...)``; ``"validate_last"`` validates
+from ``ckpt_path="last"`` after the fit (``val_loss_last`` in losses.json); ``"save_to"`` saves the final
 state with ``trainer.save_checkpoint``; ``"trace"`` writes a `PipelineTrace` of step 1 there.
 ``"kill_in_save": {"rank": r, "step": s}`` makes rank ``r`` SIGKILL
 itself in the middle of the save at global step ``s``, right after writing its shard.
@@ -84,6 +85,9 @@ def main(out_dir: str, config: dict) -> None:
         devices=config.get("devices") or pp * dp,
         strategy=strategy,
     )
+    if config.get("validate_last"):
+        loader = DataLoader(token_dataset(config["rows"], seed=2), batch_size=config["batch_size"])
+        result["val_loss_last"] = trainer.validate(model, loader, ckpt_path="last", verbose=False)[0]["val_loss"]
     if "save_to" in config:
         trainer.save_checkpoint(config["save_to"])
     os.makedirs(out_dir, exist_ok=True)

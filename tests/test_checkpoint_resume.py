@@ -113,10 +113,11 @@ def test_background_upload_to_object_store_resumes_with_another_shape(tmp_path, 
     storage = Storage(object_store.options)
     info = open_complete(storage, f"{folder}/last.ckpt")
     assert (info.global_step, info.shape["pipeline_parallel_size"]) == (6, 4)
-    result, weights = run(
-        tmp_path, "resumed", shape(2, 1, epochs=EPOCHS, checkpoint_dir=folder, resume="last"), env=env
-    )
+    # After the fit, validate(ckpt_path="last") reads the checkpoint that the fit wrote last, on every rank.
+    config = shape(2, 1, epochs=EPOCHS, checkpoint_dir=folder, resume="last", evaluate=True, validate_last=True)
+    result, weights = run(tmp_path, "resumed", config, env=env)
     assert_continues(result, weights, uninterrupted, from_step=6)
+    assert result["val_loss_last"] == pytest.approx(result["val_loss"], rel=1e-6)
 
 
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, uninterrupted):

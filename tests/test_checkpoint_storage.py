@@ -186,6 +186,18 @@ def test_object_store_url_with_storage_options(trained, object_store):
     torch.testing.assert_close(weights(fresh), weights(model), rtol=0, atol=0)
 
 
+def test_listings_show_what_other_processes_changed(object_store):
+    """Other ranks and jobs add and delete checkpoint versions: what a Storage lists is never a cached view."""
+    storage = Storage(object_store.options)
+    storage.write_bytes(f"{object_store.url}/last.ckpt/v1/{COMMIT_MARKER}", b"{}")
+    assert storage.children(f"{object_store.url}/last.ckpt") == ["v1"]
+    other = Storage({**object_store.options, "skip_instance_cache": True})  # as in another process
+    other.write_bytes(f"{object_store.url}/last.ckpt/v2/{COMMIT_MARKER}", b"{}")
+    other.remove(f"{object_store.url}/last.ckpt/v1")
+    assert storage.children(f"{object_store.url}/last.ckpt") == ["v2"]
+    assert not storage.exists(f"{object_store.url}/last.ckpt/v1/{COMMIT_MARKER}")
+
+
 def test_consolidated_checkpoint_loads_without_the_strategy(trained, tmp_path):
     model, fitted = trained
     fitted.save_checkpoint(tmp_path / "sharded.ckpt")

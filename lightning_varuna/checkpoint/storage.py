@@ -40,9 +40,15 @@ class Storage:
             return self
         return Storage({**self.storage_options, **storage_options}, self.timeout)
 
+    @property
+    def fs_options(self) -> dict[str, Any]:
+        """``storage_options`` with listings never cached: other ranks and jobs add and delete checkpoint versions
+        between two reads (a stale listing named a version that rank 0 had deleted)."""
+        return {**self.storage_options, "use_listings_cache": False}
+
     def fs(self, url: str) -> tuple[AbstractFileSystem, str]:
         """The filesystem of ``url`` and the path on it."""
-        return url_to_fs(str(url), **self.storage_options)
+        return url_to_fs(str(url), **self.fs_options)
 
     def exists(self, url: str) -> bool:
         fs, path = self.fs(url)
@@ -77,10 +83,10 @@ class Storage:
 
     def dcp_writer(self, url: str) -> FileSystemWriter:
         """A torch.distributed.checkpoint writer for ``url`` (no fsync: object stores have none)."""
-        return FsspecWriter(str(url), sync_files=False, **self.storage_options)
+        return FsspecWriter(str(url), sync_files=False, **self.fs_options)
 
     def dcp_reader(self, url: str) -> FsspecReader:
-        return FsspecReader(str(url), **self.storage_options)
+        return FsspecReader(str(url), **self.fs_options)
 
     def check_writable(self, url: str) -> None:
         """Write and delete a probe file under ``url``; raise a clear error if that fails or hangs.
