@@ -159,21 +159,6 @@ def test_replicas_add_the_allreduce_and_share_the_cores():
     assert roomy.allreduce_s == pytest.approx(0.25 + 4000 / 1e3)  # all four segments' parameters
 
 
-def test_processes_computing_at_once_pay_the_measured_contention():
-    quiet, contended = synthetic(cores=2), synthetic(cores=2)
-    contended.compute_contention = {2: 1.5, 4: 2.0}
-    assert [contended.contention(n) for n in (1, 2, 3, 4, 8)] == [1.0, 1.5, 1.75, 2.0, 2.0]
-    alone = simulate(contended, Config(1, 1, 1, "1f1b", 4))
-    assert alone.pipeline_s == pytest.approx(simulate(quiet, Config(1, 1, 1, "1f1b", 4)).pipeline_s)
-    # Two replicas compute in lockstep: both at 1 / 1.5 of their speed alone, the optimizer step too.
-    replicas = simulate(contended, Config(1, 2, 1, "1f1b", 8))
-    assert replicas.pipeline_s == pytest.approx(1.5 * alone.pipeline_s)
-    # Two stages are busy at once only in the steady state: slower than alone, faster than always contended.
-    stages = simulate(contended, Config(2, 1, 1, "1f1b", 4)).pipeline_s
-    assert simulate(quiet, Config(2, 1, 1, "1f1b", 4)).pipeline_s < stages
-    assert stages < 1.5 * simulate(quiet, Config(2, 1, 1, "1f1b", 4)).pipeline_s
-
-
 def test_stages_on_their_own_nodes_do_not_share_cores():
     crowded = simulate(synthetic(cores=1), Config(2, 1, 1, "1f1b", 4))
     apart = simulate(synthetic(cores=1), Config(2, 1, 1, "1f1b", 4, nodes=2))
@@ -227,7 +212,6 @@ def test_cli_profiles_and_autoconfigures(tmp_path, capsys):
     )
     profile = ModelProfile.load(str(out))
     assert profile.micro_batch_sizes == [1, 2] and 2 in profile.p2p and 2 in profile.allreduce[2]
-    assert profile.compute_contention[2] >= 1.0
     trace = tmp_path / "t.json"
     cli(
         [

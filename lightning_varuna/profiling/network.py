@@ -31,9 +31,8 @@ def profile_network(
     backend: str = "gloo",
     timeout_s: float = 600.0,
 ) -> ModelProfile:
-    """Add the network to ``profile``: send times of its boundary activations, gradient all-reduce times of
-    parameter-sized buffers at every data-parallel width, and how much slower a process computes while all ``n``
-    compute at once, measured with ``n`` processes running for each ``n``.
+    """Add the network to ``profile``: send times of its boundary activations and gradient all-reduce times of
+    parameter-sized buffers at every data-parallel width, measured with ``n`` processes running for each ``n``.
 
     Counts already in the profile are not measured again.
     """
@@ -63,7 +62,6 @@ def profile_network(
             int(d): LinearCost.fit([tuple(s) for s in samples]) for d, samples in measured["allreduce"].items()
         }
         profile.object_broadcast[n] = {int(d): seconds for d, seconds in measured["object_broadcast"].items()}
-        profile.compute_contention[n] = measured["compute_contention"]
     return profile
 
 
@@ -101,7 +99,6 @@ def _measure(
             _time_allreduce(2**12, group, repeats, device)  # warm-up: the group's first collective connects it
             result["allreduce"][width] = [(n, _time_allreduce(n, group, repeats, device)) for n in reduce_sizes]
             result["object_broadcast"][width] = _time_object_broadcast(group, rank // width * width, repeats)
-        result["compute_contention"] = _compute_contention(rank, world)
         if rank == 0:
             Path(out).write_text(json.dumps(result))
     finally:
@@ -144,40 +141,6 @@ def _time_allreduce(nbytes: int, group: dist.ProcessGroup, repeats: int, device:
         _synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
-
-
-def _compute_contention(rank: int, world: int, seconds: float = 1.0) -> float:
-    """How much slower rank 0 computes while all ``world`` processes compute than while it computes alone, beyond
-    the share of the cores each gets (shared caches and memory bandwidth, hyper-threads of the host). 1 on GPUs."""
-    if dist.get_backend() == "nccl":
-        return 1.0
-    probe = _ComputeProbe()
-    probe.rate(0.2)  # warm-up
-    dist.barrier()
-    alone = probe.rate(seconds) if rank == 0 else 0.0
-    dist.barrier()
-    together = probe.rate(seconds)
-    dist.barrier()
-    streams = (os.cpu_count() or 1) / torch.get_num_threads()
-    return max(1.0, alone / together / max(1.0, world / streams)) if rank == 0 else 0.0
-
-
-class _ComputeProbe:
-    """A small training workload (matrix products, an activation, a layer norm, forward and backward)."""
-
-    def __init__(self) -> None:
-        self.x = torch.randn(512, 256)
-        self.w1 = torch.randn(256, 1024, requires_grad=True)
-        self.w2 = torch.randn(1024, 256, requires_grad=True)
-
-    def rate(self, seconds: float) -> float:
-        """Forward and backward passes per second, over ``seconds``."""
-        done, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds:
-            out = torch.nn.functional.layer_norm(torch.nn.functional.gelu(self.x @ self.w1) @ self.w2, (256,))
-            out.sum().backward()
-            done += 1
-        return done / elapsed
 
 
 def _time_object_broadcast(group: dist.ProcessGroup, source: int, repeats: int) -> float:

@@ -83,9 +83,6 @@ class ModelProfile:
     allreduce: dict[int, dict[int, LinearCost]] = field(default_factory=dict)
     # Seconds to broadcast a small Python object (a step's logged values) in groups of each width, by processes.
     object_broadcast: dict[int, dict[int, float]] = field(default_factory=dict)
-    # How much slower a process computes while ``processes`` of one node compute at once than alone, beyond its
-    # share of the cores (shared caches and memory bandwidth), by processes.
-    compute_contention: dict[int, float] = field(default_factory=dict)
     version: int = 1
 
     def threads_per_process(self, processes_per_node: int) -> int:
@@ -118,19 +115,6 @@ class ModelProfile:
             return _scaled(by_mb[below], micro_batch_size / below)
         w = (micro_batch_size - below) / (above - below)
         return _interpolated(by_mb[below], by_mb[above], w)
-
-    def contention(self, processes: int) -> float:
-        """The compute slowdown while ``processes`` of a node compute at once: measured, or interpolated between
-        the measured counts (1 for one process, the largest measured count beyond them)."""
-        measured = {1: 1.0, **self.compute_contention}
-        if processes in measured:
-            return measured[processes]
-        below = max((n for n in measured if n < processes), default=1)
-        above = min((n for n in measured if n > processes), default=None)
-        if above is None:
-            return measured[below]
-        w = (processes - below) / (above - below)
-        return measured[below] + (measured[above] - measured[below]) * w
 
     def optimizer_step_s(self, segment: int, threads: int) -> float:
         """The optimizer step time of a segment's parameters at the nearest profiled thread count (0 if none)."""
@@ -167,7 +151,6 @@ class ModelProfile:
             object_broadcast={
                 int(n): {int(d): v for d, v in by_d.items()} for n, by_d in raw.get("object_broadcast", {}).items()
             },
-            compute_contention={int(n): v for n, v in raw.get("compute_contention", {}).items()},
         )
 
     def save(self, url: str, storage: Storage | None = None) -> None:

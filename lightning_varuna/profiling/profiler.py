@@ -115,7 +115,6 @@ def profile_model(
     if previous is not None:  # the network did not change with the model
         profile.p2p, profile.allreduce = dict(previous.p2p), dict(previous.allreduce)
         profile.object_broadcast = dict(previous.object_broadcast)
-        profile.compute_contention = dict(previous.compute_contention)
     return profile
 
 

@@ -66,7 +66,6 @@ class _CoreSharing:
     node_of_stage: list[int]  # the node of each stage of replica 0 (ranks are replica-major)
     copies: int  # replicas of a stage on one node: they run in lockstep and compete with each other
     streams: float  # processes a node runs at full speed at once (cores / threads per process); 0: no sharing
-    contention: Callable[[int], float]  # extra slowdown while that many processes of a node compute at once
 
     @classmethod
     def of(cls, profile: ModelProfile, stages: int, processes_per_node: int, threads: int) -> _CoreSharing:
@@ -75,7 +74,6 @@ class _CoreSharing:
             node_of_stage=[s // processes_per_node for s in range(stages)],
             copies=max(1, processes_per_node // stages),
             streams=profile.cores_per_node / threads if on_cpu else 0.0,
-            contention=profile.contention,
         )
 
     def rate(self, stage: int, active: list[int]) -> float:
@@ -83,7 +81,7 @@ class _CoreSharing:
         if not self.streams:
             return 1.0
         busy = self.copies * sum(self.node_of_stage[s] == self.node_of_stage[stage] for s in active)
-        return min(1.0, self.streams / busy) / self.contention(busy)
+        return min(1.0, self.streams / busy)
 
     @property
     def slowdown_all_busy(self) -> float:
@@ -91,7 +89,7 @@ class _CoreSharing:
         if not self.streams:
             return 1.0
         busy = self.copies * max(self.node_of_stage.count(n) for n in set(self.node_of_stage))
-        return max(1.0, busy / self.streams) * self.contention(busy)
+        return max(1.0, busy / self.streams)
 
 
 @dataclass
