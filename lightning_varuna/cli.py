@@ -18,8 +18,13 @@ from lightning_varuna.checkpoint.storage import Storage
 __all__ = ["main"]
 
 
+def _storage(args: argparse.Namespace) -> Storage:
+    """Storage with the command's ``--storage-options`` (JSON)."""
+    return Storage(json.loads(args.storage_options) if args.storage_options else None)
+
+
 def _consolidate(args: argparse.Namespace) -> None:
-    storage = Storage(json.loads(args.storage_options) if args.storage_options else None)
+    storage = _storage(args)
     checkpoint = consolidate(args.checkpoint, storage)
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
@@ -54,7 +59,7 @@ def _profile(args: argparse.Namespace) -> None:
     from lightning_varuna.profiling.profile import ModelProfile
     from lightning_varuna.profiling.profiler import default_thread_counts, profile_model
 
-    storage = Storage(json.loads(args.storage_options) if args.storage_options else None)
+    storage = _storage(args)
     model = load_model(args.model, args.init_args)
     example = getattr(model, "example_input_array", None)
     if args.input_shape:
@@ -88,7 +93,7 @@ def _autoconfig(args: argparse.Namespace) -> None:
     from lightning_varuna.profiling.profile import ModelProfile
     from lightning_varuna.profiling.simulator import simulate
 
-    storage = Storage(json.loads(args.storage_options) if args.storage_options else None)
+    storage = _storage(args)
     profile = ModelProfile.load(args.profile, storage)
     memory = int(args.memory_gb * 2**30) if args.memory_gb else None
     ranked = rank_configs(profile, args.devices, args.batch_size, memory_bytes=memory, nodes=args.nodes)

@@ -14,7 +14,7 @@ from torch import Tensor, fx
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
-from lightning_varuna.pipeline.schedules import Action, Phase
+from lightning_varuna.pipeline.schedules import Action, Phase, microbatches_of
 
 __all__ = ["StageRuntime"]
 
@@ -184,7 +184,7 @@ class StageRuntime:
             Each micro-batch's step output (``None`` on stages other than the last).
         """
         results: dict[int, Any] = {}
-        self._recomputed = {a.microbatch for a in actions if a.phase is Phase.RECOMPUTE}
+        self._recomputed = microbatches_of(actions, Phase.RECOMPUTE)
         try:
             for action in actions:
                 start, self._compute_start = time.time(), None

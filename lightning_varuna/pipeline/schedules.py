@@ -22,6 +22,7 @@ __all__ = [
     "format_grid",
     "forward_only",
     "gpipe",
+    "microbatches_of",
     "one_f_one_b",
     "varuna",
 ]
@@ -51,6 +52,11 @@ Schedule = list[list[Action]]
 
 class ScheduleError(RuntimeError):
     """A schedule that cannot run to completion."""
+
+
+def microbatches_of(actions: Sequence[Action], phase: Phase) -> set[int]:
+    """The micro-batches that ``actions`` run ``phase`` for."""
+    return {a.microbatch for a in actions if a.phase is phase}
 
 
 def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
@@ -170,7 +176,7 @@ def dry_run(schedule: Schedule, producers: Mapping[int, set[int]] | None = None)
     position = [0] * num_stages
     grid: list[list[Action | None]] = []
 
-    recomputed = [{a.microbatch for a in actions if a.phase is Phase.RECOMPUTE} for actions in schedule]
+    recomputed = [microbatches_of(actions, Phase.RECOMPUTE) for actions in schedule]
 
     def ready(stage: int, action: Action) -> bool:
         m = action.microbatch
@@ -201,18 +207,18 @@ def dry_run(schedule: Schedule, producers: Mapping[int, set[int]] | None = None)
 
 
 def _check_complete(schedule: Sequence[Sequence[Action]]) -> None:
-    expected = {a.microbatch for a in schedule[0] if a.phase is Phase.FORWARD} if schedule else set()
+    expected = microbatches_of(schedule[0], Phase.FORWARD) if schedule else set()
     for stage, actions in enumerate(schedule):
         if len(set(actions)) != len(actions):
             repeated = sorted({str(a) for a in actions if actions.count(a) > 1})
             raise ScheduleError(f"Stage {stage} runs {repeated} more than once.")
-        forwards = {a.microbatch for a in actions if a.phase is Phase.FORWARD}
-        backwards = {a.microbatch for a in actions if a.phase is Phase.BACKWARD}
+        forwards = microbatches_of(actions, Phase.FORWARD)
+        backwards = microbatches_of(actions, Phase.BACKWARD)
         if forwards != expected:
             raise ScheduleError(f"Stage {stage} runs forwards {sorted(forwards)} but stage 0 runs {sorted(expected)}.")
         if backwards and backwards != forwards:
             raise ScheduleError(f"Stage {stage} runs backwards {sorted(backwards)} for forwards {sorted(forwards)}.")
-        recomputes = {a.microbatch for a in actions if a.phase is Phase.RECOMPUTE}
+        recomputes = microbatches_of(actions, Phase.RECOMPUTE)
         if not recomputes <= backwards:
             missing = sorted(recomputes - backwards)
             raise ScheduleError(f"Stage {stage} recomputes {missing} but never runs their backward.")

@@ -116,6 +116,11 @@ class ModelProfile:
         w = (micro_batch_size - below) / (above - below)
         return _interpolated(by_mb[below], by_mb[above], w)
 
+    def segment_costs(self, threads: int, micro_batch_size: int) -> list[float]:
+        """Forward + backward seconds of each segment: what the stages are balanced by."""
+        timings = (self.timing(i, threads, micro_batch_size) for i in range(len(self.segments)))
+        return [t.forward_s + t.backward_s for t in timings]
+
     def optimizer_step_s(self, segment: int, threads: int) -> float:
         """The optimizer step time of a segment's parameters at the nearest profiled thread count (0 if none)."""
         by_threads = self.segments[segment].optimizer_step_s

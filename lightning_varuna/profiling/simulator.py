@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.pipeline.microbatch import microbatch_sizes
-from lightning_varuna.pipeline.schedules import SCHEDULES, Action, Phase
+from lightning_varuna.pipeline.schedules import SCHEDULES, Action, Phase, microbatches_of
 from lightning_varuna.profiling.profile import LinearCost, ModelProfile, SegmentTiming
 from lightning_varuna.profiling.trace import Span, chrome_trace
 
@@ -110,8 +110,7 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
     threads = profile.threads_per_process(processes_per_node)
     sharing = _CoreSharing.of(profile, P, processes_per_node, threads)
     sizes = microbatch_sizes(config.replica_batch_size, mb)
-    costs = [t.forward_s + t.backward_s for t in (profile.timing(i, threads, mb) for i in range(len(profile.segments)))]
-    starts = balance_stages(costs, P)
+    starts = balance_stages(profile.segment_costs(threads, mb), P)
     bounds = [*starts, len(profile.segments)]
     stages = {size: _stages(profile, bounds, threads, size) for size in set(sizes)}
     actions = SCHEDULES[config.schedule](P, len(sizes))
@@ -186,7 +185,7 @@ def _run_pipeline(
     early); an activation one transfer after both it was sent and its consumer started the forward."""
     P = len(actions)
     send = _p2p(profile, processes_per_node)
-    recomputed = [{a.microbatch for a in stage if a.phase is Phase.RECOMPUTE} for stage in actions]
+    recomputed = [microbatches_of(stage, Phase.RECOMPUTE) for stage in actions]
     arrival: dict[tuple[int, Phase, int], float] = {}  # when stage s may start (phase, m) as far as inputs go
     position = [0] * P
     remaining = [0.0] * P
@@ -253,7 +252,7 @@ def _run_pipeline(
 
 
 def _peak_activations(actions: list[Action], stage: _Stage) -> int:
-    recomputed = {a.microbatch for a in actions if a.phase is Phase.RECOMPUTE}
+    recomputed = microbatches_of(actions, Phase.RECOMPUTE)
     alive = peak = 0
     for a in actions:
         if a.phase is Phase.FORWARD:

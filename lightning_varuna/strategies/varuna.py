@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from datetime import timedelta
+from functools import cached_property
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -283,7 +284,7 @@ class VarunaStrategy(ParallelStrategy):
     def _rank_configs(self, memory: int | None) -> tuple[Config, str]:
         assert self.profile is not None and self.global_batch_size is not None
         ranked = rank_configs(
-            ModelProfile.load(self.profile, self.checkpoint_storage),
+            self._model_profile,
             self.world_size,
             self.global_batch_size,
             memory_bytes=memory,
@@ -304,6 +305,12 @@ class VarunaStrategy(ParallelStrategy):
                 "`pipeline_parallel_size`, `data_parallel_size` and `micro_batch_size` be chosen, or change them."
             )
         return ranked[0].config, format_ranking(ranked, 5)
+
+    @cached_property
+    def _model_profile(self) -> ModelProfile:
+        """``profile``, read once (by the auto-configuration and the cut)."""
+        assert self.profile is not None
+        return ModelProfile.load(self.profile, self.checkpoint_storage)
 
     def _init_process_group(self, backend: str, **kwargs: Any) -> None:
         # gloo's worker threads abort the process ("terminate called without an active exception") when the
@@ -433,16 +440,13 @@ class VarunaStrategy(ParallelStrategy):
                 else None
             )
             return self.broadcast(costs)
-        profile = ModelProfile.load(self.profile, self.checkpoint_storage)
+        profile = self._model_profile
         if profile.cutpoints != cutpoints:
             raise ValueError(
                 f"The profile {self.profile} was taken of a model with CutPoints {profile.cutpoints}, but this one "
                 f"calls {cutpoints}; profile it again (`lightning-varuna profile`)."
             )
-        threads, mb = profile.threads_per_process(self.num_processes), self.micro_batch_size
-        return [
-            (t.forward_s + t.backward_s) for t in (profile.timing(i, threads, mb) for i in range(len(profile.segments)))
-        ]
+        return profile.segment_costs(profile.threads_per_process(self.num_processes), self.micro_batch_size)
 
     def _example_forward_inputs(self, trainer: pl.Trainer) -> tuple[tuple, dict]:
         """Forward arguments of one micro-batch: ``example_input_array`` or what the first step passes."""
