@@ -26,11 +26,12 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "morph.json")
@@ -78,9 +79,7 @@ def worker(folder: str) -> None:
 
 
 def torchrun(nproc: int, folder: str) -> subprocess.Popen:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = find_free_network_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--rdzv-backend=c10d"]
     command += [f"--rdzv-endpoint=127.0.0.1:{port}", f"--nproc-per-node={nproc}", __file__, "--worker", folder]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -42,7 +42,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -388,19 +388,13 @@ def wait_until_quiet(max_wait_s: float, threshold: float = 0.15, window_s: float
 
 
 # -------------------------------------------------------------------------------------------------- launcher
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(variant: Variant, cfg: Config, timeout_s: float) -> list[dict[str, Any]]:
     """Start ``world_size`` fresh processes of this script for ``variant``; return each rank's figures."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         if variant.world_size > 1:  # torch.distributed env:// rendezvous; Lightning then creates no processes
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NODE_RANK="0")
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()), NODE_RANK="0")
             env.update(WORLD_SIZE=str(variant.world_size))
         config = json.dumps(asdict(cfg))
         command = [sys.executable, __file__, "--worker", variant.name, "--config", config, "--out", tmp]

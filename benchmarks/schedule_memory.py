@@ -36,11 +36,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch import Tensor
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from pipeline_step import Config, current_rss_mb, free_port, lm_loss, make_data, make_model, peak_rss_mb, wait_all  # noqa: E402
+from pipeline_step import Config, current_rss_mb, lm_loss, make_data, make_model, peak_rss_mb, wait_all  # noqa: E402
 
 from lightning_varuna.profiling.memory import SavedTensorMeter  # noqa: E402
 
@@ -113,7 +114,7 @@ def launch(schedule: str, stages: int, timeout_s: float) -> list[dict[str, Any]]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1"}
-        env.update(MASTER_PORT=str(free_port()), WORLD_SIZE=str(stages))
+        env.update(MASTER_PORT=str(find_free_network_port()), WORLD_SIZE=str(stages))
         command = [sys.executable, __file__, "--worker", schedule, "--stages", str(stages), "--out", tmp]
         procs = []
         for rank in range(stages):

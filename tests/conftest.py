@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -26,12 +27,6 @@ def clean_env() -> dict[str, str]:
     """The environment for a fresh multi-process job: without the launch variables that in-process
     Lightning runs of this test session left in ``os.environ``."""
     return {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("PL_")}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_job(
@@ -99,7 +94,7 @@ def azure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     if command is None:
         pytest.skip("Azurite is needed for the az:// tests: run .ci/run, or `npm install -g azurite`")
     workspace = tmp_path_factory.mktemp("azurite")
-    port = free_port()
+    port = find_free_network_port()
     flags = ["--inMemoryPersistence", "--skipApiVersionCheck", "--loose", "--silent", "--disableTelemetry"]
     with open(workspace / "azurite.log", "wb") as log:
         server = subprocess.Popen(

@@ -17,6 +17,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import AZURITE_KEY, azurite_connection_string, clean_env
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from models import TinyLM, token_dataset
 from torch import nn
 from torch.utils.data import DataLoader
@@ -113,13 +114,6 @@ def test_overwriting_keeps_one_version_and_last_skips_interrupted_saves(trained,
     torch.testing.assert_close(weights(load_into_fresh_model(str(folder / "a.ckpt"))), weights(model))
 
 
-def closed_port() -> int:
-    """A port nobody listens on."""
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        return closed.getsockname()[1]
-
-
 def assert_first_save_fails(
     trained: tuple[TinyLM, L.Trainer], tmp_path: Path, url: str, options: dict, match: str
 ) -> None:
@@ -134,7 +128,7 @@ def assert_first_save_fails(
 
 
 def test_unreachable_store_fails_at_the_first_save_and_training_state_survives(trained, tmp_path):
-    port = closed_port()
+    port = find_free_network_port()  # nobody listens there
     options = {
         "endpoint_url": f"http://127.0.0.1:{port}",
         "key": "k",
@@ -171,7 +165,7 @@ def test_a_store_that_never_answers_times_out():
 def test_a_refused_azure_connection_ends_at_the_timeout():
     """Azure's SDK retries a refused connection for ~90 s: the storage timeout ends the wait."""
     pytest.importorskip("adlfs")
-    storage = Storage({"connection_string": azurite_connection_string(closed_port())}, timeout=2)
+    storage = Storage({"connection_string": azurite_connection_string(find_free_network_port())}, timeout=2)
     with pytest.raises(TimeoutError, match="Checkpoint storage 'az://bucket/run' did not answer within 2 s"):
         storage.check_writable("az://bucket/run")
 

@@ -10,7 +10,8 @@ import socket
 import lightning as L
 import pytest
 import torch
-from conftest import free_port, run_job
+from conftest import run_job
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from models import TinyLM, token_dataset
 from reference import train_reference
 from torch.utils.data import DataLoader, DistributedSampler
@@ -42,7 +43,7 @@ def torchrun(tmp_path, name: str, nproc: int, cfg: dict, *flags: str):  # noqa: 
     """Run the elastic runner under torchrun; return the process and what each attempt wrote."""
     out = tmp_path / name
     # An explicit c10d rendezvous, as on real machines (`--standalone` restarts fail to reconnect gloo).
-    rendezvous = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    rendezvous = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_network_port()}"]
     args = ["-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}", *flags, RUNNER]
     proc = run_job([*args, str(out), json.dumps(cfg)], tmp_path)
     attempts = []
