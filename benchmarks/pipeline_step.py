@@ -11,10 +11,11 @@ fresh processes:
   micro_batch_size=4, schedule=...)``; 2 processes (gloo), 4 micro-batches.
 * ``varuna-runtime-{1f1b,gpipe}``: lightning-varuna's ``StageRuntime`` driving the traced stage ``GraphModule``
   (the ``_StagePlan`` the strategy builds) without Lightning; 2 processes (gloo).
-* ``varuna-runtime-1f1b-codegen``: the same, with the stage's ``InterpreterModule``s switched to FX generated code: a
-  what-if, not what the package does today.
 * ``torch-pipelining-{1f1b,gpipe}``: ``torch.distributed.pipelining``'s ``Schedule1F1B`` / ``ScheduleGPipe`` on a
-  ``pipeline()`` cut at the same CutPoint; 2 processes (gloo).
+  ``pipeline()`` cut at the same CutPoint; 2 processes (gloo). Its stage modules step through their graphs with
+  ``torch.fx.Interpreter``, as a user of ``pipeline()`` gets them.
+* ``torch-pipelining-1f1b-codegen``: the same with the stage modules built as lightning-varuna builds its own (run
+  as FX generated code, under ``torch.export.unflatten._disable_interpreter()``): the same stages as ours.
 * ``ddp-lightning``: ``Trainer(strategy="ddp", devices=2)``, DataLoader batch 8 per replica.
 * ``single-lightning``: ``Trainer(devices=1)``, DataLoader batch 16; ``single-bare``: the same without Lightning.
 
@@ -37,7 +38,7 @@ Writes the figures to ``benchmarks/results/pipeline_step.json``. Options: ``--st
 from __future__ import annotations
 
 import argparse
-import importlib
+import contextlib
 import json
 import os
 import platform
@@ -95,7 +96,7 @@ class Variant:
     world_size: int
     schedule: str | None = None
     description: str = ""
-    codegen: bool = False  # what-if: run the traced stage's InterpreterModules as FX generated code
+    codegen: bool = False  # torch-pipelining: build the stages to run as FX generated code, as VarunaStrategy does
 
 
 VARIANTS = [
@@ -103,15 +104,15 @@ VARIANTS = [
     Variant("varuna-lightning-gpipe", "varuna-lightning", 2, "gpipe", "Trainer.fit + VarunaStrategy, 2 stages, GPipe"),
     Variant("varuna-runtime-1f1b", "varuna-runtime", 2, "1f1b", "bare StageRuntime, 2 stages, 1F1B"),
     Variant("varuna-runtime-gpipe", "varuna-runtime", 2, "gpipe", "bare StageRuntime, 2 stages, GPipe"),
+    Variant("torch-pipelining-1f1b", "torch-pipelining", 2, "1f1b", "torch.distributed.pipelining Schedule1F1B"),
     Variant(
-        "varuna-runtime-1f1b-codegen",
-        "varuna-runtime",
+        "torch-pipelining-1f1b-codegen",
+        "torch-pipelining",
         2,
         "1f1b",
-        "what-if: bare StageRuntime, 1F1B, stage InterpreterModules switched to FX codegen (not what the package does)",
+        "torch.distributed.pipelining Schedule1F1B on stages run as FX generated code (as VarunaStrategy's)",
         codegen=True,
     ),
-    Variant("torch-pipelining-1f1b", "torch-pipelining", 2, "1f1b", "torch.distributed.pipelining Schedule1F1B"),
     Variant("torch-pipelining-gpipe", "torch-pipelining", 2, "gpipe", "torch.distributed.pipelining ScheduleGPipe"),
     Variant("ddp-lightning", "ddp", 2, None, "Trainer.fit + DDP, 2 replicas x batch 8"),
     Variant("single-lightning", "single", 1, None, "Trainer.fit, 1 process, batch 16"),
@@ -233,18 +234,6 @@ def time_steps(
     return {"step_s": step_s[cfg.warmup :], "fwd_bwd_s": fwd_bwd_s[cfg.warmup :]}
 
 
-def use_fx_codegen(module: torch.nn.Module) -> None:
-    """Make the ``InterpreterModule``s that ``pipeline()``'s unflattening leaves in a stage run their generated code.
-
-    By default they execute their graph node by node with ``torch.fx.Interpreter`` (slow on small ops); the flag is
-    what ``torch.export.unflatten._disable_interpreter()`` sets at construction time.
-    """
-    interpreter_module = importlib.import_module("torch.export.unflatten").InterpreterModule
-    for submodule in module.modules():
-        if isinstance(submodule, interpreter_module):
-            submodule._run_with_interpreter = False
-
-
 def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     """lightning-varuna's StageRuntime on the stage that VarunaStrategy would build, without Lightning."""
     from torch.utils._pytree import tree_flatten
@@ -263,8 +252,6 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     plan = _StagePlan(model, [cfg.boundary], Topology.from_world(world, rank, world, None), output_spec, example.device)
     graph, stage_module = plan.stage_for((example,), {})
     plan.release_other_stages(graph, stage_module)
-    if variant.codegen:
-        use_fx_codegen(stage_module)  # stage_for caches this module: every step runs it
     params = plan.own_parameters()
     actions = SCHEDULES[variant.schedule](world, cfg.num_microbatches)[rank]
 
@@ -287,13 +274,15 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
 def run_torch_pipelining(cfg: Config, variant: Variant) -> dict[str, Any]:
     """torch.distributed.pipelining's schedules on the model cut at the same CutPoint."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, pipeline
+    from torch.export.unflatten import _disable_interpreter
 
     rank = dist.get_rank()
     data = make_data(cfg)
     model = make_model(cfg, len(data.vocab)).train()
     batches = global_batches(cfg, data)
     model.get_submodule(cfg.boundary)._is_stage_boundary = True  # the CutPoint then calls pipe_split()
-    pipe = pipeline(model, mb_args=(batches[0][0][: cfg.micro_batch_size],))
+    with _disable_interpreter() if variant.codegen else contextlib.nullcontext():
+        pipe = pipeline(model, mb_args=(batches[0][0][: cfg.micro_batch_size],))
     stage = pipe.build_stage(rank, torch.device("cpu"))
     del pipe, model
     schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[variant.schedule]

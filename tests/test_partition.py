@@ -358,6 +358,22 @@ def test_stages_run_by_hand_reproduce_the_model(tinylm_split):
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
+def test_stages_run_as_generated_code_not_through_the_fx_interpreter(tinylm_split, monkeypatch):
+    """Stepping through the graph node by node costs as much again as a small model's forward."""
+    model, idx, graph, stages = tinylm_split
+    interpreted = []
+    run = torch.fx.Interpreter.run
+
+    def counted_run(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        interpreted.append(self)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx.Interpreter, "run", counted_run)
+    with torch.no_grad():
+        run_by_hand(graph, stages, [idx])
+    assert interpreted == []
+
+
 def test_stages_run_by_hand_give_the_model_gradients(tinylm_split):
     model, idx, graph, stages = tinylm_split
     model.zero_grad(set_to_none=True)

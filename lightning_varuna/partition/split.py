@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 from torch.distributed.pipelining import pipeline
+from torch.export.unflatten import _disable_interpreter
 from torch.utils._pytree import tree_leaves
 
 from lightning_varuna.cutpoint import CutPoint
@@ -138,7 +139,13 @@ def split_into_stages(
     """
     cuts = _activate(module, boundaries)
     try:
-        with skeleton.stand_ins(module), torch.autocast(args_device_type(args), enabled=False):
+        # `_disable_interpreter`: the stage's submodules run their generated Python code instead of stepping
+        # through the graph with torch.fx.Interpreter, which costs as much again as the forward of a small model.
+        with (
+            skeleton.stand_ins(module),
+            torch.autocast(args_device_type(args), enabled=False),
+            _disable_interpreter(),
+        ):
             pipe = pipeline(module, mb_args=args, mb_kwargs=kwargs or None)
     except RuntimeError as error:
         cause = error.__cause__ or error
