@@ -138,7 +138,7 @@ def main() -> None:
         "--pipeline-parallel-size", type=int_or_auto, default=2, help='stages, or "auto" (needs --profile)'
     )
     parser.add_argument("--micro-batch-size", type=int_or_auto, default=2, help='or "auto" (needs --profile)')
-    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--schedule", default="1f1b", help='1f1b, gpipe, varuna, or "auto" (needs --profile)')
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument(
         "--global-batch-size",

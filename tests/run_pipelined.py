@@ -95,6 +95,7 @@ def main(out_dir: str, config: dict) -> None:
     if trainer.is_global_zero:
         topology = trainer.strategy.topology
         result["shape"] = [topology.pipeline_parallel_size, topology.data_parallel_size, strategy.micro_batch_size]
+        result["schedule"] = strategy.schedule
         with open(f"{out_dir}/losses.json", "w") as f:
             json.dump(result, f)
 

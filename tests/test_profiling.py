@@ -233,8 +233,9 @@ def test_cli_profiles_and_autoconfigures(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------- in training
 def test_auto_configured_run_trains_like_one_device_and_traces_its_step(tmp_path):
-    """``"auto"`` picks AutoConfig's best for the world size; the run matches single-device training; a
-    PipelineTrace of the step shows every action of the chosen schedule on every stage."""
+    """``"auto"`` picks AutoConfig's best for the world size (stages, micro-batch size and schedule); the run
+    matches single-device training; a PipelineTrace of the step shows every action of the chosen schedule on
+    every stage."""
     from reference import train_reference
     from test_parity import run_pipelined
 
@@ -246,7 +247,7 @@ def test_auto_configured_run_trains_like_one_device_and_traces_its_step(tmp_path
         pipeline_parallel_size="auto",
         data_parallel_size=None,
         micro_batch_size="auto",
-        schedule="1f1b",
+        schedule="auto",
         profile=str(tmp_path / "tiny.json"),
         global_batch_size=6,
         devices=2,
@@ -256,15 +257,16 @@ def test_auto_configured_run_trains_like_one_device_and_traces_its_step(tmp_path
         trace=str(tmp_path / "step1.json"),
     )
     result, _ = run_pipelined(tmp_path, config)
-    best = rank_configs(profile, 2, 6, schedules=["1f1b"])[0].config
+    best = rank_configs(profile, 2, 6)[0].config
     P, D, mb = result["shape"]
     assert (P, D, mb) == (best.pipeline_parallel_size, best.data_parallel_size, best.micro_batch_size)
+    assert result["schedule"] == best.schedule
     reference, _ = train_reference({**config, "data_parallel_size": D, "batch_size": 6 // D})
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-5)
 
     events = [e for e in json.loads((tmp_path / "step1.json").read_text())["traceEvents"] if e["ph"] == "X"]
     for replica in range(D):
-        for stage, actions in enumerate(SCHEDULES["1f1b"](P, -(-6 // D // mb))):
+        for stage, actions in enumerate(SCHEDULES[best.schedule](P, -(-6 // D // mb))):
             mine = sorted((e for e in events if (e["pid"], e["tid"]) == (replica, stage)), key=lambda e: e["ts"])
             assert [e["name"] for e in mine] == [*map(str, actions), "all-reduce", "optimizer"]
             assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(mine, mine[1:]))  # one at a time
@@ -277,3 +279,7 @@ def test_auto_needs_a_profile_and_a_global_batch():
         VarunaStrategy(pipeline_parallel_size="auto")
     with pytest.raises(ValueError, match=r"must be a positive integer or \"auto\""):
         VarunaStrategy(micro_batch_size="fast")
+    with pytest.raises(ValueError, match=r'schedule="auto".*pass `profile=`'):
+        VarunaStrategy(schedule="auto")
+    with pytest.raises(ValueError, match=r"unknown; choose one of \['1f1b', 'gpipe', 'varuna'\] or \"auto\""):
+        VarunaStrategy(schedule="zero-bubble")

@@ -86,7 +86,8 @@ class VarunaStrategy(ParallelStrategy):
             simulator predicts from ``profile`` (chosen again at every start, so an elastic job adapts).
         data_parallel_size: number of replicas of the pipeline; default: world size / pipeline_parallel_size.
         micro_batch_size: rows per micro-batch (a last micro-batch may be smaller), or ``"auto"`` (as above).
-        schedule: ``"1f1b"``, ``"gpipe"`` or ``"varuna"`` (recompute each forward just before its backward).
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"varuna"`` (recompute each forward just before its backward), or
+            ``"auto"``: the one the simulator predicts fastest with the other choices (needs ``profile``).
         shared_weights: pairs of parameter names that must stay identical (Varuna's ``shared_weights``);
             the second is tied to the first. Parameters already tied (``head.weight = emb.weight``) are found
             on their own.
@@ -113,7 +114,7 @@ class VarunaStrategy(ParallelStrategy):
         pipeline_parallel_size: int | Literal["auto"] = 1,
         data_parallel_size: int | None = None,
         micro_batch_size: int | Literal["auto"] = 1,
-        schedule: str = "1f1b",
+        schedule: str | Literal["auto"] = "1f1b",
         shared_weights: list[tuple[str, str]] | None = None,
         profile_repeats: int = 3,
         profile: str | None = None,
@@ -136,9 +137,9 @@ class VarunaStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        chosen = {"pipeline_parallel_size": pipeline_parallel_size, "micro_batch_size": micro_batch_size}
-        self._auto = {name for name, value in chosen.items() if value == "auto"}
-        for name, value in chosen.items():
+        sizes = {"pipeline_parallel_size": pipeline_parallel_size, "micro_batch_size": micro_batch_size}
+        self._auto = {name for name, value in {**sizes, "schedule": schedule}.items() if value == "auto"}
+        for name, value in sizes.items():
             if name not in self._auto and (not isinstance(value, int) or value < 1):
                 raise ValueError(f'`VarunaStrategy({name}={value!r})` must be a positive integer or "auto".')
         if self._auto and (profile is None or global_batch_size is None):
@@ -150,8 +151,10 @@ class VarunaStrategy(ParallelStrategy):
         for name, value in (("data_parallel_size", data_parallel_size), ("global_batch_size", global_batch_size)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"`VarunaStrategy({name}={value!r})` must be a positive integer.")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"`VarunaStrategy(schedule={schedule!r})` is unknown; choose one of {sorted(SCHEDULES)}.")
+        if schedule not in SCHEDULES and schedule != "auto":
+            raise ValueError(
+                f'`VarunaStrategy(schedule={schedule!r})` is unknown; choose one of {sorted(SCHEDULES)} or "auto".'
+            )
         self.pipeline_parallel_size: int = 0 if pipeline_parallel_size == "auto" else pipeline_parallel_size
         self.data_parallel_size = data_parallel_size
         self.micro_batch_size: int = 0 if micro_batch_size == "auto" else micro_batch_size
@@ -279,6 +282,7 @@ class VarunaStrategy(ParallelStrategy):
             raise ValueError(choice)
         best, table = choice
         self.pipeline_parallel_size, self.micro_batch_size = best.pipeline_parallel_size, best.micro_batch_size
+        self.schedule = best.schedule
         rank_zero_info(f"VarunaStrategy chose {best} for {self.world_size} processes:\n{table}")
 
     def _rank_configs(self, memory: int | None) -> tuple[Config, str]:
@@ -289,7 +293,7 @@ class VarunaStrategy(ParallelStrategy):
             self.global_batch_size,
             memory_bytes=memory,
             nodes=self.num_nodes,
-            schedules=[self.schedule],
+            schedules=None if "schedule" in self._auto else [self.schedule],
             micro_batch_sizes=None if "micro_batch_size" in self._auto else [self.micro_batch_size],
         )
         fixed_stages = None if "pipeline_parallel_size" in self._auto else self.pipeline_parallel_size
