@@ -12,8 +12,10 @@ Faults, on the first attempt only: ``"signal_at": {"rank": r, "step": s, "signal
 ``r`` signal itself as step ``s`` starts; ``"kill_at": {"rank": r, "step": s}`` SIGKILLs rank ``r`` there;
 ``"signal_in_save": {"rank": r, "step": s}`` sends SIGUSR1 while rank ``r`` writes the checkpoint of step
 ``s``; ``"machines_at": {"step": s, "text": ...}`` rewrites the ``machine_list`` file then;
-``"slow_steps_at_world": {"2": seconds}`` sleeps after each step at that world size. ``"signals"`` names the
-signals MorphCallback handles (default SIGUSR1).
+``"slow_steps_at_world": {"2": seconds}`` sleeps after each step at that world size, until a morph is
+requested (a job waiting there for another machine to join). ``"signals"`` names the signals MorphCallback
+handles (default SIGUSR1). After its first step, rank 0 writes its ``MASTER_ADDR`` to
+``OUT_DIR/training-attempt{restart}-world{size}``.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ WORLD = int(os.environ.get("WORLD_SIZE", 1))
 class Faults(L.Callback):
     """The faults of the config, injected on the first attempt."""
 
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, morph: MorphCallback) -> None:
         self.config = config if ATTEMPT == 0 else {}
+        self.morph = morph
 
     def _at(self, trainer: L.Trainer, key: str) -> dict | None:
         fault = self.config.get(key)
@@ -73,7 +76,9 @@ class Faults(L.Callback):
             Path(self.config["machine_list"]).write_text(fault["text"])
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
-        time.sleep(self.config.get("slow_steps_at_world", {}).get(str(WORLD), 0))
+        deadline = time.monotonic() + self.config.get("slow_steps_at_world", {}).get(str(WORLD), 0)
+        while time.monotonic() < deadline and not self.morph.reasons:
+            time.sleep(0.05)
 
 
 class RecordSamples(L.Callback):
@@ -88,6 +93,19 @@ class RecordSamples(L.Callback):
             self.batches.append([self.index[tuple(row.tolist())] for row in batch[0]])
 
 
+class Started(L.Callback):
+    """Tells whoever watches (a test starting another machine) that this attempt trains, and which machine hosts
+    rank 0: a file after step 1."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.marker = out_dir / f"training-attempt{ATTEMPT}-world{WORLD}"
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
+        if trainer.is_global_zero and not self.marker.exists():
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.write_text(os.environ.get("MASTER_ADDR", ""))
+
+
 def main(out_dir: str, config: dict) -> None:
     L.seed_everything(config.get("seed", 0))
     model = model_for(config)
@@ -95,7 +113,7 @@ def main(out_dir: str, config: dict) -> None:
     signals = [signal.Signals[name] for name in config.get("signals", ["SIGUSR1"])]
     morph = MorphCallback(config["morph_dir"], signals, machine_list=config.get("machine_list"), poll_interval=0)
     record, samples = RecordLosses(), RecordSamples(data)
-    callbacks = [record, samples, Faults(config), morph]
+    callbacks = [record, samples, Started(Path(out_dir)), Faults(config, morph), morph]
     if "checkpoint_dir" in config:
         callbacks.append(
             ModelCheckpoint(

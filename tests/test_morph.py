@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from conftest import run_job
+from conftest import clean_env, run_job
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from models import TinyLM, token_dataset
 from reference import train_reference
@@ -46,6 +50,11 @@ def torchrun(tmp_path, name: str, nproc: int, cfg: dict, *flags: str):  # noqa: 
     rendezvous = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_network_port()}"]
     args = ["-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}", *flags, RUNNER]
     proc = run_job([*args, str(out), json.dumps(cfg)], tmp_path)
+    return proc, attempts_in(out)
+
+
+def attempts_in(out: Path) -> list[dict]:
+    """What each start of the workers wrote under ``out`` (see run_elastic.py), oldest first."""
     attempts = []
     for attempt in sorted(out.glob("attempt*"), key=lambda path: path.stat().st_mtime):
         weights = {}
@@ -60,7 +69,7 @@ def torchrun(tmp_path, name: str, nproc: int, cfg: dict, *flags: str):  # noqa: 
                 "samples": [s for s in samples if s],  # first-stage ranks: one list per replica
             }
         )
-    return proc, attempts
+    return attempts
 
 
 def global_batches(attempt: dict) -> list[list[int]]:
@@ -188,3 +197,63 @@ def test_sigterm_morphs_when_morph_callback_handles_it(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert attempt["run"]["morphed"] and attempt["run"]["global_step"] == 5
     assert open_complete(Storage(), str(tmp_path / "morph" / "morph-step=5.ckpt")).global_step == 5
+
+
+@pytest.mark.parametrize(
+    ("first_addr", "joining_addr"),
+    # The rendezvous ranks machines by address: the first machine keeps rank 0, or the new one takes it.
+    [("127.0.0.1", "localhost"), ("localhost", "127.0.0.1")],
+    ids=["first-keeps-rank-0", "joining-takes-rank-0"],
+)
+def test_a_machine_joining_grows_the_job_and_training_continues(tmp_path, uninterrupted, first_addr, joining_addr):
+    """A second machine joins a running (2, 1) job (``--nnodes=1:2``; two torchrun agents on one host): the first
+    agent SIGTERMs its workers, which write the morph checkpoint and exit; both agents re-rendezvous and the
+    workers resume at (2, 2) with the same training."""
+    cfg = config(tmp_path, signals=["SIGUSR1", "SIGTERM"], slow_steps_at_world={"2": 15})
+    out = tmp_path / "grown"
+    rendezvous = f"--rdzv-endpoint=127.0.0.1:{find_free_network_port()}"
+    # last_call_timeout: the first machine starts alone after 1 s instead of waiting 30 s for a second one.
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2"]
+    agent += ["--rdzv-backend=c10d", rendezvous, "--rdzv-conf=last_call_timeout=1", "--max-restarts=0"]
+    job = [RUNNER, str(out), json.dumps(cfg)]
+    # Without it the agents hang in the rendezvous of the grown job (torch 2.13; see the README).
+    env = {**clean_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    agents, logs = [], [tmp_path / "first.log", tmp_path / "joining.log"]
+
+    def start(addr: str, log: Path) -> subprocess.Popen:
+        with log.open("w") as file:
+            command = [*agent, f"--local-addr={addr}", *job]
+            popen = subprocess.Popen(command, stdout=file, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        agents.append(popen)
+        return popen
+
+    try:
+        first = start(first_addr, logs[0])
+        deadline = time.monotonic() + 120
+        while not (out / "training-attempt0-world2").exists():  # the first machine has trained a step
+            assert first.poll() is None and time.monotonic() < deadline, logs[0].read_text()[-6000:]
+            time.sleep(0.1)
+        joining = start(joining_addr, logs[1])
+        codes = [first.wait(timeout=180), joining.wait(timeout=180)]
+    finally:
+        for popen in agents:  # on a failure: no agent outlives the test; SIGTERM makes it stop its workers
+            if popen.poll() is None:
+                popen.terminate()
+        for popen in agents:
+            try:
+                popen.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+    output = "\n".join(log.read_text() for log in logs)
+    assert codes == [0, 0], output[-8000:]
+    before, grown = attempts_in(out)
+    step = before["run"]["global_step"]
+    assert before["run"] == {"morphed": True, "reasons": ["received SIGTERM"], "global_step": step, "shape": [2, 1]}
+    assert 1 <= step < EPOCHS * ROWS // GLOBAL_BATCH
+    assert f"morph-step={step}.ckpt" in output
+    assert open_complete(Storage(), str(tmp_path / "morph" / f"morph-step={step}.ckpt")).global_step == step
+    assert before["losses"] == pytest.approx(uninterrupted["losses"][:step], rel=1e-5, abs=1e-5)
+    assert global_batches(before) == uninterrupted["batches"][:step]
+    assert grown["run"] == {"morphed": False, "reasons": [], "global_step": 8, "shape": [2, 2]}
+    assert (out / "training-attempt0-world4").read_text() == min(first_addr, joining_addr), "rank 0's machine"
+    assert_same_training([before, grown], uninterrupted, from_step=step)
