@@ -197,6 +197,8 @@ def test_sigterm_morphs_when_morph_callback_handles_it(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert attempt["run"]["morphed"] and attempt["run"]["global_step"] == 5
     assert open_complete(Storage(), str(tmp_path / "morph" / "morph-step=5.ckpt")).global_step == 5
+    # torchrun shares its TCPStore (the default), with which a joining machine hangs: the job says so.
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -246,6 +248,7 @@ def test_a_machine_joining_grows_the_job_and_training_continues(tmp_path, uninte
                 popen.kill()
     output = "\n".join(log.read_text() for log in logs)
     assert codes == [0, 0], output[-8000:]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" not in output  # the warning of the shared store
     before, grown = attempts_in(out)
     step = before["run"]["global_step"]
     assert before["run"] == {"morphed": True, "reasons": ["received SIGTERM"], "global_step": step, "shape": [2, 1]}

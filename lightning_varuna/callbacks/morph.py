@@ -12,6 +12,7 @@ relaunch at the new size resumes from it with ``trainer.fit(model, ckpt_path="la
 from __future__ import annotations
 
 import logging
+import os
 import signal as signals
 import socket
 import threading
@@ -41,7 +42,8 @@ class MorphCallback(Callback):
             replaces Lightning's handlers for them: its SLURM requeue handler on SIGUSR1, its stop-without-
             checkpoint on SIGTERM). The handler only records the request, so a signal that arrives during a
             checkpoint write does not disturb it. Add ``signal.SIGTERM`` under ``torchrun``: its agent stops
-            the workers with SIGTERM (then SIGKILL after 30 s) when machines join or leave.
+            the workers with SIGTERM (then SIGKILL after 30 s) when machines join or leave (and start it with
+            ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that a joining machine gets in; see the README).
         machine_list: URL of a file naming the machines available to the job, one host name per line (blank
             lines and ``#`` comments are ignored). When the names differ from the hosts the job runs on, the
             job morphs.
@@ -93,6 +95,13 @@ class MorphCallback(Callback):
             self._storage = strategy_storage
         if trainer.is_global_zero:
             self._storage.check_writable(self.dirpath)
+        if signals.SIGTERM in self.signals and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            rank_zero_warn(
+                "MorphCallback: torchrun's agents share their TCPStore with the workers here. With torch 2.13 a"
+                " machine that joins the running job then hangs the next rendezvous: the agents already in the"
+                " job keep the previous round's `MASTER_ADDR`/`MASTER_PORT`. Start torchrun with"
+                " `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` on every machine."
+            )
         if self.machine_list is not None:
             hosts = [socket.gethostname()]
             if dist.is_available() and dist.is_initialized():
