@@ -9,6 +9,9 @@ from ``ckpt_path="last"`` after the fit (``val_loss_last`` in losses.json); ``"s
 state with ``trainer.save_checkpoint``; ``"trace"`` writes a `PipelineTrace` of step 1 there.
 ``"kill_in_save": {"rank": r, "step": s}`` makes rank ``r`` SIGKILL
 itself in the middle of the save at global step ``s``, right after writing its shard.
+``"checkpoint_every_step": {"dirpath": url, "save_top_k": k}`` adds a ModelCheckpoint that saves after every step
+and keeps the k newest; ``"watch_uploads": true`` holds each of its background uploads in flight while rank 0 looks
+at the store (`upload_hooks.WatchUploads`; what it saw goes to ``OUT_DIR/uploads.json``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import fit_and_report, model_for, token_dataset  # noqa: E402
+from upload_hooks import WatchUploads  # noqa: E402
 
 from lightning_varuna import PipelineTrace, VarunaStrategy  # noqa: E402
 
@@ -74,6 +78,13 @@ def main(out_dir: str, config: dict) -> None:
         callbacks.append(
             ModelCheckpoint(dirpath=config["checkpoint_dir"], every_n_epochs=1, save_top_k=-1, save_last=True)
         )
+    if "checkpoint_every_step" in config:
+        dirpath, top_k = config["checkpoint_every_step"]["dirpath"], config["checkpoint_every_step"]["save_top_k"]
+        monitor = "step" if top_k > 1 else None  # the k newest
+        callbacks.append(ModelCheckpoint(dirpath, every_n_train_steps=1, save_top_k=top_k, monitor=monitor, mode="max"))
+        if config.get("watch_uploads"):
+            watch = WatchUploads(dirpath)
+            callbacks.append(watch)
     # With one replica, rank 0's predictions cover the whole set.
     trainer, result = fit_and_report(
         model,
@@ -91,6 +102,9 @@ def main(out_dir: str, config: dict) -> None:
     if "save_to" in config:
         trainer.save_checkpoint(config["save_to"])
     os.makedirs(out_dir, exist_ok=True)
+    if config.get("watch_uploads") and trainer.is_global_zero:
+        with open(f"{out_dir}/uploads.json", "w") as f:
+            json.dump(watch.events, f)
     torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, f"{out_dir}/rank{trainer.global_rank}.pt")
     if trainer.is_global_zero:
         topology = trainer.strategy.topology

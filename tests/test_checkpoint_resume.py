@@ -9,8 +9,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import run_job
+from conftest import fsspec_env, run_job
 from reference import train_reference
+from upload_hooks import describe_store, step_of
 
 from lightning_varuna.checkpoint.layout import COMMIT_MARKER, IncompleteCheckpointError, open_complete
 from lightning_varuna.checkpoint.storage import Storage
@@ -133,3 +134,42 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, 
 
     result, weights = run(tmp_path, "resumed", shape(2, 1, epochs=EPOCHS, checkpoint_dir=folder, resume="last"))
     assert_continues(result, weights, uninterrupted, from_step=3)
+
+
+def test_pruning_never_touches_an_upload_in_flight(tmp_path, s3_server, s3_bucket, uninterrupted):
+    """ModelCheckpoint keeps the 2 newest of a save after every step, uploaded in the background to S3. Every upload
+    is held in flight (after its first file) while rank 0 looks at the store, and the store is looked at again at
+    every prune: the checkpoint to be pruned stays complete until the next one is committed, and the folder always
+    holds a complete, loadable checkpoint."""
+    folder, env = f"{s3_bucket}/run/checkpoints", fsspec_env("s3", s3_server)
+    every_step = {"dirpath": folder, "save_top_k": 2}
+    config = shape(2, 1, epochs=2, tempdir=str(tmp_path / "local"), checkpoint_every_step=every_step)
+    run(tmp_path, "first", {**config, "watch_uploads": True}, env=env)
+    log = json.loads((tmp_path / "first" / "uploads.json").read_text())
+
+    def name(step: int) -> str:
+        return f"epoch={(step - 1) // 3}-step={step}.ckpt"
+
+    def loads(store: dict) -> dict[str, int | None]:
+        return {checkpoint: entry["loads_step"] for checkpoint, entry in store.items()}
+
+    held = [entry for entry in log if "held" in entry]
+    assert [entry["step"] for entry in held] == [1, 2, 3, 4, 5, 6]  # a save after every step, each observed
+    for entry in held:
+        step = entry["step"]
+        assert step_of(entry["held"]) == step
+        # The save in flight is there but not loadable; the previous two (one about to be pruned) load.
+        expected = {name(s): s for s in range(max(1, step - 2), step)}
+        assert loads(entry["store"]) == {**expected, name(step): None}, entry
+
+    pruned = [entry for entry in log if "pruned" in entry]
+    assert [step_of(entry["pruned"]) for entry in pruned] == [1, 2, 3, 4]
+    for entry in pruned:
+        step = step_of(entry["pruned"])
+        # Pruned only once the newest save is committed: the two to keep load, nothing is half written.
+        assert loads(entry["store"]) == {name(s): s for s in (step, step + 1, step + 2)}, entry
+        assert all(len(checkpoint["versions"]) == 1 for checkpoint in entry["store"].values()), entry
+
+    assert loads(describe_store(Storage(s3_server), folder)) == {name(5): 5, name(6): 6}
+    result, weights = run(tmp_path, "resumed", {**config, "epochs": EPOCHS, "resume": "last"}, env=env)
+    assert_continues(result, weights, uninterrupted, from_step=6)
