@@ -11,7 +11,8 @@ state with ``trainer.save_checkpoint``; ``"trace"`` writes a `PipelineTrace` of 
 itself in the middle of the save at global step ``s``, right after writing its shard.
 ``"checkpoint_every_step": {"dirpath": url, "save_top_k": k}`` adds a ModelCheckpoint that saves after every step
 and keeps the k newest; ``"watch_uploads": true`` holds each of its background uploads in flight while rank 0 looks
-at the store (`upload_hooks.WatchUploads`; what it saw goes to ``OUT_DIR/uploads.json``).
+at the store (`upload_hooks.WatchUploads`; what it saw goes to ``OUT_DIR/uploads.json``);
+``"fail_upload": {"rank": r, "step": s}`` makes rank ``r``'s upload of the save at step ``s`` fail.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import fit_and_report, model_for, token_dataset  # noqa: E402
-from upload_hooks import WatchUploads  # noqa: E402
+from upload_hooks import FailUpload, WatchUploads  # noqa: E402
 
 from lightning_varuna import PipelineTrace, VarunaStrategy  # noqa: E402
 
@@ -85,6 +86,8 @@ def main(out_dir: str, config: dict) -> None:
         if config.get("watch_uploads"):
             watch = WatchUploads(dirpath)
             callbacks.append(watch)
+    if "fail_upload" in config:
+        callbacks.append(FailUpload(**config["fail_upload"]))
     # With one replica, rank 0's predictions cover the whole set.
     trainer, result = fit_and_report(
         model,

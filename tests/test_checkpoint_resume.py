@@ -173,3 +173,25 @@ def test_pruning_never_touches_an_upload_in_flight(tmp_path, s3_server, s3_bucke
     assert loads(describe_store(Storage(s3_server), folder)) == {name(5): 5, name(6): 6}
     result, weights = run(tmp_path, "resumed", {**config, "epochs": EPOCHS, "resume": "last"}, env=env)
     assert_continues(result, weights, uninterrupted, from_step=6)
+
+
+def test_a_failed_upload_prunes_nothing(tmp_path, s3_server, s3_bucket):
+    """save_top_k=1 with the background upload: when a rank's upload of the newest save fails, the prune queued
+    behind it does not run, so the previous checkpoint stays, complete."""
+    folder, env = f"{s3_bucket}/run/checkpoints", fsspec_env("s3", s3_server)
+    config = shape(
+        2,
+        1,
+        epochs=2,
+        tempdir=str(tmp_path / "local"),
+        checkpoint_every_step={"dirpath": folder, "save_top_k": 1},
+        fail_upload={"rank": 1, "step": 3},
+    )
+    proc, _ = run(tmp_path, "failed", config, env=env, expect_ok=False)
+    assert proc.returncode != 0
+    assert "test: the upload of" in proc.stderr
+    store = describe_store(Storage(s3_server), folder)
+    assert {name: entry["loads_step"] for name, entry in store.items()} == {
+        "epoch=0-step=2.ckpt": 2,
+        "epoch=0-step=3.ckpt": None,  # interrupted: ignored
+    }

@@ -2,6 +2,7 @@
 
 `WatchUploads` holds each save's upload in flight on rank 0, after its first file reached the store, until the
 main thread has looked at the store; it also records what the store holds whenever a checkpoint is pruned.
+`FailUpload` makes one rank's upload of one save fail.
 """
 
 from __future__ import annotations
@@ -92,3 +93,28 @@ class WatchUploads(L.Callback):
         store = describe_store(self.storage, self.dirpath)
         self.events.append({"held": held, "step": trainer.global_step, "store": store})
         self.storage.released.put(True)
+
+
+class FailingStorage(Storage):
+    """Storage whose upload of the save at global step ``step`` fails."""
+
+    def __init__(self, storage_options: dict[str, Any], step: int) -> None:
+        super().__init__(storage_options)
+        self.step = step
+
+    def put_file(self, local_path: str, url: str) -> None:
+        if step_of(url) == self.step:
+            raise OSError(f"test: the upload of {url} fails")
+        super().put_file(local_path, url)
+
+
+class FailUpload(L.Callback):
+    """Rank ``rank``'s upload of the save at global step ``step`` fails."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.global_rank == self.rank:
+            options = trainer.strategy.checkpoint_storage.storage_options
+            trainer.strategy._checkpoints.storage = FailingStorage(options, self.step)
