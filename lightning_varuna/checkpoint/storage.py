@@ -9,10 +9,17 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+from lightning_varuna.checkpoint.range_reader import RangeReader
 
 __all__ = ["Storage", "join"]
+
+# Files (and threads) per rank when DCP writes straight to a remote store: each file is one stream that waits for
+# its upload requests, so several overlap the network with serializing the next tensors.
+REMOTE_WRITE_THREADS = 4
 
 
 def join(url: str, *names: str) -> str:
@@ -82,11 +89,14 @@ class Storage:
             fs.rm(path, recursive=True)
 
     def dcp_writer(self, url: str) -> FileSystemWriter:
-        """A torch.distributed.checkpoint writer for ``url`` (no fsync: object stores have none)."""
-        return FsspecWriter(str(url), sync_files=False, **self.fs_options)
+        """A torch.distributed.checkpoint writer for ``url`` (no fsync: object stores have none); one file per
+        rank on a local filesystem, `REMOTE_WRITE_THREADS` written concurrently elsewhere."""
+        fs, _ = self.fs(url)
+        threads = 1 if isinstance(fs, LocalFileSystem) else REMOTE_WRITE_THREADS
+        return FsspecWriter(str(url), sync_files=False, thread_count=threads, **self.fs_options)
 
-    def dcp_reader(self, url: str) -> FsspecReader:
-        return FsspecReader(str(url), **self.fs_options)
+    def dcp_reader(self, url: str) -> RangeReader:
+        return RangeReader(str(url), **self.fs_options)
 
     def check_writable(self, url: str) -> None:
         """Write and delete a probe file under ``url``; raise a clear error if that fails or hangs.
