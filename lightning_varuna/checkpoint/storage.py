@@ -11,7 +11,7 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 from lightning_varuna.checkpoint.range_reader import RangeReader
 
@@ -95,8 +95,12 @@ class Storage:
         threads = 1 if isinstance(fs, LocalFileSystem) else REMOTE_WRITE_THREADS
         return FsspecWriter(str(url), sync_files=False, thread_count=threads, **self.fs_options)
 
-    def dcp_reader(self, url: str) -> RangeReader:
-        return RangeReader(str(url), **self.fs_options)
+    def dcp_reader(self, url: str) -> FsspecReader:
+        """A torch.distributed.checkpoint reader for ``url``: DCP's own on a local filesystem (it reads the page
+        cache in place, faster than copying windows out of it), `RangeReader` elsewhere."""
+        fs, _ = self.fs(url)
+        reader = FsspecReader if isinstance(fs, LocalFileSystem) else RangeReader
+        return reader(str(url), **self.fs_options)
 
     def check_writable(self, url: str) -> None:
         """Write and delete a probe file under ``url``; raise a clear error if that fails or hangs.
