@@ -2,8 +2,8 @@
 
 DCP's own fsspec reader opens each file as a stream and reads the items in the order of the load plan, each with
 ``torch.load`` seeking through the stream's read-ahead cache. On an object store every cache miss is a new request
-for the item and the next 50 MB (s3fs), and ``torch.load`` reads an item's end before its start: the items were
-fetched about three times over, one request at a time. This reader requests what the plan needs in file order, in
+for the item and the next 50 MB (s3fs), and ``torch.load`` reads an item's end before its start: for a 304 MB
+checkpoint it made 19 requests of up to 50 MB, one at a time. This reader requests what the plan needs in file order, in
 windows of up to `WINDOW_BYTES` (one range request each), `PREFETCH` windows ahead and concurrently, and
 deserializes the items of each window from memory.
 """
