@@ -1,6 +1,6 @@
 """How well the simulator predicts real step times, and whether AutoConfig picks the fastest configuration.
 
-Run from the repository root (about 5 minutes on 2 CPU cores)::
+Run from the repository root (about 8 minutes on 2 CPU cores)::
 
     python benchmarks/simulator_accuracy.py
 
@@ -10,8 +10,10 @@ Run from the repository root (about 5 minutes on 2 CPU cores)::
    them) for every configuration in ``CONFIGS`` on a global batch of 16, in fresh processes, and takes the median
    step time (``on_train_batch_start`` -> ``on_train_batch_end`` on rank 0) after a warm-up. Before each run it
    waits for other processes to leave the CPUs idle.
-3. Prints measured against predicted step time per configuration, the median absolute error, and where AutoConfig's
-   pick among the measured configurations ranks.
+3. Calibrates the profile (``lightning_varuna.profiling.calibration``) with the measured timeline of one more
+   configuration per process count (``CALIBRATION``, none of them among ``CONFIGS``).
+4. Prints measured against predicted step time per configuration, from the profile alone and calibrated, the median
+   absolute errors, and where AutoConfig's pick among the measured configurations ranks.
 
 Writes ``benchmarks/results/simulator_accuracy.json`` and, per configuration, the predicted and the measured
 (``PipelineTrace``) timeline of a step to ``benchmarks/results/traces/`` (open them in https://ui.perfetto.dev).
@@ -48,6 +50,9 @@ CONFIGS = [
     (2, 2, 2, "varuna"),
     (1, 4, 4, "1f1b"),
 ]
+# One per process count (1, 2, 4), held out from CONFIGS: their measured steps calibrate the profile.
+CALIBRATION = [(1, 1, 8, "gpipe"), (2, 1, 8, "gpipe"), (4, 1, 4, "1f1b")]
+CALIBRATED_PROFILE = RESULTS / "gpt.calibrated.profile.json"
 
 
 def worker(config: list, out: str, warmup: int, steps: int) -> None:
@@ -122,8 +127,10 @@ def main() -> None:
         return
 
     from lightning_varuna.profiling.autoconfig import candidate_configs, rank_configs
+    from lightning_varuna.profiling.calibration import calibrate
     from lightning_varuna.profiling.profile import ModelProfile
     from lightning_varuna.profiling.simulator import Config, simulate
+    from lightning_varuna.profiling.trace import read_chrome_trace
 
     if not (args.reuse_profile and PROFILE.exists()):
         subprocess.run(
@@ -138,29 +145,36 @@ def main() -> None:
     profile = ModelProfile.load(str(PROFILE))
     TRACES.mkdir(parents=True, exist_ok=True)
     measure(CONFIGS[0], args.warmup, args.steps)  # discarded: the first run after start is slower on this VM
+    calibrated = profile
+    for config in CALIBRATION:
+        measure(config, args.warmup, args.steps)
+        spans, metadata = read_chrome_trace((TRACES / f"{_name(config)}.measured.json").read_text())
+        calibrated = calibrate(calibrated, Config(**metadata["config"]), spans)
+    calibrated.save(str(CALIBRATED_PROFILE))
+    print("calibrated with " + ", ".join(map(_name, CALIBRATION)) + ":", flush=True)
+    for processes, overheads in sorted(calibrated.overheads.items()):
+        print(f"  {processes} process(es): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in vars(overheads).items()))
     rows = []
-    print(f"{'config':<24} {'measured ms':>12} {'predicted ms':>13} {'error':>7}", flush=True)
+    print(f"{'config':<24} {'measured ms':>12} {'profile ms':>11} {'error':>7} {'calibrated ms':>14} {'error':>7}")
     for config in CONFIGS:
         P, D, mb, schedule = config
-        prediction = simulate(profile, Config(P, D, mb, schedule, GLOBAL_BATCH), timeline=True)
-        (TRACES / f"{_name(config)}.predicted.json").write_text(prediction.chrome_trace())
-        predicted = prediction.step_s
+        prediction = simulate(profile, Config(P, D, mb, schedule, GLOBAL_BATCH))
+        calibrated_prediction = simulate(calibrated, Config(P, D, mb, schedule, GLOBAL_BATCH), timeline=True)
+        (TRACES / f"{_name(config)}.predicted.json").write_text(calibrated_prediction.chrome_trace())
         measured = measure(config, args.warmup, args.steps)
-        error = (predicted - measured) / measured
-        rows.append(
-            dict(
-                config=list(config),
-                measured_ms=measured * 1e3,
-                predicted_ms=predicted * 1e3,
-                error=error,
-            )
-        )
+        row = dict(config=list(config), measured_ms=measured * 1e3)
+        for key, predicted in (("", prediction.step_s), ("calibrated_", calibrated_prediction.step_s)):
+            row[f"{key}predicted_ms"] = predicted * 1e3
+            row[f"{key}error"] = (predicted - measured) / measured
+        rows.append(row)
         name = f"P={P} D={D} mb={mb} {schedule}"
         print(
-            f"{name:<24} {measured * 1e3:>12.1f} {predicted * 1e3:>13.1f} {error:>+7.1%}",
+            f"{name:<24} {measured * 1e3:>12.1f} {row['predicted_ms']:>11.1f} {row['error']:>+7.1%} "
+            f"{row['calibrated_predicted_ms']:>14.1f} {row['calibrated_error']:>+7.1%}",
             flush=True,
         )
     median_error = statistics.median(abs(r["error"]) for r in rows)
+    calibrated_median_error = statistics.median(abs(r["calibrated_error"]) for r in rows)
     by_world: dict[int, list[dict]] = {}
     for row in rows:
         by_world.setdefault(row["config"][0] * row["config"][1], []).append(row)
@@ -168,7 +182,7 @@ def main() -> None:
     for world, measured_rows in sorted(by_world.items()):
         if len(measured_rows) < 2:
             continue
-        ranked = rank_configs(profile, world, GLOBAL_BATCH)
+        ranked = rank_configs(calibrated, world, GLOBAL_BATCH)
         among = {tuple(r["config"]) for r in measured_rows}
         pick = next(p.config for p in ranked if (p.config.pipeline_parallel_size, p.config.data_parallel_size,
                                                    p.config.micro_batch_size, p.config.schedule) in among)  # fmt: skip
@@ -187,7 +201,10 @@ def main() -> None:
             f"{world} devices: AutoConfig picks {key} ({picked['measured_ms']:.1f} ms measured); the measured fastest "
             f"is {fastest['config']} ({fastest['measured_ms']:.1f} ms): {picks[-1]['pick_vs_fastest']:.2f}x"
         )
-    print(f"\nmedian absolute error: {median_error:.1%} over {len(rows)} configurations")
+    print(
+        f"\nmedian absolute error over {len(rows)} configurations: {median_error:.1%} from the profile alone, "
+        f"{calibrated_median_error:.1%} calibrated"
+    )
     candidates = candidate_configs(profile, 4, GLOBAL_BATCH)
     start = time.perf_counter()
     for config in candidates:
@@ -202,6 +219,8 @@ def main() -> None:
                 "model": MODEL,
                 "rows": rows,
                 "median_abs_error": median_error,
+                "calibration": [list(c) for c in CALIBRATION],
+                "calibrated_median_abs_error": calibrated_median_error,
                 "autoconfig": picks,
                 "simulated_configs_per_s": per_second,
             },

@@ -109,6 +109,36 @@ def _autoconfig(args: argparse.Namespace) -> None:
         print(f"Predicted timeline of the best: {args.trace} (open in https://ui.perfetto.dev)")
 
 
+def _calibrate(args: argparse.Namespace) -> None:
+    from lightning_varuna.profiling.calibration import calibrate
+    from lightning_varuna.profiling.profile import ModelProfile
+    from lightning_varuna.profiling.simulator import Config, simulate
+    from lightning_varuna.profiling.trace import read_chrome_trace
+
+    storage = _storage(args)
+    profile = ModelProfile.load(args.profile, storage)
+    for url in args.trace:
+        spans, metadata = read_chrome_trace(storage.read_bytes(url).decode())
+        if "config" not in metadata:
+            raise SystemExit(f"{url} does not say which configuration it measured; record it with PipelineTrace.")
+        config = Config(**metadata["config"])
+        measured = max(s.end_s for s in spans) - min(s.start_s for s in spans)
+        before = simulate(profile, config).step_s
+        profile = calibrate(profile, config, spans)
+        after = simulate(profile, config).step_s
+        processes = -(-config.world_size // config.nodes)
+        o = profile.overheads[processes]
+        print(
+            f"{config}: measured {measured * 1e3:.1f} ms, predicted {before * 1e3:.1f} ms before and "
+            f"{after * 1e3:.1f} ms after. With {processes} process(es) per node, add per forward "
+            f"{o.forward_s * 1e3:.2f} ms, per backward {o.backward_s * 1e3:.2f} ms, per message "
+            f"{o.message_s * 1e3:.2f} ms, per step {o.step_s * 1e3:.2f} ms."
+        )
+    output = args.output or args.profile
+    profile.save(output, storage)
+    print(f"Wrote {output}.")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning-varuna", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +173,14 @@ def main(argv: list[str] | None = None) -> None:
     auto.add_argument("--trace", help="write the best configuration's predicted timeline here (Chrome trace JSON)")
     auto.add_argument("--storage-options", help="fsspec options as JSON")
     auto.set_defaults(run=_autoconfig)
+    calibration = commands.add_parser(
+        "calibrate", help="learn from measured steps (PipelineTrace files) what the profile's segments leave out"
+    )
+    calibration.add_argument("--profile", required=True, help="the profile to calibrate (any fsspec URL)")
+    calibration.add_argument("--trace", required=True, nargs="+", help="PipelineTrace files, one per process count")
+    calibration.add_argument("--output", help="where to write the calibrated profile; default: --profile")
+    calibration.add_argument("--storage-options", help="fsspec options as JSON")
+    calibration.set_defaults(run=_calibrate)
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,11 +13,19 @@ from lightning_varuna.cli import main as cli
 from lightning_varuna.partition.discovery import discover_cutpoints
 from lightning_varuna.pipeline.schedules import SCHEDULES
 from lightning_varuna.profiling.autoconfig import candidate_configs, format_ranking, rank_configs
+from lightning_varuna.profiling.calibration import calibrate
 from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.profiling.network import profile_network
-from lightning_varuna.profiling.profile import LinearCost, ModelProfile, ProfiledSegment, SegmentTiming
+from lightning_varuna.profiling.profile import (
+    LinearCost,
+    ModelProfile,
+    ProfiledSegment,
+    RuntimeOverheads,
+    SegmentTiming,
+)
 from lightning_varuna.profiling.profiler import profile_model, resize_batch
 from lightning_varuna.profiling.simulator import Config, simulate
+from lightning_varuna.profiling.trace import read_chrome_trace
 
 
 def tokens(rows: int) -> torch.Tensor:
@@ -57,17 +66,19 @@ def test_profile_round_trips_through_an_fsspec_url(tiny_profile):
 
 
 def test_profiling_again_measures_only_what_is_missing(tiny_profile):
+    calibrated = replace(tiny_profile, overheads={2: RuntimeOverheads(forward_s=1e-3)})
     updated = profile_model(
-        TinyLM(), (tokens(4),), micro_batch_sizes=[1, 2, 4], thread_counts=[1], previous=tiny_profile, progress=False
+        TinyLM(), (tokens(4),), micro_batch_sizes=[1, 2, 4], thread_counts=[1], previous=calibrated, progress=False
     )
     for old, new in zip(tiny_profile.segments, updated.segments):
         assert new.timings[1][1] == old.timings[1][1] and new.timings[1][2] == old.timings[1][2]
         assert 4 in new.timings[1] and new.optimizer_bytes == old.optimizer_bytes > 0
-    # A changed model is measured afresh.
+    assert updated.overheads == calibrated.overheads
+    # A changed model is measured afresh, and what calibration learned about the old one is dropped.
     changed = profile_model(
-        TinyLM(blocks=4), (tokens(4),), micro_batch_sizes=[1], thread_counts=[1], previous=tiny_profile, progress=False
+        TinyLM(blocks=4), (tokens(4),), micro_batch_sizes=[1], thread_counts=[1], previous=calibrated, progress=False
     )
-    assert len(changed.segments) == 4 and changed.micro_batch_sizes == [1]
+    assert len(changed.segments) == 4 and changed.micro_batch_sizes == [1] and changed.overheads == {}
 
 
 def test_resize_batch_repeats_or_cuts_rows():
@@ -204,6 +215,27 @@ def test_ranking_is_fastest_first_and_respects_memory():
     assert "bubble" in format_ranking(ranked).splitlines()[0]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "varuna"])
+def test_calibration_recovers_the_costs_a_measured_step_adds(schedule):
+    """A step "measured" with known extra costs (simulated from a profile that has them) teaches an uncalibrated
+    profile those costs; its predictions of other configurations with as many processes then match too."""
+    truth = replace(synthetic(), overheads={2: RuntimeOverheads(0.3, 0.2, 0.1, 0.5)})
+    measured = Config(2, 1, 1, schedule, 4)
+    calibrated = calibrate(synthetic(), measured, simulate(truth, measured, timeline=True).timeline)
+    learned = calibrated.overheads[2]
+    assert (learned.forward_s, learned.backward_s, learned.message_s, learned.step_s) == pytest.approx(
+        (0.3, 0.2, 0.1, 0.5), abs=1e-6
+    )
+    for other in (Config(2, 1, 2, "gpipe", 8), Config(2, 1, 1, "1f1b", 6), Config(1, 2, 1, "1f1b", 4)):
+        assert simulate(calibrated, other).step_s == pytest.approx(simulate(truth, other).step_s, abs=1e-5)
+    assert (
+        simulate(calibrated, Config(4, 1, 1, "1f1b", 4)).step_s
+        == simulate(synthetic(), Config(4, 1, 1, "1f1b", 4)).step_s
+    )
+    calibrated.save("memory://profiles/calibrated.json")
+    assert ModelProfile.load("memory://profiles/calibrated.json") == calibrated
+
+
 def test_cli_profiles_and_autoconfigures(tmp_path, capsys):
     out = tmp_path / "tiny.json"
     cli(
@@ -263,6 +295,14 @@ def test_auto_configured_run_trains_like_one_device_and_traces_its_step(tmp_path
     assert result["schedule"] == best.schedule
     reference, _ = train_reference({**config, "data_parallel_size": D, "batch_size": 6 // D})
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-5)
+
+    # The measured step teaches the profile what the segments leave out: it then predicts that step.
+    cli(["calibrate", "--profile", str(tmp_path / "tiny.json"), "--trace", str(tmp_path / "step1.json")])
+    calibrated = ModelProfile.load(str(tmp_path / "tiny.json"))
+    spans, metadata = read_chrome_trace((tmp_path / "step1.json").read_text())
+    assert Config(**metadata["config"]) == best
+    step = max(s.end_s for s in spans) - min(s.start_s for s in spans)
+    assert simulate(calibrated, best).step_s == pytest.approx(step, rel=1e-3)
 
     events = [e for e in json.loads((tmp_path / "step1.json").read_text())["traceEvents"] if e["ph"] == "X"]
     for replica in range(D):

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 
 from lightning_varuna.checkpoint.storage import Storage
+from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.profiling.trace import Span, chrome_trace
 
 __all__ = ["PipelineTrace"]
@@ -20,7 +21,8 @@ class PipelineTrace(pl.Callback):
     The trace has a process per data-parallel replica and a thread per pipeline stage; each forward,
     recompute and backward shows when it computed (waiting for a message is left out, so the gaps are the
     bubble), followed by the gradient all-reduce and the optimizer step. Open it in https://ui.perfetto.dev
-    next to the simulator's prediction (``lightning-varuna autoconfig --trace``).
+    next to the simulator's prediction (``lightning-varuna autoconfig --trace``), or teach the profile what
+    the step costs beyond its segments with ``lightning-varuna calibrate``.
 
     Args:
         path: where to write the trace (any fsspec URL), written by rank 0.
@@ -67,4 +69,13 @@ class PipelineTrace(pl.Callback):
                 f"measured step {self.step}: P={topology.pipeline_parallel_size} D={topology.data_parallel_size} "
                 f"mb={strategy.micro_batch_size} {strategy.schedule}"
             )
-            self._storage.write_bytes(self.path, chrome_trace(self.spans, title).encode())
+            config = {  # what `lightning-varuna calibrate` needs to simulate this step
+                "pipeline_parallel_size": topology.pipeline_parallel_size,
+                "data_parallel_size": topology.data_parallel_size,
+                "micro_batch_size": strategy.micro_batch_size,
+                "schedule": strategy.schedule,
+                "global_batch_size": batch_size_of(batch) * topology.data_parallel_size,
+                "nodes": trainer.num_nodes,
+            }
+            trace = chrome_trace(self.spans, title, {"config": config})
+            self._storage.write_bytes(self.path, trace.encode())

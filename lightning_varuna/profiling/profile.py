@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning_varuna.checkpoint.storage import Storage
 
-__all__ = ["LinearCost", "ModelProfile", "ProfiledSegment", "SegmentTiming"]
+__all__ = ["LinearCost", "ModelProfile", "ProfiledSegment", "RuntimeOverheads", "SegmentTiming"]
 
 
 @dataclass
@@ -70,6 +70,19 @@ class LinearCost:
 
 
 @dataclass
+class RuntimeOverheads:
+    """What a real pipelined step costs beyond the profiled segments, learned from a measured step (`calibrate`):
+    the user's step and the runtime's bookkeeping around each forward and backward, the delay of a message over
+    its measured transfer time, and the per-step work after the last backward (sharing the logged values,
+    Lightning's hooks)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    message_s: float = 0.0
+    step_s: float = 0.0
+
+
+@dataclass
 class ModelProfile:
     """A model's segments and the network of the machines it will run on, as the simulator needs them."""
 
@@ -83,6 +96,8 @@ class ModelProfile:
     allreduce: dict[int, dict[int, LinearCost]] = field(default_factory=dict)
     # Seconds to broadcast a small Python object (a step's logged values) in groups of each width, by processes.
     object_broadcast: dict[int, dict[int, float]] = field(default_factory=dict)
+    # Learned from measured steps, by processes per node (see `calibrate`); none: the simulator adds nothing.
+    overheads: dict[int, RuntimeOverheads] = field(default_factory=dict)
     version: int = 1
 
     def threads_per_process(self, processes_per_node: int) -> int:
@@ -156,6 +171,7 @@ class ModelProfile:
             object_broadcast={
                 int(n): {int(d): v for d, v in by_d.items()} for n, by_d in raw.get("object_broadcast", {}).items()
             },
+            overheads={int(n): RuntimeOverheads(**v) for n, v in raw.get("overheads", {}).items()},
         )
 
     def save(self, url: str, storage: Storage | None = None) -> None:

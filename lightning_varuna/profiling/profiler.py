@@ -74,7 +74,9 @@ def profile_model(
     kwargs = kwargs or {}
     thread_counts = sorted(set(thread_counts or default_thread_counts(1)))
     segments, segment_params = _describe_segments(module, args, kwargs)
-    if previous is not None and [s.fingerprint for s in previous.segments] == [s.fingerprint for s in segments]:
+    fingerprints = [s.fingerprint for s in segments]
+    same_model = previous is not None and [s.fingerprint for s in previous.segments] == fingerprints
+    if same_model:
         for new, old in zip(segments, previous.segments):
             new.timings = {t: dict(by_mb) for t, by_mb in old.timings.items()}
             new.optimizer_step_s = dict(old.optimizer_step_s)
@@ -115,6 +117,8 @@ def profile_model(
     if previous is not None:  # the network did not change with the model
         profile.p2p, profile.allreduce = dict(previous.p2p), dict(previous.allreduce)
         profile.object_broadcast = dict(previous.object_broadcast)
+        if same_model:  # what calibration learned about this model's step
+            profile.overheads = dict(previous.overheads)
     return profile
 
 

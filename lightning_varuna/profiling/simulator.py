@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.pipeline.microbatch import microbatch_sizes
 from lightning_varuna.pipeline.schedules import SCHEDULES, Action, Phase, microbatches_of
-from lightning_varuna.profiling.profile import LinearCost, ModelProfile, SegmentTiming
+from lightning_varuna.profiling.profile import LinearCost, ModelProfile, RuntimeOverheads, SegmentTiming
 from lightning_varuna.profiling.trace import Span, chrome_trace
 
 __all__ = ["Config", "MissingMeasurement", "Prediction", "Span", "simulate"]
@@ -114,8 +114,9 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
     bounds = [*starts, len(profile.segments)]
     stages = {size: _stages(profile, bounds, threads, size) for size in set(sizes)}
     actions = SCHEDULES[config.schedule](P, len(sizes))
-    spans, ends = _run_pipeline(actions, [stages[s] for s in sizes], profile, processes_per_node, sharing)
-    pipeline_s = max(ends)
+    overheads = profile.overheads.get(processes_per_node, RuntimeOverheads())
+    spans, ends = _run_pipeline(actions, [stages[s] for s in sizes], profile, processes_per_node, sharing, overheads)
+    pipeline_s = max(ends) + overheads.step_s
     stage_params = [_stage_parameters(profile, bounds[s], bounds[s + 1]) for s in range(P)]
     allreduce_s = 0.0
     if D > 1:
@@ -179,12 +180,17 @@ def _run_pipeline(
     profile: ModelProfile,
     processes_per_node: int,
     sharing: _CoreSharing,
+    overheads: RuntimeOverheads,
 ) -> tuple[list[Span], list[float]]:
     """Event simulation of one replica's stages; the stages that compute at once on a node share its cores
     (processor sharing). A gradient arrives one transfer after it was produced (its receive is posted
     early); an activation one transfer after both it was sent and its consumer started the forward."""
     P = len(actions)
-    send = _p2p(profile, processes_per_node)
+    transfer = _p2p(profile, processes_per_node)
+
+    def send(nbytes: float) -> float:
+        return transfer(nbytes) + overheads.message_s
+
     recomputed = [microbatches_of(stage, Phase.RECOMPUTE) for stage in actions]
     arrival: dict[tuple[int, Phase, int], float] = {}  # when stage s may start (phase, m) as far as inputs go
     position = [0] * P
@@ -198,8 +204,11 @@ def _run_pipeline(
     def duration(stage: int, action: Action) -> float:
         cost = microbatches[action.microbatch][stage]
         if action.phase is Phase.FORWARD:
-            return cost.forward_no_grad_s if action.microbatch in recomputed[stage] else cost.forward_s
-        return cost.forward_s if action.phase is Phase.RECOMPUTE else cost.backward_s
+            forward = cost.forward_no_grad_s if action.microbatch in recomputed[stage] else cost.forward_s
+            return forward + overheads.forward_s
+        if action.phase is Phase.RECOMPUTE:
+            return cost.forward_s
+        return cost.backward_s + overheads.backward_s
 
     def ready_at(stage: int, action: Action) -> float | None:
         m = action.microbatch

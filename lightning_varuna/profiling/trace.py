@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Span", "chrome_trace"]
+__all__ = ["Span", "chrome_trace", "read_chrome_trace"]
 
 
 @dataclass(frozen=True)
@@ -20,9 +21,9 @@ class Span:
     replica: int = 0
 
 
-def chrome_trace(spans: Iterable[Span], title: str) -> str:
+def chrome_trace(spans: Iterable[Span], title: str, metadata: dict[str, Any] | None = None) -> str:
     """A trace with one process per replica and one thread per stage; open it in ui.perfetto.dev or
-    chrome://tracing. Times start at the earliest span."""
+    chrome://tracing. Times start at the earliest span; ``metadata`` goes into the trace's ``otherData``."""
     spans = list(spans)
     origin = min((s.start_s for s in spans), default=0.0)
     events: list[dict] = []
@@ -46,4 +47,15 @@ def chrome_trace(spans: Iterable[Span], title: str) -> str:
                 "dur": (span.end_s - span.start_s) * 1e6,
             }
         )
-    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata or {}})
+
+
+def read_chrome_trace(text: str) -> tuple[list[Span], dict[str, Any]]:
+    """The spans and the metadata of a trace written by `chrome_trace`."""
+    trace = json.loads(text)
+    spans = [
+        Span(e["tid"], e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["pid"])
+        for e in trace["traceEvents"]
+        if e["ph"] == "X"
+    ]
+    return spans, trace.get("otherData", {})
