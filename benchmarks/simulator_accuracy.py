@@ -10,8 +10,8 @@ Run from the repository root (about 8 minutes on 2 CPU cores)::
    them) for every configuration in ``CONFIGS`` on a global batch of 16, in fresh processes, and takes the median
    step time (``on_train_batch_start`` -> ``on_train_batch_end`` on rank 0) after a warm-up. Before each run it
    waits for other processes to leave the CPUs idle.
-3. Calibrates the profile (``lightning_varuna.profiling.calibration``) with the measured timeline of one more
-   configuration per process count (``CALIBRATION``, none of them among ``CONFIGS``).
+3. Calibrates the profile (``lightning_varuna.profiling.calibration``) with the measured timeline (5 steps; the
+   median counts) of one more configuration per process count (``CALIBRATION``, none of them among ``CONFIGS``).
 4. Prints measured against predicted step time per configuration, from the profile alone and calibrated, the median
    absolute errors, and where AutoConfig's pick among the measured configurations ranks.
 
@@ -76,7 +76,7 @@ def worker(config: list, out: str, warmup: int, steps: int) -> None:
         devices=P * D,
         strategy=VarunaStrategy(pipeline_parallel_size=P, micro_batch_size=mb, schedule=schedule, profile=str(PROFILE)),
         max_steps=warmup + steps,
-        callbacks=[timer, PipelineTrace(str(TRACES / f"{_name(config)}.measured.json"), step=warmup)],
+        callbacks=[timer, PipelineTrace(str(TRACES / f"{_name(config)}.measured.json"), step=warmup, steps=5)],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -110,7 +110,7 @@ def _autoconfig(args: argparse.Namespace) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    from lightning_varuna.profiling.calibration import calibrate
+    from lightning_varuna.profiling.calibration import calibrate, measured_step_s
     from lightning_varuna.profiling.profile import ModelProfile
     from lightning_varuna.profiling.simulator import Config, simulate
     from lightning_varuna.profiling.trace import read_chrome_trace
@@ -122,7 +122,7 @@ def _calibrate(args: argparse.Namespace) -> None:
         if "config" not in metadata:
             raise SystemExit(f"{url} does not say which configuration it measured; record it with PipelineTrace.")
         config = Config(**metadata["config"])
-        measured = max(s.end_s for s in spans) - min(s.start_s for s in spans)
+        measured = measured_step_s(spans)
         before = simulate(profile, config).step_s
         profile = calibrate(profile, config, spans)
         after = simulate(profile, config).step_s

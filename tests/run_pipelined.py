@@ -6,7 +6,7 @@ Writes ``OUT_DIR/losses.json`` (rank 0: the logged train loss of every step) and
 (each rank's parameters by name). With ``"checkpoint_dir"`` in the config, a ModelCheckpoint saves there
 every epoch (and ``last``); ``"resume"`` is passed to ``fit(ckpt_path=...)``; ``"validate_last"`` validates
 from ``ckpt_path="last"`` after the fit (``val_loss_last`` in losses.json); ``"save_to"`` saves the final
-state with ``trainer.save_checkpoint``; ``"trace"`` writes a `PipelineTrace` of step 1 there.
+state with ``trainer.save_checkpoint``; ``"trace"`` writes a `PipelineTrace` of steps 1 and 2 there.
 ``"kill_in_save": {"rank": r, "step": s}`` makes rank ``r`` SIGKILL
 itself in the middle of the save at global step ``s``, right after writing its shard.
 ``"checkpoint_every_step": {"dirpath": url, "save_top_k": k}`` adds a ModelCheckpoint that saves after every step
@@ -72,7 +72,7 @@ def main(out_dir: str, config: dict) -> None:
     loader = DataLoader(token_dataset(config["rows"]), batch_size=config["batch_size"])
     callbacks = []
     if "trace" in config:
-        callbacks.append(PipelineTrace(config["trace"], step=1))
+        callbacks.append(PipelineTrace(config["trace"], step=1, steps=2))
     if "kill_in_save" in config:
         callbacks.append(KillInSave(**config["kill_in_save"]))
     if "checkpoint_dir" in config:

@@ -27,17 +27,20 @@ class PipelineTrace(pl.Callback):
     Args:
         path: where to write the trace (any fsspec URL), written by rank 0.
         step: the global step to record (after a few steps, when the allocator and caches are warm).
+        steps: how many steps to record from there, one after another in the trace (``lightning-varuna
+            calibrate`` takes the median step, which one disturbed step does not move).
     """
 
-    def __init__(self, path: str, step: int = 5, storage_options: dict[str, Any] | None = None) -> None:
-        self.path, self.step = path, step
+    def __init__(self, path: str, step: int = 5, steps: int = 1, storage_options: dict[str, Any] | None = None) -> None:
+        self.path, self.step, self.steps = path, step, steps
         self._storage = Storage(storage_options)
         self._recording = False
         self._optimizer_start: float | None = None
         self.spans: list[Span] = []
+        self._recorded = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        if trainer.global_step == self.step and not self.spans:
+        if trainer.global_step >= self.step and self._recorded < self.steps:
             trainer.strategy.record_timeline()
             self._recording, self._optimizer_start = True, None
 
@@ -61,15 +64,20 @@ class PipelineTrace(pl.Callback):
             dist.all_gather_object(ranks, (topology.dp_rank, topology.pp_rank, mine))
         else:
             ranks = [(0, 0, mine)]
-        self.spans = [
-            Span(stage, name, start, end, replica) for replica, stage, spans in ranks for name, start, end in spans
+        step = self.step + self._recorded
+        self.spans += [
+            Span(stage, name, start, end, replica, step)
+            for replica, stage, spans in ranks
+            for name, start, end in spans
         ]
-        if trainer.is_global_zero:
+        self._recorded += 1
+        if trainer.is_global_zero and self._recorded == self.steps:
             title = (
-                f"measured step {self.step}: P={topology.pipeline_parallel_size} D={topology.data_parallel_size} "
+                f"measured step {self.step}{f'-{step}' if step > self.step else ''}: "
+                f"P={topology.pipeline_parallel_size} D={topology.data_parallel_size} "
                 f"mb={strategy.micro_batch_size} {strategy.schedule}"
             )
-            config = {  # what `lightning-varuna calibrate` needs to simulate this step
+            config = {  # what `lightning-varuna calibrate` needs to simulate these steps
                 "pipeline_parallel_size": topology.pipeline_parallel_size,
                 "data_parallel_size": topology.data_parallel_size,
                 "micro_batch_size": strategy.micro_batch_size,

@@ -18,23 +18,16 @@ from lightning_varuna.profiling.profile import ModelProfile, RuntimeOverheads
 from lightning_varuna.profiling.simulator import Config, Prediction, simulate
 from lightning_varuna.profiling.trace import Span
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "measured_step_s"]
 
 _ROUNDS = 3  # the four costs depend on each other a little: fit them in turn, a few times
 
 
 def calibrate(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> ModelProfile:
     """A copy of ``profile`` whose overheads for ``config``'s processes per node make the simulation of ``config``
-    match ``measured``, the timeline of one of its steps (a `PipelineTrace`)."""
+    match ``measured``, the timeline of its steps (a `PipelineTrace`): of several steps, the median one."""
     processes = math.ceil(config.world_size / config.nodes)
-    computed = [s for s in measured if s.name[0] in "FRB"]
-    if not computed:
-        raise ValueError("The measured timeline has no forward or backward; record it with PipelineTrace.")
-    forward = statistics.mean(s.end_s - s.start_s for s in computed if s.name[0] == "F")
-    backward = statistics.mean(s.end_s - s.start_s for s in computed if s.name[0] == "B")
-    start = min(s.start_s for s in measured)
-    pipeline = max(s.end_s for s in computed) - start
-    step = max(s.end_s for s in measured) - start
+    forward, backward, pipeline, step = (statistics.median(x) for x in zip(*map(_measures, _by_step(measured))))
 
     def predict(overheads: RuntimeOverheads) -> Prediction:
         with_overheads = replace(profile, overheads={**profile.overheads, processes: overheads})
@@ -48,6 +41,32 @@ def calibrate(profile: ModelProfile, config: Config, measured: Sequence[Span]) -
             fitted.message_s = _solve(lambda x: _pipeline_length(predict(replace(fitted, message_s=x))) - pipeline)
     fitted.step_s = max(0.0, step - predict(fitted).step_s)
     return replace(profile, overheads={**profile.overheads, processes: fitted})
+
+
+def measured_step_s(measured: Sequence[Span]) -> float:
+    """The median length of the steps in a measured timeline."""
+    return statistics.median(_measures(spans)[3] for spans in _by_step(measured))
+
+
+def _by_step(measured: Sequence[Span]) -> list[list[Span]]:
+    steps: dict[int, list[Span]] = {}
+    for span in measured:
+        steps.setdefault(span.step, []).append(span)
+    return list(steps.values())
+
+
+def _measures(spans: list[Span]) -> tuple[float, float, float, float]:
+    """One measured step: mean forward and backward, length of the pipelined part and of the whole step."""
+    computed = [s for s in spans if s.name[0] in "FRB"]
+    if not computed:
+        raise ValueError("The measured timeline has no forward or backward; record it with PipelineTrace.")
+    start = min(s.start_s for s in spans)
+    return (
+        statistics.mean(s.end_s - s.start_s for s in computed if s.name[0] == "F"),
+        statistics.mean(s.end_s - s.start_s for s in computed if s.name[0] == "B"),
+        max(s.end_s for s in computed) - start,
+        max(s.end_s for s in spans) - start,
+    )
 
 
 def _pipeline_length(prediction: Prediction) -> float:

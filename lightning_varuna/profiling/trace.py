@@ -19,6 +19,7 @@ class Span:
     start_s: float
     end_s: float
     replica: int = 0
+    step: int = 0  # the training step, when a trace holds several
 
 
 def chrome_trace(spans: Iterable[Span], title: str, metadata: dict[str, Any] | None = None) -> str:
@@ -45,6 +46,7 @@ def chrome_trace(spans: Iterable[Span], title: str, metadata: dict[str, Any] | N
                 "tid": span.stage,
                 "ts": (span.start_s - origin) * 1e6,
                 "dur": (span.end_s - span.start_s) * 1e6,
+                "args": {"step": span.step},
             }
         )
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata or {}})
@@ -54,7 +56,7 @@ def read_chrome_trace(text: str) -> tuple[list[Span], dict[str, Any]]:
     """The spans and the metadata of a trace written by `chrome_trace`."""
     trace = json.loads(text)
     spans = [
-        Span(e["tid"], e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["pid"])
+        Span(e["tid"], e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["pid"], e.get("args", {}).get("step", 0))
         for e in trace["traceEvents"]
         if e["ph"] == "X"
     ]
