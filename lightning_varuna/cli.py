@@ -126,7 +126,7 @@ def _calibrate(args: argparse.Namespace) -> None:
         before = simulate(profile, config).step_s
         profile = calibrate(profile, config, spans)
         after = simulate(profile, config).step_s
-        processes = -(-config.world_size // config.nodes)
+        processes = config.processes_per_node
         o = profile.overheads[processes]
         print(
             f"{config}: measured {measured * 1e3:.1f} ms, predicted {before * 1e3:.1f} ms before and "

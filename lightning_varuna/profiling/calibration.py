@@ -9,7 +9,6 @@ profile by processes per node, and the simulator adds them to every configuratio
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -26,7 +25,7 @@ _ROUNDS = 3  # the four costs depend on each other a little: fit them in turn, a
 def calibrate(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> ModelProfile:
     """A copy of ``profile`` whose overheads for ``config``'s processes per node make the simulation of ``config``
     match ``measured``, the timeline of its steps (a `PipelineTrace`): of several steps, the median one."""
-    processes = math.ceil(config.world_size / config.nodes)
+    processes = config.processes_per_node
     forward, backward, pipeline, step = (statistics.median(x) for x in zip(*map(_measures, _by_step(measured))))
 
     def predict(overheads: RuntimeOverheads) -> Prediction:

@@ -35,6 +35,10 @@ class Config:
         return self.pipeline_parallel_size * self.data_parallel_size
 
     @property
+    def processes_per_node(self) -> int:
+        return math.ceil(self.world_size / self.nodes)
+
+    @property
     def replica_batch_size(self) -> int:
         return self.global_batch_size // self.data_parallel_size
 
@@ -106,7 +110,7 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
     """Predict one training step of ``config``: the schedule's dependencies and point-to-point transfers,
     processes sharing the CPU cores of a node, the gradient all-reduce and the optimizer step."""
     P, D, mb = config.pipeline_parallel_size, config.data_parallel_size, config.micro_batch_size
-    processes_per_node = math.ceil(config.world_size / config.nodes)
+    processes_per_node = config.processes_per_node
     threads = profile.threads_per_process(processes_per_node)
     sharing = _CoreSharing.of(profile, P, processes_per_node, threads)
     sizes = microbatch_sizes(config.replica_batch_size, mb)
