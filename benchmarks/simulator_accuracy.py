@@ -1,6 +1,6 @@
 """How well the simulator predicts real step times, and whether AutoConfig picks the fastest configuration.
 
-Run from the repository root (about 8 minutes on 2 CPU cores)::
+Run from the repository root (about 9 minutes on 2 CPU cores)::
 
     python benchmarks/simulator_accuracy.py
 
@@ -10,8 +10,8 @@ Run from the repository root (about 8 minutes on 2 CPU cores)::
    them) for every configuration in ``CONFIGS`` on a global batch of 16, in fresh processes, and takes the median
    step time (``on_train_batch_start`` -> ``on_train_batch_end`` on rank 0) after a warm-up. Before each run it
    waits for other processes to leave the CPUs idle.
-3. Calibrates the profile (``lightning_varuna.profiling.calibration``) with the measured timeline (5 steps; the
-   median counts) of one more configuration per process count (``CALIBRATION``, none of them among ``CONFIGS``).
+3. Calibrates the profile (``lightning_varuna.profiling.calibration``) with the measured timelines (5 steps; the
+   median counts) of two more configurations per process count (``CALIBRATION``, none of them among ``CONFIGS``).
 4. Prints measured against predicted step time per configuration, from the profile alone and calibrated, the median
    absolute errors, and where AutoConfig's pick among the measured configurations ranks.
 
@@ -50,8 +50,15 @@ CONFIGS = [
     (2, 2, 2, "varuna"),
     (1, 4, 4, "1f1b"),
 ]
-# One per process count (1, 2, 4), held out from CONFIGS: their measured steps calibrate the profile.
-CALIBRATION = [(1, 1, 8, "gpipe"), (2, 1, 8, "gpipe"), (4, 1, 4, "1f1b")]
+# Two micro-batch sizes per process count (1, 2, 4), held out from CONFIGS: their measured steps calibrate the profile.
+CALIBRATION = [
+    (1, 1, 8, "gpipe"),
+    (1, 1, 1, "gpipe"),
+    (2, 1, 8, "gpipe"),
+    (2, 1, 1, "1f1b"),
+    (4, 1, 4, "1f1b"),
+    (4, 1, 1, "gpipe"),
+]
 CALIBRATED_PROFILE = RESULTS / "gpt.calibrated.profile.json"
 
 
@@ -145,11 +152,12 @@ def main() -> None:
     profile = ModelProfile.load(str(PROFILE))
     TRACES.mkdir(parents=True, exist_ok=True)
     measure(CONFIGS[0], args.warmup, args.steps)  # discarded: the first run after start is slower on this VM
-    calibrated = profile
+    measured = []
     for config in CALIBRATION:
         measure(config, args.warmup, args.steps)
         spans, metadata = read_chrome_trace((TRACES / f"{_name(config)}.measured.json").read_text())
-        calibrated = calibrate(calibrated, Config(**metadata["config"]), spans)
+        measured.append((Config(**metadata["config"]), spans))
+    calibrated = calibrate(profile, measured)
     calibrated.save(str(CALIBRATED_PROFILE))
     print("calibrated with " + ", ".join(map(_name, CALIBRATION)) + ":", flush=True)
     for processes, overheads in sorted(calibrated.overheads.items()):

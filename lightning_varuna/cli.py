@@ -117,25 +117,29 @@ def _calibrate(args: argparse.Namespace) -> None:
 
     storage = _storage(args)
     profile = ModelProfile.load(args.profile, storage)
+    measured = []
     for url in args.trace:
         spans, metadata = read_chrome_trace(storage.read_bytes(url).decode())
         if "config" not in metadata:
             raise SystemExit(f"{url} does not say which configuration it measured; record it with PipelineTrace.")
-        config = Config(**metadata["config"])
-        measured = measured_step_s(spans)
-        before = simulate(profile, config).step_s
-        profile = calibrate(profile, config, spans)
-        after = simulate(profile, config).step_s
-        processes = config.processes_per_node
-        o = profile.overheads[processes]
+        measured.append((Config(**metadata["config"]), spans))
+    calibrated = calibrate(profile, measured)
+    for config, spans in measured:
+        before, after = simulate(profile, config).step_s, simulate(calibrated, config).step_s
         print(
-            f"{config}: measured {measured * 1e3:.1f} ms, predicted {before * 1e3:.1f} ms before and "
-            f"{after * 1e3:.1f} ms after. With {processes} process(es) per node, add per forward "
-            f"{o.forward_s * 1e3:.2f} ms, per backward {o.backward_s * 1e3:.2f} ms, per message "
-            f"{o.message_s * 1e3:.2f} ms, per step {o.step_s * 1e3:.2f} ms."
+            f"{config}: measured {measured_step_s(spans) * 1e3:.1f} ms, predicted {before * 1e3:.1f} ms before and "
+            f"{after * 1e3:.1f} ms after."
+        )
+    for processes in sorted({config.processes_per_node for config, _ in measured}):
+        o = calibrated.overheads[processes]
+        print(
+            f"With {processes} process(es) per node: per forward {o.forward_s * 1e3:.2f} ms + "
+            f"{o.forward_per_row_s * 1e3:.2f} ms per row, per backward {o.backward_s * 1e3:.2f} ms + "
+            f"{o.backward_per_row_s * 1e3:.2f} ms per row, per message {o.message_s * 1e3:.2f} ms, per step "
+            f"{o.step_s * 1e3:.2f} ms."
         )
     output = args.output or args.profile
-    profile.save(output, storage)
+    calibrated.save(output, storage)
     print(f"Wrote {output}.")
 
 
@@ -177,7 +181,12 @@ def main(argv: list[str] | None = None) -> None:
         "calibrate", help="learn from measured steps (PipelineTrace files) what the profile's segments leave out"
     )
     calibration.add_argument("--profile", required=True, help="the profile to calibrate (any fsspec URL)")
-    calibration.add_argument("--trace", required=True, nargs="+", help="PipelineTrace files, one per process count")
+    calibration.add_argument(
+        "--trace",
+        required=True,
+        nargs="+",
+        help="PipelineTrace files: per process count, one or more micro-batch sizes",
+    )
     calibration.add_argument("--output", help="where to write the calibrated profile; default: --profile")
     calibration.add_argument("--storage-options", help="fsspec options as JSON")
     calibration.set_defaults(run=_calibrate)

@@ -1,10 +1,12 @@
-"""Learn what a real pipelined step costs beyond the profiled segments, from one measured step.
+"""Learn what a real pipelined step costs beyond the profiled segments, from measured steps.
 
 The profile times each segment alone. A training step also runs the user's ``training_step`` around every forward,
-the runtime's bookkeeping, messages that wait on busy peers, and per-step work after the last backward. `calibrate`
-fits those four costs (`RuntimeOverheads`) so that simulating the measured configuration reproduces its measured
-timeline: the mean forward and backward durations, the pipeline's length and the whole step. They are stored in the
-profile by processes per node, and the simulator adds them to every configuration run with that many processes.
+the runtime's bookkeeping, messages that wait on busy peers, and per-step work after the last backward. For each
+measured configuration, `calibrate` fits those costs (`RuntimeOverheads`) so that simulating it reproduces its
+measured timeline: the mean forward and backward durations, the pipeline's length and the whole step. Measured
+configurations with as many processes per node are combined: the cost per forward and per backward becomes a line
+in the micro-batch size when they differ in it. The simulator adds the costs to every configuration run with that
+many processes per node.
 """
 
 from __future__ import annotations
@@ -19,17 +21,31 @@ from lightning_varuna.profiling.trace import Span
 
 __all__ = ["calibrate", "measured_step_s"]
 
-_ROUNDS = 3  # the four costs depend on each other a little: fit them in turn, a few times
+_ROUNDS = 3  # the costs of one configuration depend on each other a little: fit them in turn, a few times
 
 
-def calibrate(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> ModelProfile:
-    """A copy of ``profile`` whose overheads for ``config``'s processes per node make the simulation of ``config``
-    match ``measured``, the timeline of its steps (a `PipelineTrace`): of several steps, the median one."""
-    processes = config.processes_per_node
+def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[Span]]]) -> ModelProfile:
+    """A copy of ``profile`` whose overheads make the simulation of each measured configuration match its timeline
+    (a `PipelineTrace`; of several steps, the median one). Overheads of other process counts are kept."""
+    by_processes: dict[int, list[tuple[int, RuntimeOverheads]]] = {}
+    for config, spans in measured:
+        fitted = _fit(profile, config, spans)
+        by_processes.setdefault(config.processes_per_node, []).append((config.micro_batch_size, fitted))
+    combined = {processes: _combine(fits) for processes, fits in by_processes.items()}
+    return replace(profile, overheads={**profile.overheads, **combined})
+
+
+def measured_step_s(measured: Sequence[Span]) -> float:
+    """The median length of the steps in a measured timeline."""
+    return statistics.median(_measures(spans)[3] for spans in _by_step(measured))
+
+
+def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> RuntimeOverheads:
+    """Constant costs that make the simulation of ``config`` match its median measured step."""
     forward, backward, pipeline, step = (statistics.median(x) for x in zip(*map(_measures, _by_step(measured))))
 
     def predict(overheads: RuntimeOverheads) -> Prediction:
-        with_overheads = replace(profile, overheads={**profile.overheads, processes: overheads})
+        with_overheads = replace(profile, overheads={**profile.overheads, config.processes_per_node: overheads})
         return simulate(with_overheads, config, timeline=True)
 
     fitted = RuntimeOverheads()
@@ -39,12 +55,35 @@ def calibrate(profile: ModelProfile, config: Config, measured: Sequence[Span]) -
         if config.pipeline_parallel_size > 1:
             fitted.message_s = _solve(lambda x: _pipeline_length(predict(replace(fitted, message_s=x))) - pipeline)
     fitted.step_s = max(0.0, step - predict(fitted).step_s)
-    return replace(profile, overheads={**profile.overheads, processes: fitted})
+    return fitted
 
 
-def measured_step_s(measured: Sequence[Span]) -> float:
-    """The median length of the steps in a measured timeline."""
-    return statistics.median(_measures(spans)[3] for spans in _by_step(measured))
+def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
+    """One set of costs from the fits of several micro-batch sizes: per forward and per backward a line in the rows
+    (constant with one size), per message and per step the mean."""
+    rows = [mb for mb, _ in fits]
+    forward_s, forward_per_row_s = _line(rows, [o.forward_s for _, o in fits])
+    backward_s, backward_per_row_s = _line(rows, [o.backward_s for _, o in fits])
+    return RuntimeOverheads(
+        forward_s=forward_s,
+        backward_s=backward_s,
+        message_s=statistics.mean(o.message_s for _, o in fits),
+        step_s=statistics.mean(o.step_s for _, o in fits),
+        forward_per_row_s=forward_per_row_s,
+        backward_per_row_s=backward_per_row_s,
+    )
+
+
+def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """Least-squares intercept and slope, both non-negative (a flat line through the mean with one x)."""
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    if slope <= 0:
+        return mean_y, 0.0
+    if mean_y - slope * mean_x < 0:  # through the origin instead
+        return 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return mean_y - slope * mean_x, slope
 
 
 def _by_step(measured: Sequence[Span]) -> list[list[Span]]:

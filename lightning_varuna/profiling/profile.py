@@ -71,15 +71,23 @@ class LinearCost:
 
 @dataclass
 class RuntimeOverheads:
-    """What a real pipelined step costs beyond the profiled segments, learned from a measured step (`calibrate`):
-    the user's step and the runtime's bookkeeping around each forward and backward, the delay of a message over
-    its measured transfer time, and the per-step work after the last backward (sharing the logged values,
-    Lightning's hooks)."""
+    """What a real pipelined step costs beyond the profiled segments, learned from measured steps (`calibrate`):
+    the user's step and the runtime's bookkeeping around each forward and backward (a constant and a part that
+    grows with the micro-batch's rows), the delay of a message over its measured transfer time, and the per-step
+    work after the last backward (sharing the logged values, Lightning's hooks)."""
 
     forward_s: float = 0.0
     backward_s: float = 0.0
     message_s: float = 0.0
     step_s: float = 0.0
+    forward_per_row_s: float = 0.0
+    backward_per_row_s: float = 0.0
+
+    def forward(self, rows: int) -> float:
+        return self.forward_s + rows * self.forward_per_row_s
+
+    def backward(self, rows: int) -> float:
+        return self.backward_s + rows * self.backward_per_row_s
 
 
 @dataclass

@@ -119,7 +119,7 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
     stages = {size: _stages(profile, bounds, threads, size) for size in set(sizes)}
     actions = SCHEDULES[config.schedule](P, len(sizes))
     overheads = profile.overheads.get(processes_per_node, RuntimeOverheads())
-    spans, ends = _run_pipeline(actions, [stages[s] for s in sizes], profile, processes_per_node, sharing, overheads)
+    spans, ends = _run_pipeline(actions, sizes, stages, profile, processes_per_node, sharing, overheads)
     pipeline_s = max(ends) + overheads.step_s
     stage_params = [_stage_parameters(profile, bounds[s], bounds[s + 1]) for s in range(P)]
     allreduce_s = 0.0
@@ -180,7 +180,8 @@ def _stages(profile: ModelProfile, bounds: list[int], threads: int, micro_batch_
 
 def _run_pipeline(
     actions: list[list[Action]],
-    microbatches: list[list[_Stage]],
+    sizes: list[int],
+    stages_by_size: dict[int, list[_Stage]],
     profile: ModelProfile,
     processes_per_node: int,
     sharing: _CoreSharing,
@@ -190,6 +191,7 @@ def _run_pipeline(
     (processor sharing). A gradient arrives one transfer after it was produced (its receive is posted
     early); an activation one transfer after both it was sent and its consumer started the forward."""
     P = len(actions)
+    microbatches = [stages_by_size[size] for size in sizes]
     transfer = _p2p(profile, processes_per_node)
 
     def send(nbytes: float) -> float:
@@ -209,10 +211,10 @@ def _run_pipeline(
         cost = microbatches[action.microbatch][stage]
         if action.phase is Phase.FORWARD:
             forward = cost.forward_no_grad_s if action.microbatch in recomputed[stage] else cost.forward_s
-            return forward + overheads.forward_s
+            return forward + overheads.forward(sizes[action.microbatch])
         if action.phase is Phase.RECOMPUTE:
             return cost.forward_s
-        return cost.backward_s + overheads.backward_s
+        return cost.backward_s + overheads.backward(sizes[action.microbatch])
 
     def ready_at(stage: int, action: Action) -> float | None:
         m = action.microbatch
