@@ -57,6 +57,10 @@ class Storage:
         """The filesystem of ``url`` and the path on it."""
         return url_to_fs(str(url), **self.fs_options)
 
+    def is_local(self, url: str) -> bool:
+        """Whether ``url`` is on this machine's filesystem (a path or ``file://``)."""
+        return isinstance(self.fs(url)[0], LocalFileSystem)
+
     def exists(self, url: str) -> bool:
         fs, path = self.fs(url)
         return fs.exists(path)
@@ -91,15 +95,13 @@ class Storage:
     def dcp_writer(self, url: str) -> FileSystemWriter:
         """A torch.distributed.checkpoint writer for ``url`` (no fsync: object stores have none); one file per
         rank on a local filesystem, `REMOTE_WRITE_THREADS` written concurrently elsewhere."""
-        fs, _ = self.fs(url)
-        threads = 1 if isinstance(fs, LocalFileSystem) else REMOTE_WRITE_THREADS
+        threads = 1 if self.is_local(url) else REMOTE_WRITE_THREADS
         return FsspecWriter(str(url), sync_files=False, thread_count=threads, **self.fs_options)
 
     def dcp_reader(self, url: str) -> FsspecReader:
         """A torch.distributed.checkpoint reader for ``url``: DCP's own on a local filesystem (it reads the page
         cache in place, faster than copying windows out of it), `RangeReader` elsewhere."""
-        fs, _ = self.fs(url)
-        reader = FsspecReader if isinstance(fs, LocalFileSystem) else RangeReader
+        reader = FsspecReader if self.is_local(url) else RangeReader
         return reader(str(url), **self.fs_options)
 
     def check_writable(self, url: str) -> None:
