@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -84,13 +85,17 @@ def token_dataset(rows: int, seed: int = 1) -> TensorDataset:
 
 
 class RecordLosses(L.Callback):
-    """The logged ``train_loss`` of every step."""
+    """The logged ``train_loss`` of every step, and the fp16 loss scale after it (if a grad scaler runs)."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.loss_scales: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         self.losses.append(trainer.callback_metrics["train_loss"].item())
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            self.loss_scales.append(scaler.get_scale())
 
 
 def fit_and_report(
@@ -105,12 +110,16 @@ def fit_and_report(
     """Fit with the test settings of ``config`` (resuming from ``ckpt_path``); return the trainer and what the
     parity tests compare."""
     record = RecordLosses()
+    precision = config.get("precision", "32-true")
+    if "fp16_init_scale" in config:  # fp16 with loss scaling as on CUDA (Lightning itself offers bf16 on CPU)
+        scaler = torch.amp.GradScaler("cpu", init_scale=config["fp16_init_scale"])
+        trainer_kwargs["plugins"], precision = [MixedPrecision("16-mixed", "cpu", scaler)], None
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=config["epochs"],
         gradient_clip_val=config.get("clip"),
         accumulate_grad_batches=config.get("accumulate", 1),
-        precision=config.get("precision", "32-true"),
+        precision=precision,
         callbacks=[record, *callbacks],
         enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in callbacks),
         enable_progress_bar=False,
@@ -121,6 +130,8 @@ def fit_and_report(
     )
     trainer.fit(model, train_loader, ckpt_path=ckpt_path)
     result = {"losses": record.losses, "acc": trainer.callback_metrics["train_acc"].item()}
+    if record.loss_scales:
+        result["loss_scales"] = record.loss_scales
     if config.get("evaluate"):
         loader = torch.utils.data.DataLoader(token_dataset(config["rows"], seed=2), batch_size=config["batch_size"])
         result["val_loss"] = trainer.validate(model, loader, verbose=False)[0]["val_loss"]

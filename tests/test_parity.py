@@ -136,3 +136,59 @@ def test_bf16_autocast_pipeline_tracks_single_device(tmp_path):
     # bf16 rounds differently on micro-batches than on the whole batch: equal to bf16 precision.
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-2)
     assert result["losses"][-1] < result["losses"][0]
+
+
+def test_fp16_loss_scaling_skips_the_same_steps_as_single_device(tmp_path):
+    """fp16 autocast with a GradScaler (Lightning's CUDA AMP path, here on CPU): the first scales overflow the
+    gradients of the last stage, and every stage skips those steps and backs off the scale together, exactly as one
+    device does on the same batches."""
+    config = dict(
+        pipeline_parallel_size=2,
+        data_parallel_size=1,
+        batch_size=6,
+        micro_batch_size=3,
+        schedule="1f1b",
+        fp16_init_scale=2.0**20,
+        epochs=2,
+        rows=36,
+    )
+    result, shards = run_pipelined(tmp_path, config)
+    ref, ref_weights = train_reference(config)
+
+    assert ref["loss_scales"][-1] < config["fp16_init_scale"] / 8  # several steps overflowed and were skipped
+    assert result["loss_scales"] == ref["loss_scales"]
+    # fp16 rounds differently on micro-batches than on the whole batch: equal to fp16 precision.
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=1e-2, atol=1e-2)
+    assert result["losses"][-1] < result["losses"][0]
+    for rank, shard in enumerate(shards):
+        for name, value in shard.items():
+            torch.testing.assert_close(value, ref_weights[name], rtol=1e-2, atol=1e-3, msg=f"{name} on rank {rank}")
+
+
+def test_fp16_replicas_skip_overflowing_steps_together(tmp_path):
+    """With replicas, each sums its micro-batches' fp16 gradients before the all-reduce, so a step near the overflow
+    threshold may overflow on one device and not here; but all stages and replicas skip alike and stay equal."""
+    config = dict(
+        pipeline_parallel_size=2,
+        data_parallel_size=2,
+        batch_size=6,
+        micro_batch_size=3,
+        schedule="1f1b",
+        fp16_init_scale=2.0**20,
+        epochs=2,
+        rows=72,
+    )
+    result, shards = run_pipelined(tmp_path, config)
+    ref, _ = train_reference(config)
+
+    assert result["loss_scales"][0] == config["fp16_init_scale"] / 2  # the first step overflowed and was skipped
+    assert result["losses"][-1] < result["losses"][0]
+    torch.testing.assert_close(
+        torch.tensor(result["losses"][:4]), torch.tensor(ref["losses"][:4]), rtol=1e-2, atol=1e-2
+    )
+    # Ranks 0 and 2 hold stage 0 of replicas 0 and 1, ranks 1 and 3 stage 1: a replica that stepped while the
+    # other skipped would differ.
+    for first, second in ((0, 2), (1, 3)):
+        assert shards[first].keys() == shards[second].keys()
+        for name in shards[first]:
+            assert torch.equal(shards[first][name], shards[second][name]), name

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from tqdm.auto import tqdm
 
-from lightning_varuna.pipeline.gradients import average_gradients
+from lightning_varuna.pipeline.gradients import sum_gradients
 from lightning_varuna.profiling.profile import LinearCost, ModelProfile
 
 __all__ = ["profile_network"]
@@ -129,7 +129,7 @@ def _point_to_point(rank: int, world: int, sizes: list[int], repeats: int, devic
 
 
 def _time_allreduce(nbytes: int, group: dist.ProcessGroup, repeats: int, device: torch.device) -> float:
-    """The gradient averaging of a stage holding ``nbytes`` of gradients, as VarunaStrategy runs it."""
+    """The gradient sum of a stage holding ``nbytes`` of gradients, as VarunaStrategy runs it."""
     width = dist.get_world_size(group)
     elements = max(4, nbytes // 4)
     grads = list(torch.zeros(elements, dtype=torch.float32, device=device).chunk(4))
@@ -137,7 +137,7 @@ def _time_allreduce(nbytes: int, group: dist.ProcessGroup, repeats: int, device:
     for _ in range(repeats + 1):
         dist.barrier()
         start = time.perf_counter()
-        average_gradients(grads, group, width, 1.0 / width)
+        sum_gradients(grads, group, width)
         _synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])

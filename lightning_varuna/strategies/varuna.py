@@ -48,7 +48,7 @@ from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.partition.discovery import forward_with_cutpoints, profile_segments
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
-from lightning_varuna.pipeline.gradients import average_gradients
+from lightning_varuna.pipeline.gradients import sum_gradients
 from lightning_varuna.pipeline.microbatch import batch_size_of, merge_microbatches, split_microbatches
 from lightning_varuna.pipeline.runtime import StageRuntime
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
@@ -535,6 +535,9 @@ class VarunaStrategy(ParallelStrategy):
         actions = make(num_stages, len(microbatches))[stage]
         recorder = LogRecorder()
         scaler = getattr(self.precision_plugin, "scaler", None) if backward else None
+        if scaler is not None and not self.topology.is_last_stage:
+            # Only the last stage scales a loss; scaling nothing gives the others' scalers the scale unscale_ needs.
+            scaler.scale(torch.zeros((), device=self.root_device))
         current = [0]
 
         def stage_forward(*fargs: Any, **fkwargs: Any) -> Any:
@@ -560,7 +563,9 @@ class VarunaStrategy(ParallelStrategy):
                     f"`training_step` returned {type(step_output).__name__}; with VarunaStrategy it must return the "
                     "loss tensor or a dict with a `loss` tensor on every batch."
                 )
-            loss = loss * weights[m]
+            # Weighted by the micro-batch's share of all rows of the optimizer step (over replicas and accumulated
+            # batches): the summed gradients are the mean, scaled as one device scales them (same fp16 overflows).
+            loss = loss * (weights[m] / (self.topology.data_parallel_size * module.trainer.accumulate_grad_batches))
             return scaler.scale(loss) if scaler is not None else loss
 
         with recorder.capture(module), _patched_forward(module, stage_forward):
@@ -615,16 +620,15 @@ class VarunaStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------ gradients and step
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Put the gradients of the pipelined step in place, averaged over replicas and summed over ties."""
+        """Put the gradients of the pipelined step in place, summed over replicas and ties (each micro-batch's loss
+        was weighted by its share of the step's rows, so the sum is the mean)."""
         parked, self._parked_grads = self._parked_grads or {}, None
-        trainer = self.lightning_module.trainer
         topo = self.topology
         assert topo is not None
         params = self._stage_plan().own_parameters()
         grads = [parked[p] if p in parked else torch.zeros_like(p) for p in params]
-        scale = 1.0 / (topo.data_parallel_size * trainer.accumulate_grad_batches)
         start = time.time()
-        grads = average_gradients(grads, self._dp_group, topo.data_parallel_size, scale)
+        grads = sum_gradients(grads, self._dp_group, topo.data_parallel_size)
         self._stage_plan().shared.sum_across_stages(dict(zip(params, grads)))
         timeline = self._stage_plan().runtime.timeline
         if timeline is not None:
