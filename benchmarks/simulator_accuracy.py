@@ -1,6 +1,6 @@
 """How well the simulator predicts real step times, and whether AutoConfig picks the fastest configuration.
 
-Run from the repository root (about 9 minutes on 2 CPU cores)::
+Run from the repository root (about 12 minutes on 2 CPU cores)::
 
     python benchmarks/simulator_accuracy.py
 
@@ -10,8 +10,10 @@ Run from the repository root (about 9 minutes on 2 CPU cores)::
    them) for every configuration in ``CONFIGS`` on a global batch of 16, in fresh processes, and takes the median
    step time (``on_train_batch_start`` -> ``on_train_batch_end`` on rank 0) after a warm-up. Before each run it
    waits for other processes to leave the CPUs idle.
+   The runs of 3. and 2. alternate, so a drift of this VM's speed touches both alike.
 3. Calibrates the profile (``lightning_varuna.profiling.calibration``) with the measured timelines (5 steps; the
-   median counts) of two more configurations per process count (``CALIBRATION``, none of them among ``CONFIGS``).
+   median counts) of two more configurations per process count and one with replicas for 2 and 4 processes
+   (``CALIBRATION``, none of them among ``CONFIGS``).
 4. Prints measured against predicted step time per configuration, from the profile alone and calibrated, the median
    absolute errors, and where AutoConfig's pick among the measured configurations ranks.
 
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import zip_longest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +53,8 @@ CONFIGS = [
     (2, 2, 2, "varuna"),
     (1, 4, 4, "1f1b"),
 ]
-# Two micro-batch sizes per process count (1, 2, 4), held out from CONFIGS: their measured steps calibrate the profile.
+# Two micro-batch sizes per process count (1, 2, 4) and replicas for 2 and 4 processes, held out from CONFIGS: their
+# measured steps calibrate the profile.
 CALIBRATION = [
     (1, 1, 8, "gpipe"),
     (1, 1, 1, "gpipe"),
@@ -58,6 +62,9 @@ CALIBRATION = [
     (2, 1, 1, "1f1b"),
     (4, 1, 4, "1f1b"),
     (4, 1, 1, "gpipe"),
+    (1, 2, 4, "gpipe"),
+    (1, 4, 2, "gpipe"),
+    (2, 2, 8, "1f1b"),
 ]
 CALIBRATED_PROFILE = RESULTS / "gpt.calibrated.profile.json"
 
@@ -152,16 +159,19 @@ def main() -> None:
     profile = ModelProfile.load(str(PROFILE))
     TRACES.mkdir(parents=True, exist_ok=True)
     measure(CONFIGS[0], args.warmup, args.steps)  # discarded: the first run after start is slower on this VM
+    step_s = {}
+    for config in (c for pair in zip_longest(CALIBRATION, CONFIGS) for c in pair if c):
+        step_s[config] = measure(config, args.warmup, args.steps)
+        print(f"measured {_name(config)}: {step_s[config] * 1e3:.1f} ms", flush=True)
     measured = []
     for config in CALIBRATION:
-        measure(config, args.warmup, args.steps)
         spans, metadata = read_chrome_trace((TRACES / f"{_name(config)}.measured.json").read_text())
         measured.append((Config(**metadata["config"]), spans))
     calibrated = calibrate(profile, measured)
     calibrated.save(str(CALIBRATED_PROFILE))
     print("calibrated with " + ", ".join(map(_name, CALIBRATION)) + ":", flush=True)
     for processes, overheads in sorted(calibrated.overheads.items()):
-        print(f"  {processes} process(es): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in vars(overheads).items()))
+        print(f"  {processes} process(es): {overheads}")
     rows = []
     print(f"{'config':<24} {'measured ms':>12} {'profile ms':>11} {'error':>7} {'calibrated ms':>14} {'error':>7}")
     for config in CONFIGS:
@@ -169,7 +179,7 @@ def main() -> None:
         prediction = simulate(profile, Config(P, D, mb, schedule, GLOBAL_BATCH))
         calibrated_prediction = simulate(calibrated, Config(P, D, mb, schedule, GLOBAL_BATCH), timeline=True)
         (TRACES / f"{_name(config)}.predicted.json").write_text(calibrated_prediction.chrome_trace())
-        measured = measure(config, args.warmup, args.steps)
+        measured = step_s[config]
         row = dict(config=list(config), measured_ms=measured * 1e3)
         for key, predicted in (("", prediction.step_s), ("calibrated_", calibrated_prediction.step_s)):
             row[f"{key}predicted_ms"] = predicted * 1e3

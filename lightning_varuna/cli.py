@@ -131,13 +131,7 @@ def _calibrate(args: argparse.Namespace) -> None:
             f"{after * 1e3:.1f} ms after."
         )
     for processes in sorted({config.processes_per_node for config, _ in measured}):
-        o = calibrated.overheads[processes]
-        print(
-            f"With {processes} process(es) per node: per forward {o.forward_s * 1e3:.2f} ms + "
-            f"{o.forward_per_row_s * 1e3:.2f} ms per row, per backward {o.backward_s * 1e3:.2f} ms + "
-            f"{o.backward_per_row_s * 1e3:.2f} ms per row, per message {o.message_s * 1e3:.2f} ms, per step "
-            f"{o.step_s * 1e3:.2f} ms."
-        )
+        print(f"With {processes} process(es) per node: {calibrated.overheads[processes]}.")
     output = args.output or args.profile
     calibrated.save(output, storage)
     print(f"Wrote {output}.")

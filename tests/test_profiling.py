@@ -219,9 +219,9 @@ def test_ranking_is_fastest_first_and_respects_memory():
 def test_calibration_recovers_the_costs_a_measured_step_adds(schedule):
     """Steps "measured" with known extra costs (simulated from a profile that has them) teach an uncalibrated
     profile those costs; its predictions of other configurations with as many processes then match too."""
-    costs = RuntimeOverheads(0.3, 0.2, 0.1, 0.5, forward_per_row_s=0.05, backward_per_row_s=0.02)
+    costs = RuntimeOverheads(0.3, 0.2, 0.1, 0.5, forward_per_row_s=0.05, backward_per_row_s=0.02, replica_lag=0.25)
     truth = replace(synthetic(), overheads={2: costs})
-    measured = [Config(2, 1, 1, schedule, 4), Config(2, 1, 2, "gpipe", 8)]
+    measured = [Config(2, 1, 1, schedule, 4), Config(2, 1, 2, "gpipe", 8), Config(1, 2, 2, "gpipe", 8)]
     calibrated = calibrate(synthetic(), [(c, simulate(truth, c, timeline=True).timeline) for c in measured])
     assert vars(calibrated.overheads[2]) == pytest.approx(vars(costs), abs=1e-6)
     for other in (Config(2, 1, 2, "1f1b", 6), Config(2, 1, 1, "varuna", 6), Config(1, 2, 1, "1f1b", 4)):
@@ -231,6 +231,7 @@ def test_calibration_recovers_the_costs_a_measured_step_adds(schedule):
     # One micro-batch size: a constant cost per action that reproduces that measured step.
     one = calibrate(synthetic(), [(measured[0], simulate(truth, measured[0], timeline=True).timeline)])
     assert one.overheads[2].forward_per_row_s == one.overheads[2].backward_per_row_s == 0
+    assert one.overheads[2].replica_lag == 0  # nothing measured with replicas
     assert simulate(one, measured[0]).step_s == pytest.approx(simulate(truth, measured[0]).step_s, abs=1e-5)
     calibrated.save("memory://profiles/calibrated.json")
     assert ModelProfile.load("memory://profiles/calibrated.json") == calibrated

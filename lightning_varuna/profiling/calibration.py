@@ -5,8 +5,9 @@ the runtime's bookkeeping, messages that wait on busy peers, and per-step work a
 measured configuration, `calibrate` fits those costs (`RuntimeOverheads`) so that simulating it reproduces its
 measured timeline: the mean forward and backward durations, the pipeline's length and the whole step. Measured
 configurations with as many processes per node are combined: the cost per forward and per backward becomes a line
-in the micro-batch size when they differ in it. The simulator adds the costs to every configuration run with that
-many processes per node.
+in the micro-batch size when they differ in it. Configurations with replicas then teach how long the all-reduce
+waits for the slowest replica, in proportion to the pipeline's length. The simulator adds the costs to every
+configuration run with that many processes per node.
 """
 
 from __future__ import annotations
@@ -27,11 +28,19 @@ _ROUNDS = 3  # the costs of one configuration depend on each other a little: fit
 def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[Span]]]) -> ModelProfile:
     """A copy of ``profile`` whose overheads make the simulation of each measured configuration match its timeline
     (a `PipelineTrace`; of several steps, the median one). Overheads of other process counts are kept."""
-    by_processes: dict[int, list[tuple[int, RuntimeOverheads]]] = {}
+    by_processes: dict[int, list[tuple[Config, Sequence[Span]]]] = {}
     for config, spans in measured:
-        fitted = _fit(profile, config, spans)
-        by_processes.setdefault(config.processes_per_node, []).append((config.micro_batch_size, fitted))
-    combined = {processes: _combine(fits) for processes, fits in by_processes.items()}
+        by_processes.setdefault(config.processes_per_node, []).append((config, spans))
+    combined = {}
+    for processes, runs in by_processes.items():
+        # Replicas wait for each other at the all-reduce; the costs of a step are learned from runs without them.
+        alone = [(c, spans) for c, spans in runs if c.data_parallel_size == 1] or runs
+        overheads = _combine([(c.micro_batch_size, _fit(profile, c, spans)) for c, spans in alone])
+        replicated = [(c, spans) for c, spans in runs if c.data_parallel_size > 1]
+        if replicated:
+            with_overheads = replace(profile, overheads={**profile.overheads, processes: overheads})
+            overheads.replica_lag = statistics.mean(_replica_lag(with_overheads, c, spans) for c, spans in replicated)
+        combined[processes] = overheads
     return replace(profile, overheads={**profile.overheads, **combined})
 
 
@@ -56,6 +65,13 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
             fitted.message_s = _solve(lambda x: _pipeline_length(predict(replace(fitted, message_s=x))) - pipeline)
     fitted.step_s = max(0.0, step - predict(fitted).step_s)
     return fitted
+
+
+def _replica_lag(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> float:
+    """The wait for the slowest replica that makes the simulated step of ``config`` as long as the measured one, as
+    a share of the pipeline's length."""
+    prediction = simulate(profile, config)
+    return max(0.0, (measured_step_s(measured) - prediction.step_s) / prediction.pipeline_s)
 
 
 def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:

@@ -121,18 +121,19 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
     overheads = profile.overheads.get(processes_per_node, RuntimeOverheads())
     spans, ends = _run_pipeline(actions, sizes, stages, profile, processes_per_node, sharing, overheads)
     pipeline_s = max(ends) + overheads.step_s
+    if P > 1:  # the last stage's step output and logged values go to the other stages
+        pipeline_s += _object_broadcast(profile, processes_per_node, P)
     stage_params = [_stage_parameters(profile, bounds[s], bounds[s + 1]) for s in range(P)]
     allreduce_s = 0.0
     if D > 1:
         allreduce_s = max(_allreduce(profile, processes_per_node, D)(b) for b in stage_params)
+        allreduce_s += overheads.replica_lag * pipeline_s
     for name, holders in _tied_parameters(profile, bounds).items():  # tied weights: summed across their stages
         allreduce_s += _allreduce(profile, processes_per_node, holders)(_parameter_bytes(profile, name))
     optimizer_s = (
         max(sum(profile.optimizer_step_s(i, threads) for i in range(bounds[s], bounds[s + 1])) for s in range(P))
         * sharing.slowdown_all_busy
     )
-    if P > 1:  # the last stage's step output and logged values go to the other stages
-        pipeline_s += _object_broadcast(profile, processes_per_node, P)
     step_s = pipeline_s + allreduce_s + optimizer_s
     busy = [sum(sp.end_s - sp.start_s for sp in spans if sp.stage == s) for s in range(P)]
     bubble = 1.0 - sum(busy) / (P * pipeline_s) if pipeline_s > 0 else 0.0
