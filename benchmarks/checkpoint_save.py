@@ -115,8 +115,7 @@ def worker(args: argparse.Namespace) -> None:
 def use_dcp_defaults() -> None:
     """Write and read as torch.distributed.checkpoint's own fsspec writer and reader do (one file and one thread per
     rank; items read in plan order through the stream's read-ahead cache): the comparison for our settings."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-
+    from lightning_varuna._torch_private import FsspecReader, FsspecWriter
     from lightning_varuna.checkpoint.storage import Storage
 
     Storage.dcp_writer = lambda self, url: FsspecWriter(str(url), sync_files=False, **self.fs_options)

@@ -274,14 +274,15 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
 def run_torch_pipelining(cfg: Config, variant: Variant) -> dict[str, Any]:
     """torch.distributed.pipelining's schedules on the model cut at the same CutPoint."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, pipeline
-    from torch.export.unflatten import _disable_interpreter
+
+    from lightning_varuna._torch_private import generated_code_modules
 
     rank = dist.get_rank()
     data = make_data(cfg)
     model = make_model(cfg, len(data.vocab)).train()
     batches = global_batches(cfg, data)
     model.get_submodule(cfg.boundary)._is_stage_boundary = True  # the CutPoint then calls pipe_split()
-    with _disable_interpreter() if variant.codegen else contextlib.nullcontext():
+    with generated_code_modules() if variant.codegen else contextlib.nullcontext():
         pipe = pipeline(model, mb_args=(batches[0][0][: cfg.micro_batch_size],))
     stage = pipe.build_stage(rank, torch.device("cpu"))
     del pipe, model

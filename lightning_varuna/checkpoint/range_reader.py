@@ -18,10 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future as TorchFuture
+
+from lightning_varuna._torch_private import FsspecReader, narrow_tensor_by_index
 
 __all__ = ["RangeReader"]
 

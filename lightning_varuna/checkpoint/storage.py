@@ -11,8 +11,8 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
+from lightning_varuna._torch_private import FsspecReader, FsspecWriter
 from lightning_varuna.checkpoint.range_reader import RangeReader
 
 __all__ = ["Storage", "join"]

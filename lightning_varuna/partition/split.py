@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 from torch.distributed.pipelining import pipeline
-from torch.export.unflatten import _disable_interpreter
 from torch.utils._pytree import tree_leaves
 
+from lightning_varuna._torch_private import generated_code_modules
 from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.partition.skeleton import ModelSkeleton
 
@@ -139,12 +139,12 @@ def split_into_stages(
     """
     cuts = _activate(module, boundaries)
     try:
-        # `_disable_interpreter`: the stage's submodules run their generated Python code instead of stepping
+        # `generated_code_modules`: the stage's submodules run their generated Python code instead of stepping
         # through the graph with torch.fx.Interpreter, which costs as much again as the forward of a small model.
         with (
             skeleton.stand_ins(module),
             torch.autocast(args_device_type(args), enabled=False),
-            _disable_interpreter(),
+            generated_code_modules(),
         ):
             pipe = pipeline(module, mb_args=args, mb_kwargs=kwargs or None)
     except RuntimeError as error:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_varuna._torch_private import flatten_dense_tensors, unflatten_dense_tensors
 
 __all__ = ["sum_gradients"]
 
@@ -13,6 +14,6 @@ def sum_gradients(grads: list[Tensor], group: dist.ProcessGroup | None, replicas
     """Sum ``grads`` over the ``replicas`` of ``group`` in one flat all-reduce (with one replica: ``grads``)."""
     if not grads or replicas == 1:
         return grads
-    flat = torch._utils._flatten_dense_tensors(grads)
+    flat = flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
-    return list(torch._utils._unflatten_dense_tensors(flat, grads))
+    return list(unflatten_dense_tensors(flat, grads))

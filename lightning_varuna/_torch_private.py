@@ -1,0 +1,33 @@
+"""The private torch APIs lightning-varuna relies on, all in one place (verified with torch 2.13).
+
+None has a public equivalent. If a torch release moves or changes one, this is the file to change; the tests that
+exercise each are named below.
+"""
+
+from __future__ import annotations
+
+# One flat buffer from many gradients and views of it back: the gradient all-reduce of each step.
+# tests/test_parity.py.
+from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
+
+# The slice of a saved tensor that a DCP read item asks for (what DCP's own readers call): `RangeReader`.
+# tests/test_checkpoint_storage.py.
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+# DCP's reader and writer for fsspec URLs (s3://, az://, gs://, memory://, local paths): checkpoints on object
+# stores. tests/test_checkpoint_storage.py, tests/test_checkpoint_resume.py.
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+# Makes `torch.export.unflatten` build modules that run FX's generated Python code instead of stepping through
+# their graphs with `torch.fx.Interpreter` (about 1.6x faster stage forwards). tests/test_partition.py.
+from torch.export.unflatten import _disable_interpreter as generated_code_modules
+
+__all__ = [
+    "FsspecReader",
+    "FsspecWriter",
+    "flatten_dense_tensors",
+    "generated_code_modules",
+    "narrow_tensor_by_index",
+    "unflatten_dense_tensors",
+]
