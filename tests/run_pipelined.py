@@ -13,7 +13,6 @@ itself in the middle of the save at global step ``s``, right after writing its s
 and keeps the k newest; ``"watch_uploads": true`` holds each of its background uploads in flight while rank 0 looks
 at the store (`upload_hooks.WatchUploads`; what it saw goes to ``OUT_DIR/uploads.json``);
 ``"fail_upload": {"rank": r, "step": s}`` makes rank ``r``'s upload of the save at step ``s`` fail.
-``"gradient_receives_at_backward": true`` posts gradient receives as the runtime does on NCCL.
 """
 
 from __future__ import annotations
@@ -57,13 +56,6 @@ class KillInSave(L.Callback):
         FileSystemWriter.write_data = write_then_die
 
 
-class ReceiveGradientsAtBackward(L.Callback):
-    """Post each gradient receive when the backward needs it, as the runtime does on NCCL (gloo takes them early)."""
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.strategy._stage_plan().runtime.receive_gradients_early = False
-
-
 def main(out_dir: str, config: dict) -> None:
     L.seed_everything(config.get("seed", 0))
     model = model_for(config)
@@ -81,8 +73,6 @@ def main(out_dir: str, config: dict) -> None:
     callbacks = []
     if "trace" in config:
         callbacks.append(PipelineTrace(config["trace"], step=1, steps=2))
-    if config.get("gradient_receives_at_backward"):
-        callbacks.append(ReceiveGradientsAtBackward())
     if "kill_in_save" in config:
         callbacks.append(KillInSave(**config["kill_in_save"]))
     if "checkpoint_dir" in config:

@@ -52,16 +52,6 @@ SHAPES = {
     "P2xD2-varuna": dict(
         pipeline_parallel_size=2, data_parallel_size=2, batch_size=5, micro_batch_size=2, schedule="varuna"
     ),
-    # Gradient receives posted at the backward, as on NCCL: a middle stage runs two forwards before its first
-    # backward, which a receive posted early on the first stage would hold up there.
-    "P3xD1-1f1b-receives-at-backward": dict(
-        pipeline_parallel_size=3,
-        data_parallel_size=1,
-        batch_size=6,
-        micro_batch_size=2,
-        schedule="1f1b",
-        gradient_receives_at_backward=True,
-    ),
     # 5 segments over 3 stages; micro-batches [2, 2, 1]
     "P3xD1-gpipe-uneven": dict(
         pipeline_parallel_size=3, data_parallel_size=1, batch_size=5, micro_batch_size=2, schedule="gpipe"

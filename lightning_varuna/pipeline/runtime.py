@@ -62,23 +62,10 @@ class StageRuntime:
         stage_ranks: global rank of each stage of this rank's replica.
         output_spec: pytree structure of the model's output, rebuilt on the last stage.
         device: where received tensors are put.
-        receive_gradients_early: post each gradient's receive when the forward sends the activation, so it
-            arrives while the stage computes other micro-batches (gloo matches messages by tag). NCCL runs the
-            sends and receives between two ranks in the order they were posted, on one stream: there, a receive
-            posted early would hold up the activations sent after it, which the next stage may need first, so
-            receives are posted when the backward needs them.
     """
 
-    def __init__(
-        self,
-        stage_index: int,
-        stage_ranks: Sequence[int],
-        output_spec: TreeSpec,
-        device: torch.device,
-        receive_gradients_early: bool = True,
-    ):
+    def __init__(self, stage_index: int, stage_ranks: Sequence[int], output_spec: TreeSpec, device: torch.device):
         self.stage_index = stage_index
-        self.receive_gradients_early = receive_gradients_early
         self._ranks = list(stage_ranks)
         self._output_spec = output_spec
         self._device = device
@@ -133,8 +120,7 @@ class StageRuntime:
             if not recompute:
                 self._sent[microbatch] = sent
             self._graphs[microbatch] = graph
-            if self.receive_gradients_early:
-                self._grad_recvs[microbatch] = self._post_grad_receives(microbatch, graph)
+            self._post_grad_receives(microbatch, graph)
         if not self.is_last_stage:
             return None
         leaves = [self._lookup(src, model_inputs, received, outputs) for src in graph.output_sources]
@@ -165,8 +151,7 @@ class StageRuntime:
         if loss is not None and loss.requires_grad:
             tensors, grads = [loss], [torch.ones_like(loss)]
         summed: dict[int, Tensor] = {}
-        posted = self._grad_recvs.pop(microbatch, None)
-        for _, value, grad, work in posted if posted is not None else self._post_grad_receives(microbatch, graph):
+        for _, value, grad, work in self._grad_recvs.pop(microbatch, []):
             work.wait()
             summed[value] = summed[value] + grad if value in summed else grad
         self._compute_start = time.time()
@@ -271,7 +256,7 @@ class StageRuntime:
             received[key] = buffer
         return received
 
-    def _post_grad_receives(self, microbatch: int, graph: PipelineGraph) -> list[tuple[int, int, Tensor, dist.Work]]:
+    def _post_grad_receives(self, microbatch: int, graph: PipelineGraph) -> None:
         posted = []
         for consumer, values in graph.sends(self.stage_index).items():
             for slot, value in enumerate(values):
@@ -286,7 +271,7 @@ class StageRuntime:
                             self._irecv(buffer, consumer, _tag(microbatch, slot, Phase.BACKWARD)),
                         )
                     )
-        return posted
+        self._grad_recvs[microbatch] = posted
 
     def _isend(self, tensor: Tensor, stage: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()

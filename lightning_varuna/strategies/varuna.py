@@ -765,13 +765,7 @@ class _StagePlan:
         self.skeleton = ModelSkeleton(module)
         self._real = dict(_named_tensors(module))
         self._traced: dict[tuple, tuple[PipelineGraph, torch.fx.GraphModule]] = {}
-        self.runtime = StageRuntime(
-            topology.pp_rank,
-            topology.stage_ranks(),
-            output_spec,
-            device,
-            receive_gradients_early=dist.get_backend() != "nccl",
-        )
+        self.runtime = StageRuntime(topology.pp_rank, topology.stage_ranks(), output_spec, device)
         self.shared: SharedParameters
 
     def stage_for(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, torch.fx.GraphModule]:
