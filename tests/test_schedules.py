@@ -103,6 +103,20 @@ def test_generators_pass_the_dry_run(generator, num_stages, num_microbatches):
 
 @pytest.mark.parametrize("generator", TRAINING, ids=lambda g: g.__name__)
 @pytest.mark.parametrize(("num_stages", "num_microbatches"), SHAPES)
+def test_every_stage_sends_and_receives_each_kind_of_message_in_microbatch_order(
+    generator, num_stages, num_microbatches
+):
+    """NCCL runs the messages between two ranks of a process group in the order they were posted. Activations and
+    gradients travel in groups of their own, so each stage must post each kind in the order its neighbour does:
+    micro-batch order, for forwards and for backwards."""
+    for actions in generator(num_stages, num_microbatches):
+        for phase in (Phase.FORWARD, Phase.BACKWARD):
+            order = [a.microbatch for a in actions if a.phase is phase]
+            assert order == sorted(order), (phase, [str(a) for a in actions])
+
+
+@pytest.mark.parametrize("generator", TRAINING, ids=lambda g: g.__name__)
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), SHAPES)
 def test_training_schedules_run_each_forward_and_backward_once(generator, num_stages, num_microbatches):
     for actions in generator(num_stages, num_microbatches):
         forwards = [a.microbatch for a in actions if a.phase is Phase.FORWARD]

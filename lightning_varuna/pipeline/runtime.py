@@ -62,11 +62,24 @@ class StageRuntime:
         stage_ranks: global rank of each stage of this rank's replica.
         output_spec: pytree structure of the model's output, rebuilt on the last stage.
         device: where received tensors are put.
+        message_groups: two process groups over the stages of this replica, one for the activations and one for
+            the gradients (default: the global group for both). NCCL runs the messages between two ranks of one
+            group in the order they were posted, one after another: an early gradient receive would then hold up
+            the activations sent after it, which the next stage may need first. In their own groups each kind
+            flows in micro-batch order, as every schedule sends and receives it.
     """
 
-    def __init__(self, stage_index: int, stage_ranks: Sequence[int], output_spec: TreeSpec, device: torch.device):
+    def __init__(
+        self,
+        stage_index: int,
+        stage_ranks: Sequence[int],
+        output_spec: TreeSpec,
+        device: torch.device,
+        message_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
+    ):
         self.stage_index = stage_index
         self._ranks = list(stage_ranks)
+        self._message_groups = message_groups
         self._output_spec = output_spec
         self._device = device
         self._received: dict[int, dict[tuple[int, int], Tensor]] = {}
@@ -114,7 +127,7 @@ class StageRuntime:
         sent = self._wire_values(graph, outputs)
         for consumer, values in graph.sends(self.stage_index).items():
             for slot, value in enumerate(values):
-                self._isend(sent[value], consumer, _tag(microbatch, slot, Phase.FORWARD))
+                self._isend(sent[value], consumer, microbatch, slot, Phase.FORWARD)
         if training:
             self._received[microbatch] = received
             if not recompute:
@@ -166,7 +179,7 @@ class StageRuntime:
                 tensor = received[(producer, value)]
                 if _carries_grad(tensor.dtype):
                     grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
-                    self._isend(grad, producer, _tag(microbatch, slot, Phase.BACKWARD))
+                    self._isend(grad, producer, microbatch, slot, Phase.BACKWARD)
 
     def run(
         self,
@@ -245,7 +258,7 @@ class StageRuntime:
                     (
                         (producer, value),
                         buffer,
-                        self._irecv(buffer, producer, _tag(microbatch, slot, Phase.FORWARD)),
+                        self._irecv(buffer, producer, microbatch, slot, Phase.FORWARD),
                     )
                 )
         received = {}
@@ -268,14 +281,17 @@ class StageRuntime:
                             consumer,
                             value,
                             buffer,
-                            self._irecv(buffer, consumer, _tag(microbatch, slot, Phase.BACKWARD)),
+                            self._irecv(buffer, consumer, microbatch, slot, Phase.BACKWARD),
                         )
                     )
         self._grad_recvs[microbatch] = posted
 
-    def _isend(self, tensor: Tensor, stage: int, tag: int) -> None:
+    def _isend(self, tensor: Tensor, stage: int, microbatch: int, slot: int, phase: Phase) -> None:
         tensor = tensor.detach().contiguous()
-        self._pending_sends.append((dist.isend(tensor, self._ranks[stage], tag=tag), tensor))
+        group = self._message_groups[phase is Phase.BACKWARD]
+        work = dist.isend(tensor, self._ranks[stage], group=group, tag=_tag(microbatch, slot, phase))
+        self._pending_sends.append((work, tensor))
 
-    def _irecv(self, buffer: Tensor, stage: int, tag: int) -> dist.Work:
-        return dist.irecv(buffer, self._ranks[stage], tag=tag)
+    def _irecv(self, buffer: Tensor, stage: int, microbatch: int, slot: int, phase: Phase) -> dist.Work:
+        group = self._message_groups[phase is Phase.BACKWARD]
+        return dist.irecv(buffer, self._ranks[stage], group=group, tag=_tag(microbatch, slot, phase))

@@ -170,6 +170,8 @@ class VarunaStrategy(ParallelStrategy):
         self.topology: Topology | None = None
         self._dp_group: dist.ProcessGroup | None = None
         self._pp_group: dist.ProcessGroup | None = None
+        # The stages of a replica, once for its activations and once for its gradients (see `StageRuntime`).
+        self._message_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
         self._stages: _StagePlan | None = None
         self._parked_grads: dict[Tensor, Tensor] | None = None
         self.checkpoint_storage = Storage(storage_options)
@@ -261,6 +263,10 @@ class VarunaStrategy(ParallelStrategy):
         topo = self.topology
         self._dp_group = topo.new_groups([topo.replica_ranks(s) for s in range(topo.pipeline_parallel_size)])
         self._pp_group = topo.new_groups([topo.stage_ranks(d) for d in range(topo.data_parallel_size)])
+        if topo.pipeline_parallel_size > 1:
+            activations = topo.new_groups([topo.stage_ranks(d) for d in range(topo.data_parallel_size)])
+            gradients = topo.new_groups([topo.stage_ranks(d) for d in range(topo.data_parallel_size)])
+            self._message_groups = (activations, gradients)
 
     def _autoconfigure(self) -> None:
         """Choose what was left ``"auto"`` for this world size: the fastest configuration the simulator predicts
@@ -426,7 +432,7 @@ class VarunaStrategy(ParallelStrategy):
             boundaries = []
         rank_zero_info(f"VarunaStrategy: {num_stages} stage(s), cut before {boundaries or 'nothing'}")
         _, output_spec = tree_flatten(example_output)
-        plan = _StagePlan(module, boundaries, self.topology, output_spec, self.root_device)
+        plan = _StagePlan(module, boundaries, self.topology, output_spec, self.root_device, self._message_groups)
         graph, stage_module = plan.stage_for(args, kwargs)
         plan.release_other_stages(graph, stage_module)
         plan.shared = SharedParameters(graph.stage_parameters, self.topology, dict(module.named_parameters()))
@@ -758,6 +764,7 @@ class _StagePlan:
         topology: Topology,
         output_spec: Any,
         device: torch.device,
+        message_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
     ) -> None:
         self.module = module
         self.boundaries = boundaries
@@ -765,7 +772,7 @@ class _StagePlan:
         self.skeleton = ModelSkeleton(module)
         self._real = dict(_named_tensors(module))
         self._traced: dict[tuple, tuple[PipelineGraph, torch.fx.GraphModule]] = {}
-        self.runtime = StageRuntime(topology.pp_rank, topology.stage_ranks(), output_spec, device)
+        self.runtime = StageRuntime(topology.pp_rank, topology.stage_ranks(), output_spec, device, message_groups)
         self.shared: SharedParameters
 
     def stage_for(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, torch.fx.GraphModule]:
