@@ -15,6 +15,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from lightning_varuna.checkpoint.layout import (
     versions,
 )
 from lightning_varuna.checkpoint.state import destination_for, parameter_names
-from lightning_varuna.checkpoint.storage import Storage, join
+from lightning_varuna.checkpoint.storage import REMOTE_WRITE_THREADS, Storage, join
 from lightning_varuna.checkpoint.uploads import BackgroundUploads
 
 __all__ = ["ShardedCheckpoints", "read_tensors", "read_training_state"]
@@ -89,7 +90,9 @@ class ShardedCheckpoints:
             _agree(_error_of(lambda: _commit(storage, info, _to_bytes(lightning_state))) if rank == 0 else None)
             return
         local = os.path.join(self.tempdir, info.version, f"rank{rank}")
-        dcp.save(tensors, storage_writer=FileSystemWriter(local, sync_files=False))
+        # As many files as a direct remote save writes, so that they upload concurrently.
+        files = 1 if storage.is_local(info.version_url) else REMOTE_WRITE_THREADS
+        dcp.save(tensors, storage_writer=FileSystemWriter(local, sync_files=False, thread_count=files))
         _agree(_error_of(lambda: _write_local(local, lightning_state)) if rank == 0 else None)
         store = dist.distributed_c10d._get_default_store()
         self._uploads.submit(self._upload, storage, local, info, store, rank, dist.get_world_size())
@@ -100,10 +103,13 @@ class ShardedCheckpoints:
         """Worker thread: upload this rank's files; rank 0 then waits for all ranks and commits."""
         key = f"lightning_varuna/checkpoint/{info.version}"
         try:
-            last = (DCP_INDEX, LIGHTNING_STATE)
-            for name in sorted(os.listdir(local)):
-                if name not in last:
-                    storage.put_file(os.path.join(local, name), join(info.version_url, name))
+            names = [name for name in sorted(os.listdir(local)) if name not in (DCP_INDEX, LIGHTNING_STATE)]
+
+            def upload(name: str) -> None:
+                storage.put_file(os.path.join(local, name), join(info.version_url, name))
+
+            with ThreadPoolExecutor(REMOTE_WRITE_THREADS, thread_name_prefix="lightning-varuna-upload") as pool:
+                list(pool.map(upload, names))  # raises the first failure
             store.add(f"{key}/uploaded", 1)
             if rank == 0:
                 self._wait_for_ranks(store, key, world_size)
