@@ -138,20 +138,15 @@ def test_bf16_autocast_pipeline_tracks_single_device(tmp_path):
     assert result["losses"][-1] < result["losses"][0]
 
 
+# fp16 autocast with a CPU GradScaler whose first scales overflow the gradients.
+FP16 = dict(batch_size=6, micro_batch_size=3, schedule="1f1b", fp16_init_scale=2.0**20, epochs=2)
+
+
 def test_fp16_loss_scaling_skips_the_same_steps_as_single_device(tmp_path):
     """fp16 autocast with a GradScaler (Lightning's CUDA AMP path, here on CPU): the first scales overflow the
     gradients of the last stage, and every stage skips those steps and backs off the scale together, exactly as one
     device does on the same batches."""
-    config = dict(
-        pipeline_parallel_size=2,
-        data_parallel_size=1,
-        batch_size=6,
-        micro_batch_size=3,
-        schedule="1f1b",
-        fp16_init_scale=2.0**20,
-        epochs=2,
-        rows=36,
-    )
+    config = dict(FP16, pipeline_parallel_size=2, data_parallel_size=1, rows=36)
     result, shards = run_pipelined(tmp_path, config)
     ref, ref_weights = train_reference(config)
 
@@ -168,16 +163,7 @@ def test_fp16_loss_scaling_skips_the_same_steps_as_single_device(tmp_path):
 def test_fp16_replicas_skip_overflowing_steps_together(tmp_path):
     """With replicas, each sums its micro-batches' fp16 gradients before the all-reduce, so a step near the overflow
     threshold may overflow on one device and not here; but all stages and replicas skip alike and stay equal."""
-    config = dict(
-        pipeline_parallel_size=2,
-        data_parallel_size=2,
-        batch_size=6,
-        micro_batch_size=3,
-        schedule="1f1b",
-        fp16_init_scale=2.0**20,
-        epochs=2,
-        rows=72,
-    )
+    config = dict(FP16, pipeline_parallel_size=2, data_parallel_size=2, rows=72)
     result, shards = run_pipelined(tmp_path, config)
     ref, _ = train_reference(config)
 

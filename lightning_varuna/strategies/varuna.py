@@ -262,11 +262,10 @@ class VarunaStrategy(ParallelStrategy):
             )
         topo = self.topology
         self._dp_group = topo.new_groups([topo.replica_ranks(s) for s in range(topo.pipeline_parallel_size)])
-        self._pp_group = topo.new_groups([topo.stage_ranks(d) for d in range(topo.data_parallel_size)])
+        pipelines = [topo.stage_ranks(d) for d in range(topo.data_parallel_size)]
+        self._pp_group = topo.new_groups(pipelines)
         if topo.pipeline_parallel_size > 1:
-            activations = topo.new_groups([topo.stage_ranks(d) for d in range(topo.data_parallel_size)])
-            gradients = topo.new_groups([topo.stage_ranks(d) for d in range(topo.data_parallel_size)])
-            self._message_groups = (activations, gradients)
+            self._message_groups = (topo.new_groups(pipelines), topo.new_groups(pipelines))
 
     def _autoconfigure(self) -> None:
         """Choose what was left ``"auto"`` for this world size: the fastest configuration the simulator predicts
@@ -406,6 +405,10 @@ class VarunaStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and not self.topology.is_last_stage:
+            # Only the last stage scales a loss; scaling nothing gives the others' scalers the scale unscale_ needs.
+            scaler.scale(torch.zeros((), device=self.root_device))
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -541,9 +544,6 @@ class VarunaStrategy(ParallelStrategy):
         actions = make(num_stages, len(microbatches))[stage]
         recorder = LogRecorder()
         scaler = getattr(self.precision_plugin, "scaler", None) if backward else None
-        if scaler is not None and not self.topology.is_last_stage:
-            # Only the last stage scales a loss; scaling nothing gives the others' scalers the scale unscale_ needs.
-            scaler.scale(torch.zeros((), device=self.root_device))
         current = [0]
 
         def stage_forward(*fargs: Any, **fkwargs: Any) -> Any:
