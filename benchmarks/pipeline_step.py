@@ -66,6 +66,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, CharDataset, make_text  # noqa: E402
 
 from lightning_varuna import VarunaStrategy  # noqa: E402
+from lightning_varuna.profiling.processes import wait_all  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline_step.json"
 REFERENCE, SINGLE = "torch-pipelining-1f1b", "single-lightning"
@@ -393,28 +394,8 @@ def launch(variant: Variant, cfg: Config, timeout_s: float) -> list[dict[str, An
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if variant.world_size > 1 else env
             with open(out / f"rank{rank}.log", "wb") as log:
                 procs.append(subprocess.Popen(command, env=rank_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
-        wait_all(procs, timeout_s, variant.name, out)
+        wait_all(procs, [out / f"rank{r}.log" for r in range(len(procs))], timeout_s, variant.name)
         return [json.loads((out / f"rank{r}.json").read_text()) for r in range(variant.world_size)]
-
-
-def wait_all(procs: list[subprocess.Popen], timeout_s: float, name: str, out: Path) -> None:
-    """Wait for every rank; if one fails or time runs out, stop the others and raise with the ranks' logs."""
-    deadline = time.monotonic() + timeout_s
-    while any(p.poll() is None for p in procs):
-        failed = any(p.returncode not in (None, 0) for p in procs)
-        if failed or time.monotonic() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            break
-        time.sleep(0.2)
-    if any(p.returncode != 0 for p in procs):
-        logs = [
-            f"--- rank {r} (exit {p.returncode}) ---\n{(out / f'rank{r}.log').read_text(errors='replace')[-4000:]}"
-            for r, p in enumerate(procs)
-        ]
-        raise RuntimeError(f"{name} failed or timed out:\n" + "\n".join(logs))
 
 
 def summarize(variant: Variant, ranks: list[dict[str, Any]]) -> dict[str, Any]:

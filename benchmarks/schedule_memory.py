@@ -41,9 +41,10 @@ from torch import Tensor
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from pipeline_step import Config, current_rss_mb, lm_loss, make_data, make_model, peak_rss_mb, wait_all  # noqa: E402
+from pipeline_step import Config, current_rss_mb, lm_loss, make_data, make_model, peak_rss_mb  # noqa: E402
 
 from lightning_varuna.profiling.memory import SavedTensorMeter  # noqa: E402
+from lightning_varuna.profiling.processes import wait_all  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "schedule_memory.json"
 SCHEDULES = ("gpipe", "1f1b", "varuna")
@@ -124,7 +125,7 @@ def launch(schedule: str, stages: int, timeout_s: float) -> list[dict[str, Any]]
                         command, env={**env, "RANK": str(rank)}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
                     )
                 )
-        wait_all(procs, timeout_s, f"{schedule} P={stages}", out)
+        wait_all(procs, [out / f"rank{r}.log" for r in range(stages)], timeout_s, f"{schedule} P={stages}")
         return [json.loads((out / f"rank{r}.json").read_text()) for r in range(stages)]
 
 

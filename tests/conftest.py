@@ -14,6 +14,7 @@ import pytest
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 sys.path.insert(0, os.path.dirname(__file__))
+from slurm_cluster import SlurmCluster, missing_requirements  # noqa: E402
 
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")
 # Azurite's local-only development account, published in its documentation (not a secret).
@@ -153,3 +154,17 @@ def object_store(request: pytest.FixtureRequest) -> ObjectStore:
     """Each blob store in turn: S3 (moto) and Azure Blob Storage (Azurite)."""
     server, container = {"s3": ("s3_server", "s3_bucket"), "az": ("azure_server", "azure_container")}[request.param]
     return ObjectStore(request.getfixturevalue(container), request.getfixturevalue(server))
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A one-node SLURM cluster on loopback for this test session (slurmctld + slurmd, no accounting)."""
+    reason = missing_requirements()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,12 +1,15 @@
-"""Train `TinyLM` the way an elastic job on preemptible machines does, under ``torchrun`` (any size).
+"""Train `TinyLM` the way an elastic job on preemptible machines does, under ``torchrun`` (any size) or SLURM.
 
     torchrun --nproc-per-node=N tests/run_elastic.py OUT_DIR '{"pipeline_parallel_size": 2, ...}'
+    srun tests/run_elastic.py OUT_DIR '{"devices": N, ...}'     # in an sbatch job with --ntasks-per-node=N
 
 The same script at every world size: ``global_batch_size`` fixes the training, ``MorphCallback`` writes to
 ``morph_dir``, a ModelCheckpoint writes to ``checkpoint_dir`` every ``every_n_steps`` steps, and ``fit`` always
-resumes from ``"last"``. What each start of the workers did goes to ``OUT_DIR/attempt{restart}-world{size}/``:
-``losses.json`` (rank 0: the logged loss of every step), ``samples_rank{r}.json`` (the dataset indices of every
-batch on first-stage ranks), ``rank{r}.pt`` (parameters by name) and ``run.json`` (rank 0: how it ended).
+resumes from ``"last"``. Without ``morph_dir`` the script adds no MorphCallback and calls ``fit`` without
+``ckpt_path``, as a plain Lightning script under SLURM does. What each start of the workers did goes to
+``OUT_DIR/attempt{restart}-world{size}/``: ``losses.json`` (rank 0: the logged loss of every step),
+``samples_rank{r}.json`` (the dataset indices of every batch on first-stage ranks), ``rank{r}.pt`` (parameters by
+name) and ``run.json`` (rank 0: how it ended).
 
 Faults, on the first attempt only: ``"signal_at": {"rank": r, "step": s, "signal": "SIGUSR1"}`` makes rank
 ``r`` signal itself as step ``s`` starts; ``"kill_at": {"rank": r, "step": s}`` SIGKILLs rank ``r`` there;
@@ -38,16 +41,15 @@ from models import RecordLosses, model_for, token_dataset  # noqa: E402
 
 from lightning_varuna import MorphCallback, VarunaStrategy  # noqa: E402
 
-ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-WORLD = int(os.environ.get("WORLD_SIZE", 1))
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT", 0)))
+WORLD = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
 
 
 class Faults(L.Callback):
     """The faults of the config, injected on the first attempt."""
 
-    def __init__(self, config: dict, morph: MorphCallback) -> None:
+    def __init__(self, config: dict) -> None:
         self.config = config if ATTEMPT == 0 else {}
-        self.morph = morph
 
     def _at(self, trainer: L.Trainer, key: str) -> dict | None:
         fault = self.config.get(key)
@@ -77,7 +79,8 @@ class Faults(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
         deadline = time.monotonic() + self.config.get("slow_steps_at_world", {}).get(str(WORLD), 0)
-        while time.monotonic() < deadline and not self.morph.reasons:
+        morph = next(cb for cb in trainer.callbacks if isinstance(cb, MorphCallback))
+        while time.monotonic() < deadline and not morph.reasons:
             time.sleep(0.05)
 
 
@@ -110,10 +113,13 @@ def main(out_dir: str, config: dict) -> None:
     L.seed_everything(config.get("seed", 0))
     model = model_for(config)
     data = token_dataset(config["rows"])
-    signals = [signal.Signals[name] for name in config.get("signals", ["SIGUSR1"])]
-    morph = MorphCallback(config["morph_dir"], signals, machine_list=config.get("machine_list"), poll_interval=0)
     record, samples = RecordLosses(), RecordSamples(data)
-    callbacks = [record, samples, Started(Path(out_dir)), Faults(config, morph), morph]
+    callbacks = [record, samples, Started(Path(out_dir)), Faults(config)]
+    if "morph_dir" in config:
+        signals = [signal.Signals[name] for name in config.get("signals", ["SIGUSR1"])]
+        callbacks.append(
+            MorphCallback(config["morph_dir"], signals, machine_list=config.get("machine_list"), poll_interval=0)
+        )
     if "checkpoint_dir" in config:
         callbacks.append(
             ModelCheckpoint(
@@ -122,6 +128,7 @@ def main(out_dir: str, config: dict) -> None:
         )
     trainer = L.Trainer(
         accelerator="cpu",
+        devices=config.get("devices", "auto"),
         strategy=VarunaStrategy(
             pipeline_parallel_size=config["pipeline_parallel_size"],
             micro_batch_size=config["micro_batch_size"],
@@ -135,7 +142,7 @@ def main(out_dir: str, config: dict) -> None:
         num_sanity_val_steps=0,
     )
     # The DataLoader's own batch size does not matter: the strategy re-batches to the global batch.
-    trainer.fit(model, DataLoader(data, batch_size=1), ckpt_path="last")
+    trainer.fit(model, DataLoader(data, batch_size=1), ckpt_path="last" if "morph_dir" in config else None)
 
     out = Path(out_dir) / f"attempt{ATTEMPT}-world{WORLD}"
     out.mkdir(parents=True, exist_ok=True)
@@ -145,6 +152,7 @@ def main(out_dir: str, config: dict) -> None:
     if trainer.is_global_zero:
         (out / "losses.json").write_text(json.dumps(record.losses))
         topology = trainer.strategy.topology
+        morph = next(cb for cb in trainer.callbacks if isinstance(cb, MorphCallback))
         run = {
             "morphed": morph.morphed,
             "reasons": morph.reasons,

@@ -13,6 +13,7 @@ itself in the middle of the save at global step ``s``, right after writing its s
 and keeps the k newest; ``"watch_uploads": true`` holds each of its background uploads in flight while rank 0 looks
 at the store (`upload_hooks.WatchUploads`; what it saw goes to ``OUT_DIR/uploads.json``);
 ``"fail_upload": {"rank": r, "step": s}`` makes rank ``r``'s upload of the save at step ``s`` fail.
+``"devices"`` and ``"num_nodes"`` go to the Trainer (default: one node with a process per rank).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def main(out_dir: str, config: dict) -> None:
         callbacks=callbacks,
         ckpt_path=config.get("resume"),
         devices=config.get("devices") or pp * dp,
+        num_nodes=config.get("num_nodes", 1),
         strategy=strategy,
     )
     if config.get("validate_last"):

@@ -55,21 +55,21 @@ def torchrun(tmp_path, name: str, nproc: int, cfg: dict, *flags: str):  # noqa: 
 
 def attempts_in(out: Path) -> list[dict]:
     """What each start of the workers wrote under ``out`` (see run_elastic.py), oldest first."""
-    attempts = []
-    for attempt in sorted(out.glob("attempt*"), key=lambda path: path.stat().st_mtime):
-        weights = {}
-        for shard in attempt.glob("rank*.pt"):
-            weights.update(torch.load(shard))
-        samples = [json.loads(f.read_text()) for f in sorted(attempt.glob("samples_rank*.json"))]
-        attempts.append(
-            {
-                "run": json.loads((attempt / "run.json").read_text()),
-                "losses": json.loads((attempt / "losses.json").read_text()),
-                "weights": weights,
-                "samples": [s for s in samples if s],  # first-stage ranks: one list per replica
-            }
-        )
-    return attempts
+    return [read_attempt(attempt) for attempt in sorted(out.glob("attempt*"), key=lambda path: path.stat().st_mtime)]
+
+
+def read_attempt(attempt: Path) -> dict:
+    """What one start of the workers wrote to its folder ``attempt``."""
+    weights = {}
+    for shard in attempt.glob("rank*.pt"):
+        weights.update(torch.load(shard))
+    samples = [json.loads(f.read_text()) for f in sorted(attempt.glob("samples_rank*.json"))]
+    return {
+        "run": json.loads((attempt / "run.json").read_text()),
+        "losses": json.loads((attempt / "losses.json").read_text()),
+        "weights": weights,
+        "samples": [s for s in samples if s],  # first-stage ranks: one list per replica
+    }
 
 
 def global_batches(attempt: dict) -> list[list[int]]:
@@ -260,3 +260,36 @@ def test_a_machine_joining_grows_the_job_and_training_continues(tmp_path, uninte
     assert grown["run"] == {"morphed": False, "reasons": [], "global_step": 8, "shape": [2, 2]}
     assert (out / "training-attempt0-world4").read_text() == min(first_addr, joining_addr), "rank 0's machine"
     assert_same_training([before, grown], uninterrupted, from_step=step)
+
+
+def test_slurm_requeue_signal_checkpoints_requeues_and_the_job_resumes(tmp_path, slurm, uninterrupted):
+    """A (2, 1) SLURM job of a plain Lightning script (no MorphCallback, ``fit`` without ``ckpt_path``) gets
+    SLURM's requeue signal (SIGUSR1, as ``#SBATCH --signal=USR1@90`` sends it) while it trains: it checkpoints at
+    the batch boundary, requeues itself, and the requeued job continues the same training from there."""
+    cfg = config(tmp_path, devices=2, slow_steps_at_world={"2": 60})
+    del cfg["morph_dir"]
+    out = tmp_path / "out"
+    command = f"srun {sys.executable} {RUNNER} {out} '{json.dumps(cfg)}'"
+    job = slurm.sbatch(command, "--job-name=requeue", "--ntasks-per-node=2", "--requeue", cwd=tmp_path, env=clean_env())
+    trained = out / "training-attempt0-world2"
+    waiting = ("PENDING", "CONFIGURING", "RUNNING")
+    slurm.wait_for(lambda: trained.exists() or slurm.job(job)["JobState"] not in waiting, 180, "a trained step")
+    assert trained.exists(), slurm.output(job, tmp_path)[-6000:]
+
+    subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env, check=True)
+    requeued = {"JobState": "PENDING", "Restarts": "1"}
+    slurm.wait_for(lambda: requeued.items() <= slurm.job(job).items(), 120, "the job to requeue itself")
+    # A requeued job waits 2 minutes before it may start again; the test does not.
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
+    done = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+    slurm.wait_for(lambda: slurm.job(job)["JobState"] in done, 240, "the requeued job to finish")
+    output = slurm.output(job, tmp_path)
+    assert slurm.job(job)["JobState"] == "COMPLETED", output[-6000:]
+
+    [morph] = (tmp_path / "hpc_checkpoints").iterdir()
+    step = open_complete(Storage(), str(morph)).global_step
+    assert morph.name == f"morph-step={step}.ckpt" and 1 <= step < EPOCHS * ROWS // GLOBAL_BATCH
+    assert f"resuming from {morph}" in output
+    resumed = read_attempt(out / "attempt1-world2")
+    assert resumed["run"]["morphed"] is False and resumed["run"]["global_step"] == EPOCHS * ROWS // GLOBAL_BATCH
+    assert_same_training([resumed], uninterrupted, from_step=step)

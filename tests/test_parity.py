@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_job
+from conftest import clean_env, run_job
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from models import TinyLM, token_dataset
 from reference import train_reference
 
@@ -63,16 +67,67 @@ def run_pipelined(tmp_path, config: dict) -> tuple[dict, list[dict[str, torch.Te
     out = tmp_path / "out"
     proc = run_job([RUNNER, str(out), json.dumps(config)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    world = config.get("devices") or config["pipeline_parallel_size"] * config["data_parallel_size"]
+    return outputs(out, config)
+
+
+def outputs(out: Path, config: dict) -> tuple[dict, list[dict[str, torch.Tensor]]]:
+    """What run_pipelined.py wrote to ``out``: rank 0's results and every rank's parameters."""
+    per_node = config.get("devices") or config["pipeline_parallel_size"] * config["data_parallel_size"]
+    world = per_node * config.get("num_nodes", 1)
     shards = [torch.load(out / f"rank{r}.pt") for r in range(world)]
     return json.loads((out / "losses.json").read_text()), shards
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_pipelined_training_matches_single_device(tmp_path, name):
+def parity_config(name: str) -> dict:
+    """The shape ``name`` trained for 2 epochs of 3 steps."""
     config = {**SHAPES[name], "epochs": 2}
     config["rows"] = config["batch_size"] * config["data_parallel_size"] * 3
+    return config
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_pipelined_training_matches_single_device(tmp_path, name):
+    config = parity_config(name)
     result, shards = run_pipelined(tmp_path, config)
+    assert_matches_single_device(result, shards, config)
+
+
+def test_srun_job_trains_like_one_device(tmp_path, slurm):
+    """Started by ``srun`` in a SLURM batch job (one task per rank, as Lightning runs under SLURM), a (2, 2) run
+    trains the same model as one device."""
+    config = parity_config("P2xD2-1f1b-scheduler")
+    command = f"srun {sys.executable} {RUNNER} {tmp_path / 'out'} '{json.dumps(config)}'"
+    job = slurm.sbatch(command, "--job-name=parity", "--ntasks-per-node=4", cwd=tmp_path, env=clean_env())
+    finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+    slurm.wait_for(lambda: slurm.job(job)["JobState"] in finished, 300, "the job to finish")
+    output = slurm.output(job, tmp_path)
+    assert slurm.job(job)["JobState"] == "COMPLETED", output[-6000:]
+    assert "Initializing distributed: GLOBAL_RANK: 3, MEMBER: 4/4" in output
+    result, shards = outputs(tmp_path / "out", config)
+    assert result["shape"][:2] == [2, 2]
+    assert_matches_single_device(result, shards, config)
+
+
+def test_two_nodes_started_by_lightning_train_like_one_device(tmp_path):
+    """``num_nodes=2``: the same script starts on each node with its ``NODE_RANK`` (both nodes on loopback here)
+    and Lightning starts each node's processes; the 4 stages of the pipeline span both nodes."""
+    config = {**parity_config("P4xD1-varuna"), "devices": 2, "num_nodes": 2}
+    out = tmp_path / "out"
+    env = {**clean_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
+    command = [sys.executable, RUNNER, str(out), json.dumps(config)]
+    nodes = [
+        subprocess.Popen(command, env={**env, "NODE_RANK": str(node)}, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+        for node in range(2)
+    ]
+    errors = [node.communicate(timeout=600)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], errors[0][-4000:] + errors[1][-4000:]
+    result, shards = outputs(out, config)
+    assert result["shape"][:2] == [4, 1]
+    assert_matches_single_device(result, shards, config)
+
+
+def assert_matches_single_device(result: dict, shards: list[dict[str, torch.Tensor]], config: dict) -> None:
+    """Losses, metrics, evaluation and every rank's weights equal single-device training on the same batches."""
     ref, ref_weights = train_reference(config)
 
     assert len(result["losses"]) == len(ref["losses"]) == 6

@@ -7,6 +7,10 @@ the signal handler or the notice only records the request; at the next batch bou
 with one collective, write an on-demand checkpoint to ``dirpath`` together, and stop cleanly: ``fit`` returns
 and the process exits with code 0, which tells the launcher that the job morphed rather than crashed. The
 relaunch at the new size resumes from it with ``trainer.fit(model, ckpt_path="last")``.
+
+Under SLURM (with Lightning's auto-requeue, its default there), the job is requeued once the checkpoint is
+committed, and the requeued job resumes from it on its own. VarunaStrategy adds a MorphCallback for SLURM's
+requeue signal itself when the trainer has none (see `lightning_varuna.strategies.resume_last`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_varuna.callbacks.slurm import auto_requeue, requeue_job
 from lightning_varuna.checkpoint.storage import Storage, join
 
 __all__ = ["MorphCallback"]
@@ -49,6 +54,8 @@ class MorphCallback(Callback):
             job morphs.
         poll_interval: seconds between two reads of ``machine_list`` (by rank 0, at a batch boundary).
         storage_options: fsspec options for ``dirpath`` and ``machine_list``; default: those of the strategy.
+        requeue: after the morph, requeue the SLURM job (``scontrol requeue``, by rank 0 once the checkpoint is
+            committed). Default: when the job runs under SLURM with Lightning's auto-requeue on.
 
     After a morph, ``morphed`` is True and ``reasons`` says why (on the ranks that saw the request).
     """
@@ -60,12 +67,14 @@ class MorphCallback(Callback):
         machine_list: str | None = None,
         poll_interval: float = 10.0,
         storage_options: dict[str, Any] | None = None,
+        requeue: bool | None = None,
     ) -> None:
         self.dirpath = str(dirpath)
         self.signals = [signals.Signals(s) for s in (signal if isinstance(signal, Sequence) else [signal])]
         self.machine_list = machine_list
         self.poll_interval = poll_interval
         self.storage_options = storage_options
+        self.requeue = requeue
         self.reasons: list[str] = []
         self.morphed = False
         self._lock = threading.Lock()
@@ -73,6 +82,7 @@ class MorphCallback(Callback):
         self._running_hosts: set[str] = set()
         self._next_poll = 0.0
         self._storage: Storage | None = None
+        self._requeue = False
 
     def request(self, reason: str) -> None:
         """Ask for a morph at the next batch boundary (thread-safe; e.g. from a preemption-notice watcher)."""
@@ -88,6 +98,7 @@ class MorphCallback(Callback):
             return
         self.reasons.clear()
         self.morphed = False
+        self._requeue = auto_requeue(trainer) if self.requeue is None else self.requeue
         strategy_storage = getattr(trainer.strategy, "checkpoint_storage", None)
         if self.storage_options is not None or strategy_storage is None:
             self._storage = Storage(self.storage_options)
@@ -125,6 +136,9 @@ class MorphCallback(Callback):
         for signum, handler in self._previous_handlers.items():
             signals.signal(signum, handler)
         self._previous_handlers.clear()
+        # The strategy's teardown, before this, waited until the checkpoint was committed.
+        if stage == "fit" and self.morphed and self._requeue and trainer.is_global_zero:
+            requeue_job()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.is_global_zero:
@@ -136,7 +150,7 @@ class MorphCallback(Callback):
         url = join(self.dirpath, f"morph-step={trainer.global_step}.ckpt")
         rank_zero_info(f"MorphCallback: {self.reasons or 'requested on another rank'}; saving {url} and stopping.")
         started = time.perf_counter()
-        trainer.save_checkpoint(url)
+        trainer.save_checkpoint(url, weights_only=False)
         log.info(f"MorphCallback: checkpoint written in {time.perf_counter() - started:.2f} s")
         # The ModelCheckpoints would save this same step again at the end of the interrupted epoch.
         for callback in trainer.checkpoint_callbacks:

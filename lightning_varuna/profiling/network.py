@@ -17,6 +17,7 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from tqdm.auto import tqdm
 
 from lightning_varuna.pipeline.gradients import sum_gradients
+from lightning_varuna.profiling.processes import wait_all
 from lightning_varuna.profiling.profile import LinearCost, ModelProfile
 
 __all__ = ["profile_network"]
@@ -55,7 +56,7 @@ def profile_network(
                 with open(log, "wb") as sink:
                     command = [sys.executable, "-m", __name__, str(rank), job]
                     procs.append(subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT))
-            _wait_all(procs, logs, timeout_s, n)
+            wait_all(procs, logs, timeout_s, f"Profiling the network with {n} processes")
             measured = json.loads(out.read_text())
         profile.p2p[n] = LinearCost.fit(measured["p2p"])
         profile.allreduce[n] = {
@@ -63,24 +64,6 @@ def profile_network(
         }
         profile.object_broadcast[n] = {int(d): seconds for d, seconds in measured["object_broadcast"].items()}
     return profile
-
-
-def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float, n: int) -> None:
-    """Wait for every rank; if one fails or time runs out, stop the others and raise with its log."""
-    deadline = time.monotonic() + timeout_s
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-            for p in procs:
-                p.kill()
-                p.wait()
-            break
-        time.sleep(0.1)
-    failed = [log for p, log in zip(procs, logs) if p.returncode != 0]
-    if failed:
-        raise RuntimeError(
-            f"Profiling the network with {n} processes failed or took over {timeout_s:.0f} s:\n"
-            + failed[0].read_text(errors="replace")[-3000:]
-        )
 
 
 def _measure(

@@ -5,6 +5,14 @@ modification time; that neither sees folders on object stores nor skips a save t
 VarunaStrategy, ``"last"`` means the most recently committed checkpoint (any name) in the folders of the
 trainer's checkpoint callbacks (ModelCheckpoint, MorphCallback); interrupted saves are skipped with a warning;
 with none, training starts fresh with a log line saying so.
+
+Under SLURM with Lightning's auto-requeue (its default there), Lightning saves a checkpoint inside the requeue
+signal's handler, wherever the step is: in a pipelined step that can be between two micro-batches, where the
+stages hold different steps' states and a stage waiting for a message in the schedule never reaches the save.
+The launcher therefore gives that signal to a `MorphCallback` (the trainer's own, else one writing to
+``<default_root_dir>/hpc_checkpoints``), which saves at a batch boundary and then requeues the job; and
+``fit(ckpt_path=None)`` in a requeued job means ``"last"``, as Lightning resumes a requeued job from its
+checkpoint.
 """
 
 from __future__ import annotations
@@ -15,15 +23,24 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_varuna.callbacks.morph import MorphCallback
+from lightning_varuna.callbacks.slurm import auto_requeue, is_requeued_job
 from lightning_varuna.checkpoint.layout import find_newest
+from lightning_varuna.checkpoint.storage import join
 
 if TYPE_CHECKING:
     from lightning_varuna.checkpoint.storage import Storage
 
-__all__ = ["MultiProcessingLauncher", "SubprocessScriptLauncher", "checkpoint_folders", "newest_complete_checkpoint"]
+__all__ = [
+    "MultiProcessingLauncher",
+    "SubprocessScriptLauncher",
+    "add_requeue_callback",
+    "checkpoint_folders",
+    "newest_complete_checkpoint",
+]
 
 
 def checkpoint_folders(trainer: pl.Trainer) -> list[str]:
@@ -50,16 +67,28 @@ def newest_complete_checkpoint(storage: Storage, folders: list[str]) -> str | No
     return info.url
 
 
+def add_requeue_callback(trainer: pl.Trainer) -> None:
+    """Under SLURM auto-requeue, have a `MorphCallback` handle the requeue signal (see above)."""
+    if not auto_requeue(trainer) or any(isinstance(cb, MorphCallback) for cb in trainer.callbacks):
+        return
+    requeue_signal = trainer.strategy.cluster_environment.requeue_signal  # type: ignore[union-attr]
+    dirpath = join(str(trainer.default_root_dir), "hpc_checkpoints")
+    trainer.callbacks.append(MorphCallback(dirpath, signal=requeue_signal))
+
+
 class _VarunaCheckpointConnector(_CheckpointConnector):
     def _parse_ckpt_path(self, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
         folders = checkpoint_folders(self.trainer)
+        if ckpt_path is None and state_fn == TrainerFn.FITTING and is_requeued_job() and folders:
+            ckpt_path = "last"
         if ckpt_path == "last" and folders:
             return newest_complete_checkpoint(self.trainer.strategy.checkpoint_storage, folders)
         return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
 
 
 class _ResolveLastCheckpoint:
-    """Launcher mixin: every process resolves ``ckpt_path="last"`` as described above.
+    """Launcher mixin: every process resolves ``ckpt_path="last"`` and handles SLURM's requeue signal as
+    described above.
 
     Lightning resolves ``ckpt_path`` in the launched function before any strategy hook runs; the launcher is
     the one place that sees the trainer first.
@@ -68,6 +97,8 @@ class _ResolveLastCheckpoint:
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None and type(trainer._checkpoint_connector) is _CheckpointConnector:
             trainer._checkpoint_connector.__class__ = _VarunaCheckpointConnector
+        if trainer is not None:
+            add_requeue_callback(trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
