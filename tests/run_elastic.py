@@ -16,9 +16,11 @@ Faults, on the first attempt only: ``"signal_at": {"rank": r, "step": s, "signal
 ``"signal_in_save": {"rank": r, "step": s}`` sends SIGUSR1 while rank ``r`` writes the checkpoint of step
 ``s``; ``"machines_at": {"step": s, "text": ...}`` rewrites the ``machine_list`` file then;
 ``"slow_steps_at_world": {"2": seconds}`` sleeps after each step at that world size, until a morph is
-requested (a job waiting there for another machine to join). ``"signals"`` names the signals MorphCallback
-handles (default SIGUSR1). After its first step, rank 0 writes its ``MASTER_ADDR`` to
-``OUT_DIR/training-attempt{restart}-world{size}``.
+requested (a job waiting there for another machine to join); ``"slow_validation": seconds`` sleeps after each
+validation batch. ``"signals"`` names the signals MorphCallback handles (default SIGUSR1). After its first step,
+rank 0 writes its ``MASTER_ADDR`` to ``OUT_DIR/training-attempt{restart}-world{size}`` (``validating-...`` after
+its first validation batch). With ``"validate_only": true`` the script validates instead of training and rank 0
+writes the loss to ``OUT_DIR/validated-attempt{restart}``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from lightning_varuna import MorphCallback, VarunaStrategy  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT", 0)))
 WORLD = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
+GLOBAL_VALIDATION_BATCH = 6
 
 
 class Faults(L.Callback):
@@ -77,6 +80,9 @@ class Faults(L.Callback):
         if fault := self._at(trainer, "machines_at"):
             Path(self.config["machine_list"]).write_text(fault["text"])
 
+    def on_validation_batch_end(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
+        time.sleep(self.config.get("slow_validation", 0))
+
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
         deadline = time.monotonic() + self.config.get("slow_steps_at_world", {}).get(str(WORLD), 0)
         morph = next(cb for cb in trainer.callbacks if isinstance(cb, MorphCallback))
@@ -101,12 +107,19 @@ class Started(L.Callback):
     rank 0: a file after step 1."""
 
     def __init__(self, out_dir: Path) -> None:
-        self.marker = out_dir / f"training-attempt{ATTEMPT}-world{WORLD}"
+        self.out_dir = out_dir
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
-        if trainer.is_global_zero and not self.marker.exists():
-            self.marker.parent.mkdir(parents=True, exist_ok=True)
-            self.marker.write_text(os.environ.get("MASTER_ADDR", ""))
+        self._mark(trainer, "training")
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
+        self._mark(trainer, "validating")
+
+    def _mark(self, trainer: L.Trainer, doing: str) -> None:
+        marker = self.out_dir / f"{doing}-attempt{ATTEMPT}-world{WORLD}"
+        if trainer.is_global_zero and not marker.exists():
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(os.environ.get("MASTER_ADDR", ""))
 
 
 def main(out_dir: str, config: dict) -> None:
@@ -141,6 +154,11 @@ def main(out_dir: str, config: dict) -> None:
         logger=False,
         num_sanity_val_steps=0,
     )
+    if config.get("validate_only"):
+        [metrics] = trainer.validate(model, DataLoader(data, batch_size=GLOBAL_VALIDATION_BATCH), verbose=False)
+        if trainer.is_global_zero:
+            (Path(out_dir) / f"validated-attempt{ATTEMPT}").write_text(json.dumps(metrics))
+        return
     # The DataLoader's own batch size does not matter: the strategy re-batches to the global batch.
     trainer.fit(model, DataLoader(data, batch_size=1), ckpt_path="last" if "morph_dir" in config else None)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -262,34 +264,114 @@ def test_a_machine_joining_grows_the_job_and_training_continues(tmp_path, uninte
     assert_same_training([before, grown], uninterrupted, from_step=step)
 
 
-def test_slurm_requeue_signal_checkpoints_requeues_and_the_job_resumes(tmp_path, slurm, uninterrupted):
-    """A (2, 1) SLURM job of a plain Lightning script (no MorphCallback, ``fit`` without ``ckpt_path``) gets
-    SLURM's requeue signal (SIGUSR1, as ``#SBATCH --signal=USR1@90`` sends it) while it trains: it checkpoints at
-    the batch boundary, requeues itself, and the requeued job continues the same training from there."""
-    cfg = config(tmp_path, devices=2, slow_steps_at_world={"2": 60})
-    del cfg["morph_dir"]
+def requeue_by_signal(slurm, tmp_path: Path, cfg: dict, started: str, env: dict[str, str]) -> tuple[str, str]:
+    """Run run_elastic.py as a (2, 1) SLURM job; once rank 0 wrote ``started``, send SLURM's requeue signal to
+    the job's tasks; return the job id and its output once the requeued job has finished."""
     out = tmp_path / "out"
     command = f"srun {sys.executable} {RUNNER} {out} '{json.dumps(cfg)}'"
-    job = slurm.sbatch(command, "--job-name=requeue", "--ntasks-per-node=2", "--requeue", cwd=tmp_path, env=clean_env())
-    trained = out / "training-attempt0-world2"
+    job = slurm.sbatch(command, "--job-name=requeue", "--ntasks-per-node=2", "--requeue", cwd=tmp_path, env=env)
     waiting = ("PENDING", "CONFIGURING", "RUNNING")
-    slurm.wait_for(lambda: trained.exists() or slurm.job(job)["JobState"] not in waiting, 180, "a trained step")
-    assert trained.exists(), slurm.output(job, tmp_path)[-6000:]
+    marker = out / started
+    slurm.wait_for(lambda: marker.exists() or slurm.job(job)["JobState"] not in waiting, 180, started)
+    assert marker.exists(), slurm.output(job, tmp_path)[-6000:]
 
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env, check=True)
-    requeued = {"JobState": "PENDING", "Restarts": "1"}
-    slurm.wait_for(lambda: requeued.items() <= slurm.job(job).items(), 120, "the job to requeue itself")
-    # A requeued job waits 2 minutes before it may start again; the test does not.
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
+    slurm.wait_for(lambda: slurm.job(job)["Restarts"] == "1", 120, "the job to requeue itself")
     done = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
     slurm.wait_for(lambda: slurm.job(job)["JobState"] in done, 240, "the requeued job to finish")
     output = slurm.output(job, tmp_path)
     assert slurm.job(job)["JobState"] == "COMPLETED", output[-6000:]
+    return job, output
 
-    [morph] = (tmp_path / "hpc_checkpoints").iterdir()
+
+def test_slurm_requeue_signal_checkpoints_requeues_and_the_job_resumes(tmp_path, slurm, uninterrupted):
+    """A (2, 1) SLURM job of a plain Lightning script (no MorphCallback, ``fit`` without ``ckpt_path``) gets
+    SLURM's requeue signal (SIGUSR1, as ``#SBATCH --signal=USR1@90`` sends it) while it trains: it checkpoints at
+    the batch boundary, the script ends, the job requeues itself, and the requeued job continues the same
+    training from there."""
+    cfg = config(tmp_path, devices=2, slow_steps_at_world={"2": 60})
+    del cfg["morph_dir"]
+    # `scontrol` as the job sees it: first write down what the store and the script's output hold at that moment.
+    wrapper = tmp_path / "bin" / "scontrol"
+    wrapper.parent.mkdir()
+    real = shutil.which("scontrol")
+    wrapper.write_text(f'#!/bin/sh\nls -R {tmp_path} > {tmp_path}/at-requeue.txt\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    env = {**clean_env(), "PATH": f"{wrapper.parent}:{os.environ['PATH']}"}
+    job, output = requeue_by_signal(slurm, tmp_path, cfg, "training-attempt0-world2", env)
+
+    [morph] = (tmp_path / "hpc_checkpoints" / job).iterdir()
     step = open_complete(Storage(), str(morph)).global_step
     assert morph.name == f"morph-step={step}.ckpt" and 1 <= step < EPOCHS * ROWS // GLOBAL_BATCH
+    # The job requeued itself after the checkpoint was committed and the script had written its results.
+    at_requeue = (tmp_path / "at-requeue.txt").read_text()
+    assert "COMMITTED.json" in at_requeue and "losses.json" in at_requeue
+    first, resumed = (read_attempt(tmp_path / "out" / f"attempt{a}-world2") for a in (0, 1))
+    assert first["run"] == {"morphed": True, "reasons": ["received SIGUSR1"], "global_step": step, "shape": [2, 1]}
+    assert first["losses"] == pytest.approx(uninterrupted["losses"][:step], rel=1e-5, abs=1e-5)
     assert f"resuming from {morph}" in output
-    resumed = read_attempt(out / "attempt1-world2")
     assert resumed["run"]["morphed"] is False and resumed["run"]["global_step"] == EPOCHS * ROWS // GLOBAL_BATCH
-    assert_same_training([resumed], uninterrupted, from_step=step)
+    assert_same_training([first, resumed], uninterrupted, from_step=step)
+
+
+def test_slurm_requeue_signal_during_validation_requeues_at_once(tmp_path, slurm):
+    """Outside ``fit`` the requeue signal requeues the job at once, without a checkpoint (there is nothing to
+    resume), where Lightning's handler would save one from wherever the pipeline is; the job validates again."""
+    cfg = config(tmp_path, devices=2, validate_only=True, slow_validation=60)
+    del cfg["morph_dir"]
+    requeue_by_signal(slurm, tmp_path, cfg, "validating-attempt0-world2", clean_env())
+    out = tmp_path / "out"
+    assert not (out / "validated-attempt0").exists()
+    assert json.loads((out / "validated-attempt1").read_text())["val_loss"] > 0
+    assert not list(tmp_path.glob("hpc*")), "no checkpoint"
+
+
+@pytest.mark.parametrize(
+    ("own_signals", "added"),
+    [(None, True), ([signal.SIGTERM], True), ([signal.SIGUSR1], False)],
+    ids=["none", "own-for-sigterm", "own-for-sigusr1"],
+)
+def test_in_a_slurm_job_a_morph_callback_takes_the_requeue_signal(tmp_path, monkeypatch, own_signals, added):
+    """In a SLURM allocation (one task: the variables srun sets), the trainer gets a MorphCallback for the
+    requeue signal, writing under the job's id, unless one of its own handles that signal."""
+    slurm_task = dict(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_JOB_NAME="train", SLURM_JOB_ID="42")
+    slurm_task.update(SLURM_NODELIST="localhost", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
+    for name, value in {**slurm_task, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}.items():
+        monkeypatch.setenv(name, value)
+    own = [] if own_signals is None else [MorphCallback(tmp_path / "own", signal=own_signals)]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=VarunaStrategy(global_batch_size=GLOBAL_BATCH),
+        max_steps=1,
+        callbacks=own,
+        default_root_dir=tmp_path,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    trainer.fit(TinyLM(), DataLoader(token_dataset(ROWS), batch_size=1))
+    morphs = [cb for cb in trainer.callbacks if isinstance(cb, MorphCallback)]
+    assert morphs[: len(own)] == own
+    if added:
+        assert [(cb.dirpath, cb.signals) for cb in morphs[len(own) :]] == [
+            (str(tmp_path / "hpc_checkpoints" / "42"), [signal.SIGUSR1])
+        ]
+    else:
+        assert morphs == own
+
+
+def test_requeue_outside_slurm_fails_at_setup(tmp_path):
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=VarunaStrategy(),
+        max_steps=1,
+        callbacks=[MorphCallback(tmp_path / "morph", requeue=True)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        logger=False,
+    )
+    with pytest.raises(ValueError, match=r"requeue=True.*outside SLURM"):
+        trainer.fit(TinyLM(), DataLoader(token_dataset(ROWS), batch_size=6))

@@ -8,13 +8,14 @@ with one collective, write an on-demand checkpoint to ``dirpath`` together, and 
 and the process exits with code 0, which tells the launcher that the job morphed rather than crashed. The
 relaunch at the new size resumes from it with ``trainer.fit(model, ckpt_path="last")``.
 
-Under SLURM (with Lightning's auto-requeue, its default there), the job is requeued once the checkpoint is
-committed, and the requeued job resumes from it on its own. VarunaStrategy adds a MorphCallback for SLURM's
-requeue signal itself when the trainer has none (see `lightning_varuna.strategies.resume_last`).
+Under SLURM (with Lightning's auto-requeue, its default there), a morph that SLURM's requeue signal asked for
+also requeues the job, and the requeued job resumes from the checkpoint on its own. VarunaStrategy adds a
+MorphCallback for that signal itself when the trainer has none (see `lightning_varuna.strategies.resume_last`).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal as signals
@@ -27,11 +28,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_varuna.callbacks.slurm import auto_requeue, requeue_job
 from lightning_varuna.checkpoint.storage import Storage, join
+from lightning_varuna.slurm import requeue_job, requeue_signal
 
 __all__ = ["MorphCallback"]
 
@@ -54,8 +56,11 @@ class MorphCallback(Callback):
             job morphs.
         poll_interval: seconds between two reads of ``machine_list`` (by rank 0, at a batch boundary).
         storage_options: fsspec options for ``dirpath`` and ``machine_list``; default: those of the strategy.
-        requeue: after the morph, requeue the SLURM job (``scontrol requeue``, by rank 0 once the checkpoint is
-            committed). Default: when the job runs under SLURM with Lightning's auto-requeue on.
+        requeue: after a morph, requeue the SLURM job: rank 0 runs ``scontrol requeue`` as its process exits,
+            after ``fit`` returned (the checkpoint is committed, the loggers are finalized) and the script ended.
+            Default: when SLURM's requeue signal (``SLURMEnvironment.requeue_signal``, SIGUSR1 by default, with
+            Lightning's auto-requeue on) asked for the morph, so that a ``scancel`` (SIGTERM) does not requeue.
+            Outside ``fit`` (validate, test, predict), that signal requeues the job at once, without a checkpoint.
 
     After a morph, ``morphed`` is True and ``reasons`` says why (on the ranks that saw the request).
     """
@@ -82,7 +87,11 @@ class MorphCallback(Callback):
         self._running_hosts: set[str] = set()
         self._next_poll = 0.0
         self._storage: Storage | None = None
-        self._requeue = False
+        self._requeue_signal: signals.Signals | None = None
+        self._requeue_signalled = False
+        self._requeue = False  # after a morph: whether rank 0 requeues the job
+        self._checkpoint: str | None = None  # after a morph: its checkpoint
+        self._global_zero = False
 
     def request(self, reason: str) -> None:
         """Ask for a morph at the next batch boundary (thread-safe; e.g. from a preemption-notice watcher)."""
@@ -90,15 +99,27 @@ class MorphCallback(Callback):
             self.reasons.append(reason)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._requeue_signalled |= signum == self._requeue_signal
         self.request(f"received {signals.Signals(signum).name}")
+
+    def _requeue_now(self, signum: int, frame: FrameType | None) -> None:
+        if self._global_zero:
+            requeue_job()
 
     # ------------------------------------------------------------------------------------------- hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.requeue and not SLURMEnvironment.detect():
+            raise ValueError("`MorphCallback(requeue=True)` requeues a SLURM job; this process runs outside SLURM.")
+        self._requeue_signal, self._global_zero = requeue_signal(trainer), trainer.is_global_zero
         if stage != "fit":
+            # Lightning's handler would save a checkpoint wherever the pipeline is; there is nothing to resume.
+            if self._requeue_signal in self.signals and self.requeue is not False:
+                self._install_handlers([self._requeue_signal], self._requeue_now)
             return
         self.reasons.clear()
         self.morphed = False
-        self._requeue = auto_requeue(trainer) if self.requeue is None else self.requeue
+        self._requeue_signalled = False
+        self._requeue = False
         strategy_storage = getattr(trainer.strategy, "checkpoint_storage", None)
         if self.storage_options is not None or strategy_storage is None:
             self._storage = Storage(self.storage_options)
@@ -119,26 +140,32 @@ class MorphCallback(Callback):
                 hosts = [None] * dist.get_world_size()
                 dist.all_gather_object(hosts, socket.gethostname())
             self._running_hosts = set(hosts)
-        self._install_handlers()
+        self._install_handlers(self.signals, self._on_signal)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Again, after Lightning installed its own handlers, which these replace while training runs.
-        self._install_handlers()
+        self._install_handlers(self.signals, self._on_signal)
 
-    def _install_handlers(self) -> None:
+    def _install_handlers(self, signums: Sequence[signals.Signals], handler: Any) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        for signum in self.signals:
-            previous = signals.signal(signum, self._on_signal)
+        for signum in signums:
+            previous = signals.signal(signum, handler)
             self._previous_handlers.setdefault(signum, previous)
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def _restore_handlers(self) -> None:
         for signum, handler in self._previous_handlers.items():
             signals.signal(signum, handler)
         self._previous_handlers.clear()
-        # The strategy's teardown, before this, waited until the checkpoint was committed.
-        if stage == "fit" and self.morphed and self._requeue and trainer.is_global_zero:
-            requeue_job()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_handlers()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore_handlers()
+        # Only reached when `fit` succeeded: the strategy's teardown has waited until the checkpoint was committed.
+        if stage == "fit" and self._requeue and trainer.is_global_zero:
+            atexit.register(requeue_job, self._checkpoint)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.is_global_zero:
@@ -150,13 +177,17 @@ class MorphCallback(Callback):
         url = join(self.dirpath, f"morph-step={trainer.global_step}.ckpt")
         rank_zero_info(f"MorphCallback: {self.reasons or 'requested on another rank'}; saving {url} and stopping.")
         started = time.perf_counter()
-        trainer.save_checkpoint(url, weights_only=False)
+        trainer.save_checkpoint(url, weights_only=False)  # the full state (and no log line asking which)
         log.info(f"MorphCallback: checkpoint written in {time.perf_counter() - started:.2f} s")
         # The ModelCheckpoints would save this same step again at the end of the interrupted epoch.
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 callback._last_global_step_saved = trainer.global_step
-        self.morphed = True
+        self.morphed, self._checkpoint = True, url
+        if self.requeue is None:
+            self._requeue = trainer.strategy.reduce_boolean_decision(self._requeue_signalled, all=False)
+        else:
+            self._requeue = self.requeue
         trainer.should_stop = True
 
     def _poll_machine_list(self) -> None:

@@ -9,10 +9,10 @@ with none, training starts fresh with a log line saying so.
 Under SLURM with Lightning's auto-requeue (its default there), Lightning saves a checkpoint inside the requeue
 signal's handler, wherever the step is: in a pipelined step that can be between two micro-batches, where the
 stages hold different steps' states and a stage waiting for a message in the schedule never reaches the save.
-The launcher therefore gives that signal to a `MorphCallback` (the trainer's own, else one writing to
-``<default_root_dir>/hpc_checkpoints``), which saves at a batch boundary and then requeues the job; and
-``fit(ckpt_path=None)`` in a requeued job means ``"last"``, as Lightning resumes a requeued job from its
-checkpoint.
+The launcher therefore gives that signal to a `MorphCallback` (the trainer's own that handles it, else one
+writing to ``<default_root_dir>/hpc_checkpoints/<job id>``), which saves at a batch boundary and then requeues
+the job; and ``fit(ckpt_path=None)`` in a requeued job means ``"last"``, as Lightning resumes a requeued job
+from its checkpoint.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_varuna.callbacks.morph import MorphCallback
-from lightning_varuna.callbacks.slurm import auto_requeue, is_requeued_job
 from lightning_varuna.checkpoint.layout import find_newest
 from lightning_varuna.checkpoint.storage import join
+from lightning_varuna.slurm import is_requeued_job, job_id, requeue_signal
 
 if TYPE_CHECKING:
     from lightning_varuna.checkpoint.storage import Storage
@@ -69,26 +69,27 @@ def newest_complete_checkpoint(storage: Storage, folders: list[str]) -> str | No
 
 def add_requeue_callback(trainer: pl.Trainer) -> None:
     """Under SLURM auto-requeue, have a `MorphCallback` handle the requeue signal (see above)."""
-    if not auto_requeue(trainer) or any(isinstance(cb, MorphCallback) for cb in trainer.callbacks):
+    signum = requeue_signal(trainer)
+    if signum is None or any(isinstance(cb, MorphCallback) and signum in cb.signals for cb in trainer.callbacks):
         return
-    requeue_signal = trainer.strategy.cluster_environment.requeue_signal  # type: ignore[union-attr]
-    dirpath = join(str(trainer.default_root_dir), "hpc_checkpoints")
-    trainer.callbacks.append(MorphCallback(dirpath, signal=requeue_signal))
+    dirpath = join(str(trainer.default_root_dir), "hpc_checkpoints", job_id())
+    trainer.callbacks.append(MorphCallback(dirpath, signal=signum))
 
 
 class _VarunaCheckpointConnector(_CheckpointConnector):
     def _parse_ckpt_path(self, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
         folders = checkpoint_folders(self.trainer)
-        if ckpt_path is None and state_fn == TrainerFn.FITTING and is_requeued_job() and folders:
+        requeued = is_requeued_job() and requeue_signal(self.trainer) is not None
+        if ckpt_path is None and state_fn == TrainerFn.FITTING and requeued and folders:
             ckpt_path = "last"
         if ckpt_path == "last" and folders:
             return newest_complete_checkpoint(self.trainer.strategy.checkpoint_storage, folders)
         return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
 
 
-class _ResolveLastCheckpoint:
-    """Launcher mixin: every process resolves ``ckpt_path="last"`` and handles SLURM's requeue signal as
-    described above.
+class _PrepareTrainer:
+    """Launcher mixin: in every process, the trainer resolves ``ckpt_path="last"`` and handles SLURM's requeue
+    signal as described above.
 
     Lightning resolves ``ckpt_path`` in the launched function before any strategy hook runs; the launcher is
     the one place that sees the trainer first.
@@ -102,9 +103,9 @@ class _ResolveLastCheckpoint:
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-class SubprocessScriptLauncher(_ResolveLastCheckpoint, _SubprocessScriptLauncher):
-    """Lightning's launcher for ``devices=N`` / torchrun / SLURM, resolving ``ckpt_path="last"``."""
+class SubprocessScriptLauncher(_PrepareTrainer, _SubprocessScriptLauncher):
+    """Lightning's launcher for ``devices=N`` / torchrun / SLURM, with the trainer prepared as described above."""
 
 
-class MultiProcessingLauncher(_ResolveLastCheckpoint, _MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher, resolving ``ckpt_path="last"``."""
+class MultiProcessingLauncher(_PrepareTrainer, _MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, with the trainer prepared as described above."""
