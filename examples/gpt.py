@@ -133,7 +133,8 @@ def int_or_auto(text: str) -> int | str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accelerator", default="cpu")
-    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=4, help="processes per node")
+    parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument(
         "--pipeline-parallel-size", type=int_or_auto, default=2, help='stages, or "auto" (needs --profile)'
     )
@@ -169,6 +170,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=VarunaStrategy(
             pipeline_parallel_size=args.pipeline_parallel_size,
             micro_batch_size=args.micro_batch_size,

@@ -93,8 +93,16 @@ class SlurmCluster:
 
     def sbatch(self, command: str, *options: str, cwd: Path, env: dict[str, str]) -> str:
         """Submit ``command`` as a batch job (output in ``cwd/slurm-<id>.out``); return the job id."""
-        args = ["--parsable", f"--chdir={cwd}", f"--output={cwd}/slurm-%j.out", "--open-mode=append", *options]
-        return self._run("sbatch", *args, f"--wrap={command}", env={**env, "SLURM_CONF": str(self.conf)}).stdout.strip()
+        output = ["--output", f"{cwd}/slurm-%j.out", "--open-mode=append"]
+        return self._submit([*output, *options, f"--wrap={command}"], cwd, env)
+
+    def sbatch_script(self, script: str, *args: str, cwd: str, output: Path, env: dict[str, str]) -> str:
+        """Submit the job script ``script`` with ``args`` from ``cwd``, its output to ``output``; return the job id."""
+        return self._submit(["--output", str(output), script, *args], cwd, env)
+
+    def _submit(self, args: list[str], cwd: Path | str, env: dict[str, str]) -> str:
+        submit_env = {**env, "SLURM_CONF": str(self.conf)}
+        return self._run("sbatch", "--parsable", f"--chdir={cwd}", *args, env=submit_env).stdout.strip()
 
     def job(self, job_id: str) -> dict[str, str]:
         """The job's fields as ``scontrol show job`` gives them (``JobState``, ``Restarts``...)."""

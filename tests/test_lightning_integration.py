@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import lightning as L
 import pytest
-from conftest import run_job
+from conftest import clean_env, run_job
 
 from lightning_varuna import VarunaStrategy
 
@@ -61,3 +62,19 @@ def test_torchrun_launch(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "VarunaStrategy: 2 stage(s)" in proc.stderr + proc.stdout
     assert "final metrics" in proc.stdout
+
+
+def test_sbatch_example_trains(tmp_path, slurm):
+    """The README's SLURM job script, submitted as a user would (from the repository root)."""
+    root = os.path.dirname(EXAMPLES)
+    args = ["--max-steps=4", "--layers=2", f"--checkpoint-dir={tmp_path / 'checkpoints'}"]
+    script = os.path.join(EXAMPLES, "gpt.sbatch")
+    # The job runs `python` from PATH: this interpreter.
+    env = {**clean_env(), "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    job = slurm.sbatch_script(script, *args, cwd=root, output=tmp_path / "job.out", env=env)
+    finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+    slurm.wait_for(lambda: slurm.job(job)["JobState"] in finished, 300, "the job to finish")
+    output = (tmp_path / "job.out").read_text()
+    assert slurm.job(job)["JobState"] == "COMPLETED", output[-4000:]
+    assert "VarunaStrategy: 2 stage(s)" in output
+    assert "final metrics" in output
