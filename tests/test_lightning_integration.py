@@ -44,7 +44,7 @@ def test_lightning_cli_yaml_trains_pipelined(tmp_path, strategy_args):
     ]
     proc = run_job(cmd, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "VarunaStrategy: 2 stage(s), cut before ['cuts.0']" in proc.stderr + proc.stdout
+    assert "VarunaStrategy: 2 stage(s), cut at CutPoints ['cuts.0']" in proc.stderr + proc.stdout
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in proc.stderr + proc.stdout
 
 

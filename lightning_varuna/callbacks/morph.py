@@ -165,6 +165,7 @@ class MorphCallback(Callback):
         self._restore_handlers()
         # Only reached when `fit` succeeded: the strategy's teardown has waited until the checkpoint was committed.
         if stage == "fit" and self._requeue and trainer.is_global_zero:
+            rank_zero_info("MorphCallback: the SLURM job requeues itself when this process exits.")
             atexit.register(requeue_job, self._checkpoint)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

@@ -433,7 +433,8 @@ class VarunaStrategy(ParallelStrategy):
             boundaries = [cutpoints[start - 1] for start in starts[1:]]
         else:
             boundaries = []
-        rank_zero_info(f"VarunaStrategy: {num_stages} stage(s), cut before {boundaries or 'nothing'}")
+        cut = f"cut at CutPoints {boundaries}" if boundaries else "not cut"
+        rank_zero_info(f"VarunaStrategy: {num_stages} stage(s), {cut}")
         _, output_spec = tree_flatten(example_output)
         plan = _StagePlan(module, boundaries, self.topology, output_spec, self.root_device, self._message_groups)
         graph, stage_module = plan.stage_for(args, kwargs)
