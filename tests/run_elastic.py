@@ -20,7 +20,8 @@ requested (a job waiting there for another machine to join); ``"slow_validation"
 validation batch. ``"signals"`` names the signals MorphCallback handles (default SIGUSR1). After its first step,
 rank 0 writes its ``MASTER_ADDR`` to ``OUT_DIR/training-attempt{restart}-world{size}`` (``validating-...`` after
 its first validation batch). With ``"validate_only": true`` the script validates instead of training and rank 0
-writes the loss to ``OUT_DIR/validated-attempt{restart}``.
+writes the loss to ``OUT_DIR/validated-attempt{restart}``. ``"tempdir"`` is the strategy's
+``checkpoint_tempdir``; ``"slow_uploads": seconds`` delays each file its background uploads write.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import RecordLosses, model_for, token_dataset  # noqa: E402
+from upload_hooks import SlowUploads  # noqa: E402
 
 from lightning_varuna import MorphCallback, VarunaStrategy  # noqa: E402
 
@@ -128,6 +130,8 @@ def main(out_dir: str, config: dict) -> None:
     data = token_dataset(config["rows"])
     record, samples = RecordLosses(), RecordSamples(data)
     callbacks = [record, samples, Started(Path(out_dir)), Faults(config)]
+    if "slow_uploads" in config:
+        callbacks.append(SlowUploads(config["slow_uploads"]))
     if "morph_dir" in config:
         signals = [signal.Signals[name] for name in config.get("signals", ["SIGUSR1"])]
         callbacks.append(
@@ -146,6 +150,7 @@ def main(out_dir: str, config: dict) -> None:
             pipeline_parallel_size=config["pipeline_parallel_size"],
             micro_batch_size=config["micro_batch_size"],
             global_batch_size=config["global_batch_size"],
+            checkpoint_tempdir=config.get("tempdir"),
         ),
         max_epochs=config["epochs"],
         callbacks=callbacks,

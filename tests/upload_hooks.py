@@ -2,7 +2,7 @@
 
 `WatchUploads` holds each save's upload in flight on rank 0, after its first file reached the store, until the
 main thread has looked at the store; it also records what the store holds whenever a checkpoint is pruned.
-`FailUpload` makes one rank's upload of one save fail.
+`FailUpload` makes one rank's upload of one save fail; `SlowUploads` makes every upload take longer.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import posixpath
 import queue
 import re
+import time
 from typing import Any
 
 import lightning as L
@@ -118,3 +119,20 @@ class FailUpload(L.Callback):
         if trainer.global_rank == self.rank:
             options = trainer.strategy.checkpoint_storage.storage_options
             trainer.strategy._checkpoints.storage = FailingStorage(options, self.step)
+
+
+class SlowUploads(L.Callback):
+    """Every file of a background upload reaches the store ``seconds`` later (a slow link to the store)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        storage = trainer.strategy.checkpoint_storage
+        put_file = storage.put_file
+
+        def slow_put_file(local_path: str, url: str) -> None:
+            time.sleep(self.seconds)
+            put_file(local_path, url)
+
+        storage.put_file = slow_put_file

@@ -15,7 +15,6 @@ MorphCallback for that signal itself when the trainer has none (see `lightning_v
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import signal as signals
@@ -56,11 +55,12 @@ class MorphCallback(Callback):
             job morphs.
         poll_interval: seconds between two reads of ``machine_list`` (by rank 0, at a batch boundary).
         storage_options: fsspec options for ``dirpath`` and ``machine_list``; default: those of the strategy.
-        requeue: after a morph, requeue the SLURM job: rank 0 runs ``scontrol requeue`` as its process exits,
-            after ``fit`` returned (the checkpoint is committed, the loggers are finalized) and the script ended.
-            Default: when SLURM's requeue signal (``SLURMEnvironment.requeue_signal``, SIGUSR1 by default, with
-            Lightning's auto-requeue on) asked for the morph, so that a ``scancel`` (SIGTERM) does not requeue.
-            Outside ``fit`` (validate, test, predict), that signal requeues the job at once, without a checkpoint.
+        requeue: after a morph, requeue the SLURM job: once the checkpoint is committed, rank 0 finalizes the
+            loggers and runs ``scontrol requeue``, and SLURM stops the job's processes (SIGTERM, then SIGKILL),
+            as Lightning's own requeue does. Default: when SLURM's requeue signal
+            (``SLURMEnvironment.requeue_signal``, SIGUSR1 by default, with Lightning's auto-requeue on) asked for
+            the morph, so that a ``scancel`` (SIGTERM) does not requeue. Outside ``fit`` (validate, test,
+            predict), that signal requeues the job at once, without a checkpoint.
 
     After a morph, ``morphed`` is True and ``reasons`` says why (on the ranks that saw the request).
     """
@@ -89,8 +89,6 @@ class MorphCallback(Callback):
         self._storage: Storage | None = None
         self._requeue_signal: signals.Signals | None = None
         self._requeue_signalled = False
-        self._requeue = False  # after a morph: whether rank 0 requeues the job
-        self._checkpoint: str | None = None  # after a morph: its checkpoint
         self._global_zero = False
 
     def request(self, reason: str) -> None:
@@ -119,7 +117,6 @@ class MorphCallback(Callback):
         self.reasons.clear()
         self.morphed = False
         self._requeue_signalled = False
-        self._requeue = False
         strategy_storage = getattr(trainer.strategy, "checkpoint_storage", None)
         if self.storage_options is not None or strategy_storage is None:
             self._storage = Storage(self.storage_options)
@@ -163,10 +160,6 @@ class MorphCallback(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_handlers()
-        # Only reached when `fit` succeeded: the strategy's teardown has waited until the checkpoint was committed.
-        if stage == "fit" and self._requeue and trainer.is_global_zero:
-            rank_zero_info("MorphCallback: the SLURM job requeues itself when this process exits.")
-            atexit.register(requeue_job, self._checkpoint)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.is_global_zero:
@@ -184,12 +177,23 @@ class MorphCallback(Callback):
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 callback._last_global_step_saved = trainer.global_step
-        self.morphed, self._checkpoint = True, url
-        if self.requeue is None:
-            self._requeue = trainer.strategy.reduce_boolean_decision(self._requeue_signalled, all=False)
-        else:
-            self._requeue = self.requeue
+        self.morphed = True
         trainer.should_stop = True
+        requeue = self.requeue
+        if requeue is None:
+            requeue = trainer.strategy.reduce_boolean_decision(self._requeue_signalled, all=False)
+        if requeue:
+            self._requeue_job(trainer, url)
+
+    def _requeue_job(self, trainer: pl.Trainer, checkpoint: str) -> None:
+        wait_for_checkpoints = getattr(trainer.strategy, "wait_for_checkpoints", None)
+        if wait_for_checkpoints is not None:
+            wait_for_checkpoints()
+        if trainer.is_global_zero:
+            rank_zero_info("MorphCallback: checkpoint committed; requeueing the SLURM job, which stops it.")
+            for logger in trainer.loggers:
+                logger.finalize("finished")
+            requeue_job(checkpoint)
 
     def _poll_machine_list(self) -> None:
         if self.machine_list is None or time.monotonic() < self._next_poll:

@@ -721,6 +721,11 @@ class VarunaStrategy(ParallelStrategy):
             load_optimizer_state_by_name(_unwrapped(optimizer), self.lightning_module, by_name)
             _optimizer_to_device(optimizer, self.root_device)
 
+    def wait_for_checkpoints(self) -> None:
+        """Return on every rank once the checkpoints saved so far are committed (with ``checkpoint_tempdir``:
+        uploaded); raise on every rank if an upload failed. Collective."""
+        self._checkpoints.wait(collective=True)
+
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
