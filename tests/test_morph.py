@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_varuna import MorphCallback, VarunaStrategy
 from lightning_varuna.checkpoint.layout import open_complete
 from lightning_varuna.checkpoint.storage import Storage
+from lightning_varuna.slurm import requeue_job
 
 RUNNER = os.path.join(os.path.dirname(__file__), "run_elastic.py")
 GLOBAL_BATCH, ROWS, EPOCHS = 6, 24, 2  # 4 steps per epoch
@@ -373,3 +374,15 @@ def test_requeue_outside_slurm_fails_at_setup(tmp_path):
     )
     with pytest.raises(ValueError, match=r"requeue=True.*outside SLURM"):
         trainer.fit(TinyLM(), DataLoader(token_dataset(ROWS), batch_size=6))
+
+
+def test_a_failed_requeue_says_how_to_resume(slurm, monkeypatch):
+    """`scontrol requeue` refused (no such job) or not installed: a warning names the checkpoint, no crash."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    monkeypatch.setenv("SLURM_JOB_ID", "999999")
+    resume = r'fit\(ckpt_path="/ckpts/morph-step=3.ckpt"\)'
+    with pytest.warns(UserWarning, match=r"`scontrol requeue 999999` failed \(exit code 1: .*" + resume):
+        requeue_job("/ckpts/morph-step=3.ckpt")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.warns(UserWarning, match=r"`scontrol requeue 999999` failed \(.*No such file.*" + resume):
+        requeue_job("/ckpts/morph-step=3.ckpt")
