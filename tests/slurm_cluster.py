@@ -13,6 +13,7 @@ from pathlib import Path
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel")
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")  # the job states after which a job does not run again
 
 CONFIG = """\
 ClusterName=varuna-tests
@@ -108,6 +109,11 @@ class SlurmCluster:
         """The job's fields as ``scontrol show job`` gives them (``JobState``, ``Restarts``...)."""
         fields = self._run("scontrol", "-o", "show", "job", job_id).stdout.split()
         return dict(field.split("=", 1) for field in fields if "=" in field)
+
+    def wait_until_ended(self, job_id: str, timeout: float) -> str:
+        """Wait until the job has ended (a requeued job only after its next run); return its final state."""
+        self.wait_for(lambda: self.job(job_id)["JobState"] in ENDED, timeout, f"job {job_id} to end")
+        return self.job(job_id)["JobState"]
 
     def output(self, job_id: str, cwd: Path) -> str:
         path = cwd / f"slurm-{job_id}.out"

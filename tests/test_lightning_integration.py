@@ -72,9 +72,8 @@ def test_sbatch_example_trains(tmp_path, slurm):
     # The job runs `python` from PATH: this interpreter.
     env = {**clean_env(), "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
     job = slurm.sbatch_script(script, *args, cwd=root, output=tmp_path / "job.out", env=env)
-    finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
-    slurm.wait_for(lambda: slurm.job(job)["JobState"] in finished, 300, "the job to finish")
+    state = slurm.wait_until_ended(job, 300)
     output = (tmp_path / "job.out").read_text()
-    assert slurm.job(job)["JobState"] == "COMPLETED", output[-4000:]
+    assert state == "COMPLETED", output[-4000:]
     assert "VarunaStrategy: 2 stage(s)" in output
     assert "final metrics" in output

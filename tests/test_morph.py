@@ -278,10 +278,9 @@ def requeue_by_signal(slurm, tmp_path: Path, cfg: dict, started: str, env: dict[
 
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env, check=True)
     slurm.wait_for(lambda: slurm.job(job)["Restarts"] == "1", 120, "the job to requeue itself")
-    done = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
-    slurm.wait_for(lambda: slurm.job(job)["JobState"] in done, 240, "the requeued job to finish")
+    state = slurm.wait_until_ended(job, 240)
     output = slurm.output(job, tmp_path)
-    assert slurm.job(job)["JobState"] == "COMPLETED", output[-6000:]
+    assert state == "COMPLETED", output[-6000:]
     return job, output
 
 

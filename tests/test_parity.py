@@ -98,10 +98,9 @@ def test_srun_job_trains_like_one_device(tmp_path, slurm):
     config = parity_config("P2xD2-1f1b-scheduler")
     command = f"srun {sys.executable} {RUNNER} {tmp_path / 'out'} '{json.dumps(config)}'"
     job = slurm.sbatch(command, "--job-name=parity", "--ntasks-per-node=4", cwd=tmp_path, env=clean_env())
-    finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
-    slurm.wait_for(lambda: slurm.job(job)["JobState"] in finished, 300, "the job to finish")
+    state = slurm.wait_until_ended(job, 300)
     output = slurm.output(job, tmp_path)
-    assert slurm.job(job)["JobState"] == "COMPLETED", output[-6000:]
+    assert state == "COMPLETED", output[-6000:]
     assert "Initializing distributed: GLOBAL_RANK: 3, MEMBER: 4/4" in output
     result, shards = outputs(tmp_path / "out", config)
     assert result["shape"][:2] == [2, 2]
