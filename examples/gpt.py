@@ -138,7 +138,12 @@ def main() -> None:
     parser.add_argument(
         "--pipeline-parallel-size", type=int_or_auto, default=2, help='stages, or "auto" (needs --profile)'
     )
-    parser.add_argument("--micro-batch-size", type=int_or_auto, default=2, help='or "auto" (needs --profile)')
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int_or_auto,
+        default=None,
+        help='default: 4 micro-batches per stage (the strategy\'s default); or "auto" (needs --profile)',
+    )
     parser.add_argument("--schedule", default="1f1b", help='1f1b, gpipe, varuna, or "auto" (needs --profile)')
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument(

@@ -137,7 +137,8 @@ def _calibrate(args: argparse.Namespace) -> None:
     print(f"Wrote {output}.")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The `lightning-varuna` command line: one sub-command per tool."""
     parser = argparse.ArgumentParser(prog="lightning-varuna", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     merge = commands.add_parser(
@@ -184,7 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     calibration.add_argument("--output", help="where to write the calibrated profile; default: --profile")
     calibration.add_argument("--storage-options", help="fsspec options as JSON")
     calibration.set_defaults(run=_calibrate)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     args.run(args)
 
 

@@ -63,7 +63,7 @@ def main(out_dir: str, config: dict) -> None:
     pp, dp = config["pipeline_parallel_size"], config["data_parallel_size"]
     strategy = VarunaStrategy(
         pipeline_parallel_size=pp,
-        micro_batch_size=config["micro_batch_size"],
+        micro_batch_size=config.get("micro_batch_size"),
         schedule=config["schedule"],
         checkpoint_tempdir=config.get("tempdir"),
         storage_options=config.get("storage_options"),

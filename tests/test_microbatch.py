@@ -7,6 +7,7 @@ import torch
 
 from lightning_varuna.pipeline.microbatch import (
     batch_size_of,
+    default_micro_batch_size,
     merge_microbatches,
     microbatch_sizes,
     split_microbatches,
@@ -115,3 +116,12 @@ def test_split_then_merge_round_trips():
 
 def test_merge_of_all_none_is_none():
     assert merge_microbatches([None, None], [0.5, 0.5]) is None
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "num_stages", "expected_microbatches"),
+    [(32, 1, 1), (32, 2, 8), (30, 2, 8), (6, 2, 6), (3, 4, 3), (64, 4, 16)],
+)
+def test_default_micro_batch_size_gives_four_microbatches_per_stage(batch_size, num_stages, expected_microbatches):
+    micro_batch_size = default_micro_batch_size(batch_size, num_stages)
+    assert len(microbatch_sizes(batch_size, micro_batch_size)) == expected_microbatches

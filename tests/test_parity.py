@@ -15,6 +15,7 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from models import TinyLM, token_dataset
 from reference import train_reference
 
+from lightning_varuna.pipeline.microbatch import default_micro_batch_size
 from lightning_varuna.profiling.profiler import profile_model
 
 RUNNER = os.path.join(os.path.dirname(__file__), "run_pipelined.py")
@@ -49,9 +50,8 @@ SHAPES = {
         scheduler=True,
         evaluate=True,
     ),
-    "P4xD1-varuna": dict(
-        pipeline_parallel_size=4, data_parallel_size=1, batch_size=4, micro_batch_size=1, schedule="varuna"
-    ),
+    # the default micro-batch size: 4 micro-batches per stage, here [1] * 4
+    "P4xD1-varuna": dict(pipeline_parallel_size=4, data_parallel_size=1, batch_size=4, schedule="varuna"),
     # Varuna's recompute schedule with replicas; micro-batches [2, 2, 1]
     "P2xD2-varuna": dict(
         pipeline_parallel_size=2, data_parallel_size=2, batch_size=5, micro_batch_size=2, schedule="varuna"
@@ -89,6 +89,8 @@ def parity_config(name: str) -> dict:
 def test_pipelined_training_matches_single_device(tmp_path, name):
     config = parity_config(name)
     result, shards = run_pipelined(tmp_path, config)
+    if "micro_batch_size" not in config:
+        assert result["shape"][2] == default_micro_batch_size(config["batch_size"], config["pipeline_parallel_size"])
     assert_matches_single_device(result, shards, config)
 
 

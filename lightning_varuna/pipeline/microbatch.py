@@ -9,7 +9,18 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["batch_size_of", "merge_microbatches", "microbatch_sizes", "split_microbatches"]
+__all__ = [
+    "MICROBATCHES_PER_STAGE",
+    "batch_size_of",
+    "default_micro_batch_size",
+    "merge_microbatches",
+    "microbatch_sizes",
+    "split_microbatches",
+]
+
+# Micro-batches per pipeline stage when the user does not choose a micro-batch size: with M = 4 x P micro-batches
+# the 1F1B / GPipe bubble, (P - 1) / (M + P - 1), stays under 20%, while micro-batches stay as large as that allows.
+MICROBATCHES_PER_STAGE = 4
 
 
 def batch_size_of(batch: Any) -> int:
@@ -27,6 +38,16 @@ def microbatch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
         raise ValueError(f"`micro_batch_size={micro_batch_size}` must be a positive integer.")
     count = math.ceil(batch_size / micro_batch_size)
     return [min(micro_batch_size, batch_size - i * micro_batch_size) for i in range(count)]
+
+
+def default_micro_batch_size(batch_size: int, num_stages: int) -> int:
+    """Rows per micro-batch that split a batch into ``MICROBATCHES_PER_STAGE`` micro-batches per stage.
+
+    One stage needs no micro-batches: the whole batch is one (as fast as the model allows).
+    """
+    if num_stages == 1:
+        return max(batch_size, 1)
+    return max(1, math.ceil(batch_size / (MICROBATCHES_PER_STAGE * num_stages)))
 
 
 def split_microbatches(batch: Any, micro_batch_size: int) -> list[Any]:

@@ -49,7 +49,13 @@ from lightning_varuna.partition.discovery import forward_with_cutpoints, profile
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
 from lightning_varuna.pipeline.gradients import sum_gradients
-from lightning_varuna.pipeline.microbatch import batch_size_of, merge_microbatches, split_microbatches
+from lightning_varuna.pipeline.microbatch import (
+    batch_size_of,
+    default_micro_batch_size,
+    merge_microbatches,
+    microbatch_sizes,
+    split_microbatches,
+)
 from lightning_varuna.pipeline.runtime import StageRuntime
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
 from lightning_varuna.pipeline.shared_params import SharedParameters
@@ -86,6 +92,8 @@ class VarunaStrategy(ParallelStrategy):
             simulator predicts from ``profile`` (chosen again at every start, so an elastic job adapts).
         data_parallel_size: number of replicas of the pipeline; default: world size / pipeline_parallel_size.
         micro_batch_size: rows per micro-batch (a last micro-batch may be smaller), or ``"auto"`` (as above).
+            Default: the replica's batch in 4 micro-batches per stage (a 1F1B bubble under 20%), the whole batch
+            as one micro-batch with one stage; the choice is logged once.
         schedule: ``"1f1b"``, ``"gpipe"``, ``"varuna"`` (recompute each forward just before its backward), or
             ``"auto"``: the one the simulator predicts fastest with the other choices (needs ``profile``).
         shared_weights: pairs of parameter names that must stay identical (Varuna's ``shared_weights``);
@@ -113,7 +121,7 @@ class VarunaStrategy(ParallelStrategy):
         self,
         pipeline_parallel_size: int | Literal["auto"] = 1,
         data_parallel_size: int | None = None,
-        micro_batch_size: int | Literal["auto"] = 1,
+        micro_batch_size: int | Literal["auto"] | None = None,
         schedule: str | Literal["auto"] = "1f1b",
         shared_weights: list[tuple[str, str]] | None = None,
         profile_repeats: int = 3,
@@ -140,7 +148,7 @@ class VarunaStrategy(ParallelStrategy):
         sizes = {"pipeline_parallel_size": pipeline_parallel_size, "micro_batch_size": micro_batch_size}
         self._auto = {name for name, value in {**sizes, "schedule": schedule}.items() if value == "auto"}
         for name, value in sizes.items():
-            if name not in self._auto and (not isinstance(value, int) or value < 1):
+            if name not in self._auto and value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f'`VarunaStrategy({name}={value!r})` must be a positive integer or "auto".')
         if self._auto and (profile is None or global_batch_size is None):
             auto = ", ".join(f'{name}="auto"' for name in sorted(self._auto))
@@ -157,7 +165,8 @@ class VarunaStrategy(ParallelStrategy):
             )
         self.pipeline_parallel_size: int = 0 if pipeline_parallel_size == "auto" else pipeline_parallel_size
         self.data_parallel_size = data_parallel_size
-        self.micro_batch_size: int = 0 if micro_batch_size == "auto" else micro_batch_size
+        # 0 until chosen: by the auto-configuration ("auto") or from the first batch (None, see `setup`).
+        self.micro_batch_size: int = 0 if micro_batch_size in ("auto", None) else micro_batch_size
         self.schedule = schedule
         self.shared_weights = [tuple(pair) for pair in shared_weights or []]
         self.profile_repeats = profile_repeats
@@ -401,6 +410,8 @@ class VarunaStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._stages is None or self._stages.module is not self.model:
+            if not self.micro_batch_size:
+                self._choose_micro_batch_size(trainer)
             self._stages = self._partition(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -412,6 +423,21 @@ class VarunaStrategy(ParallelStrategy):
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _choose_micro_batch_size(self, trainer: pl.Trainer) -> None:
+        """The default ``micro_batch_size``, from the replica's batch and the number of stages (logged once)."""
+        assert self.topology is not None
+        num_stages = self.topology.pipeline_parallel_size
+        if self.global_batch_size is not None:
+            rows = self.global_batch_size // self.topology.data_parallel_size
+        else:
+            rows = batch_size_of(_first_batch(trainer))
+        self.micro_batch_size = default_micro_batch_size(rows, num_stages)
+        count = len(microbatch_sizes(rows, self.micro_batch_size))
+        rank_zero_info(
+            f"VarunaStrategy: micro_batch_size={self.micro_batch_size} ({count} micro-batch(es) of the batch of {rows} "
+            f"rows for {num_stages} stage(s)); pass `micro_batch_size=` to choose another."
+        )
 
     def _partition(self, trainer: pl.Trainer) -> _StagePlan:
         module = self.lightning_module
@@ -602,6 +628,8 @@ class VarunaStrategy(ParallelStrategy):
         return timeline
 
     def _check_micro_batch_size(self, rows: int) -> None:
+        # Against the largest batch seen: a short last batch is simply one smaller micro-batch.
+        rows = max(rows, self._replica_batch_size or 0)
         if self.micro_batch_size > rows:
             raise ValueError(
                 f"`VarunaStrategy(micro_batch_size={self.micro_batch_size})` is larger than the batch of {rows} rows; "
