@@ -122,3 +122,14 @@ def test_bad_layout_fails_in_every_process(tmp_path, devices, strategy, blocks, 
     proc = run_job([str(script)], tmp_path, timeout=300)
     assert proc.returncode != 0
     assert __import__("re").search(match, proc.stderr), proc.stderr[-3000:]
+
+
+class ManualOptimization(TinyLM):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_fails_at_setup():
+    with pytest.raises(TypeError, match=r"automatic_optimization = False`.*needs Lightning.s automatic"):
+        fit(ManualOptimization(), VarunaStrategy())

@@ -183,6 +183,7 @@ class VarunaStrategy(ParallelStrategy):
         self._message_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
         self._stages: _StagePlan | None = None
         self._parked_grads: dict[Tensor, Tensor] | None = None
+        self._sync_gradients = True  # False while Lightning accumulates a batch without an optimizer step
         self.checkpoint_storage = Storage(storage_options)
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage, tempdir=checkpoint_tempdir)
         self._replica_batch_size: int | None = None
@@ -407,6 +408,13 @@ class VarunaStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
+        if not self.lightning_module.automatic_optimization:
+            raise TypeError(
+                f"`{type(self.lightning_module).__name__}.automatic_optimization = False`: VarunaStrategy runs the "
+                "pipelined forward and backward of `training_step` itself and needs Lightning's automatic "
+                "optimization. Remove `automatic_optimization = False` (and `manual_backward`), return the loss from "
+                "`training_step`, and set `gradient_clip_val` / `accumulate_grad_batches` on the Trainer."
+            )
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._stages is None or self._stages.module is not self.model:
@@ -654,6 +662,17 @@ class VarunaStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------------------ gradients and step
     @override
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's hook for the batches that accumulate gradients without an optimizer step (as DDP's
+        ``no_sync``): their gradients are summed locally and reduced once, with the last batch's."""
+        self._sync_gradients = False
+        try:
+            yield
+        finally:
+            self._sync_gradients = True
+
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Put the gradients of the pipelined step in place, summed over replicas and ties (each micro-batch's loss
         was weighted by its share of the step's rows, so the sum is the mean)."""
@@ -661,7 +680,13 @@ class VarunaStrategy(ParallelStrategy):
         topo = self.topology
         assert topo is not None
         params = self._stage_plan().own_parameters()
-        grads = [parked[p] if p in parked else torch.zeros_like(p) for p in params]
+        if not self._sync_gradients:
+            for p in params:
+                if p in parked:
+                    p.grad = parked[p] if p.grad is None else p.grad + parked[p]
+            return closure_loss
+        # The gradients of earlier accumulated batches are in `p.grad`, not yet reduced: reduce them all at once.
+        grads = [_sum_present(p.grad, parked.get(p), p) for p in params]
         start = time.time()
         grads = sum_gradients(grads, self._dp_group, topo.data_parallel_size)
         self._stage_plan().shared.sum_across_stages(dict(zip(params, grads)))
@@ -669,7 +694,7 @@ class VarunaStrategy(ParallelStrategy):
         if timeline is not None:
             timeline.append(("all-reduce", start, time.time()))
         for p, g in zip(params, grads):
-            p.grad = g if p.grad is None else p.grad + g
+            p.grad = g
         if getattr(self.precision_plugin, "scaler", None) is not None:
             self._agree_on_overflow(params)
         return closure_loss
@@ -833,6 +858,14 @@ class _StagePlan:
 
     def own_parameters(self) -> list[Tensor]:
         return list(self.module.parameters())
+
+
+def _sum_present(a: Tensor | None, b: Tensor | None, like: Tensor) -> Tensor:
+    """``a + b`` where either may be missing (zeros shaped as ``like`` if both are)."""
+    if a is None or b is None:
+        present = a if b is None else b
+        return torch.zeros_like(like) if present is None else present
+    return a + b
 
 
 def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
