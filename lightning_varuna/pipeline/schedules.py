@@ -18,6 +18,10 @@ __all__ = [
     "Phase",
     "Schedule",
     "ScheduleError",
+    "Work",
+    "chain",
+    "consumers_of",
+    "dependencies",
     "dry_run",
     "format_grid",
     "forward_only",
@@ -52,6 +56,43 @@ Schedule = list[list[Action]]
 
 class ScheduleError(RuntimeError):
     """A schedule that cannot run to completion."""
+
+
+Work = tuple[int, Phase, int]  # (stage, phase, micro-batch): one action of one stage
+
+
+def dependencies(
+    stage: int,
+    action: Action,
+    producers: Mapping[int, set[int]],
+    consumers: Mapping[int, set[int]],
+    recomputes: bool,
+) -> list[Work]:
+    """The work that must have finished before ``stage`` may run ``action``: the one rule of the dry run, the
+    Varuna generator and the simulator.
+
+    A forward needs the same micro-batch's forward on each of its ``producers``; a recompute needs its own forward
+    (whose inputs it reruns); a backward needs the stage's activations (its forward, or its recompute when the stage
+    ``recomputes`` that micro-batch) and the backwards of the stages it feeds (``consumers``), whose gradients it
+    receives.
+    """
+    m = action.microbatch
+    if action.phase is Phase.FORWARD:
+        return [(p, Phase.FORWARD, m) for p in sorted(producers[stage])]
+    if action.phase is Phase.RECOMPUTE:
+        return [(stage, Phase.FORWARD, m)]
+    activations = (stage, Phase.RECOMPUTE if recomputes else Phase.FORWARD, m)
+    return [activations, *((c, Phase.BACKWARD, m) for c in sorted(consumers[stage]))]
+
+
+def chain(num_stages: int) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
+    """Producers and consumers of each stage of a plain pipeline: stage ``s`` feeds ``s + 1``."""
+    producers = {s: ({s - 1} if s else set()) for s in range(num_stages)}
+    return producers, consumers_of(producers)
+
+
+def consumers_of(producers: Mapping[int, set[int]]) -> dict[int, set[int]]:
+    return {s: {c for c, ps in producers.items() if s in ps} for s in producers}
 
 
 def microbatches_of(actions: Sequence[Action], phase: Phase) -> set[int]:
@@ -100,39 +141,29 @@ def varuna(num_stages: int, num_microbatches: int) -> Schedule:
     one micro-batch at a time.
     """
     last = num_stages - 1
+    producers, consumers = chain(num_stages)
     duration = {Phase.FORWARD: 1, Phase.RECOMPUTE: 1, Phase.BACKWARD: 2}
-    started: dict[tuple[int, Phase, int], int] = {}
-    finished: dict[tuple[int, Phase, int], int] = {}
+    started: dict[Work, int] = {}
+    finished: dict[Work, int] = {}
     schedule: Schedule = [[] for _ in range(num_stages)]
     free_at = [0] * num_stages
     next_forward = [0] * num_stages
 
-    def done(stage: int, phase: Phase, m: int, now: int) -> bool:
-        return finished.get((stage, phase, m), now + 1) <= now
-
-    def begun(stage: int, phase: Phase, m: int, now: int) -> bool:
-        return started.get((stage, phase, m), now + 1) <= now
+    def runnable(stage: int, action: Action, now: int) -> bool:
+        needs = dependencies(stage, action, producers, consumers, recomputes=stage < last)
+        return all(finished.get(work, now + 1) <= now for work in needs)
 
     def candidates(stage: int, now: int) -> list[Action]:
-        ran = {(a.phase, a.microbatch) for a in schedule[stage]}
-        found = []
-        for m in range(num_microbatches):
-            if (Phase.BACKWARD, m) in ran:
-                continue
-            if stage == last:
-                ready = done(stage, Phase.FORWARD, m, now)
-            else:
-                ready = done(stage, Phase.RECOMPUTE, m, now) and done(stage + 1, Phase.BACKWARD, m, now)
-            if ready:
-                found.append(Action(Phase.BACKWARD, m))
-        for m in range(num_microbatches if stage < last else 0):
-            recomputable = (Phase.RECOMPUTE, m) not in ran and done(stage, Phase.FORWARD, m, now)
-            if recomputable and begun(stage + 1, Phase.BACKWARD, m, now):
-                found.append(Action(Phase.RECOMPUTE, m))
-        m = next_forward[stage]
-        if m < num_microbatches and (stage == 0 or done(stage - 1, Phase.FORWARD, m, now)):
-            found.append(Action(Phase.FORWARD, m))
-        return found
+        ran = set(schedule[stage])
+        backwards = [Action(Phase.BACKWARD, m) for m in range(num_microbatches)]
+        # Varuna's policy: recompute once the next stage has begun this micro-batch's backward, so the two overlap.
+        recomputes = [
+            Action(Phase.RECOMPUTE, m)
+            for m in range(num_microbatches if stage < last else 0)
+            if started.get((stage + 1, Phase.BACKWARD, m), now + 1) <= now
+        ]
+        forwards = [Action(Phase.FORWARD, next_forward[stage])] if next_forward[stage] < num_microbatches else []
+        return [a for a in backwards + recomputes + forwards if a not in ran and runnable(stage, a, now)]
 
     now, total = 0, num_stages * num_microbatches * 2 + last * num_microbatches
     while len(finished) < total:
@@ -155,10 +186,6 @@ def varuna(num_stages: int, num_microbatches: int) -> Schedule:
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "gpipe": gpipe, "varuna": varuna}
 
 
-def _chain(num_stages: int) -> dict[int, set[int]]:
-    return {s: ({s - 1} if s else set()) for s in range(num_stages)}
-
-
 def dry_run(schedule: Schedule, producers: Mapping[int, set[int]] | None = None) -> list[list[Action | None]]:
     """Execute ``schedule`` without a device and return the grid of ticks x stages.
 
@@ -170,22 +197,16 @@ def dry_run(schedule: Schedule, producers: Mapping[int, set[int]] | None = None)
         ScheduleError: the schedule deadlocks or is incomplete; the message shows the grid so far.
     """
     num_stages = len(schedule)
-    producers = producers if producers is not None else _chain(num_stages)
-    consumers = {s: {c for c, ps in producers.items() if s in ps} for s in range(num_stages)}
-    done: set[tuple[int, Phase, int]] = set()
+    producers, consumers = chain(num_stages) if producers is None else (producers, consumers_of(producers))
+    done: set[Work] = set()
     position = [0] * num_stages
     grid: list[list[Action | None]] = []
 
     recomputed = [microbatches_of(actions, Phase.RECOMPUTE) for actions in schedule]
 
     def ready(stage: int, action: Action) -> bool:
-        m = action.microbatch
-        if action.phase is Phase.FORWARD:
-            return all((p, Phase.FORWARD, m) in done for p in producers[stage])
-        if action.phase is Phase.RECOMPUTE:
-            return (stage, Phase.FORWARD, m) in done
-        activations = Phase.RECOMPUTE if m in recomputed[stage] else Phase.FORWARD
-        return (stage, activations, m) in done and all((c, Phase.BACKWARD, m) in done for c in consumers[stage])
+        needs = dependencies(stage, action, producers, consumers, action.microbatch in recomputed[stage])
+        return all(work in done for work in needs)
 
     while any(position[s] < len(schedule[s]) for s in range(num_stages)):
         tick: list[Action | None] = [None] * num_stages

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.pipeline.microbatch import microbatch_sizes
-from lightning_varuna.pipeline.schedules import SCHEDULES, Action, Phase, microbatches_of
+from lightning_varuna.pipeline.schedules import SCHEDULES, Action, Phase, Work, chain, dependencies, microbatches_of
 from lightning_varuna.profiling.profile import LinearCost, ModelProfile, RuntimeOverheads, SegmentTiming
 from lightning_varuna.profiling.trace import Span, chrome_trace
 
@@ -199,7 +199,8 @@ def _run_pipeline(
         return transfer(nbytes) + overheads.message_s
 
     recomputed = [microbatches_of(stage, Phase.RECOMPUTE) for stage in actions]
-    arrival: dict[tuple[int, Phase, int], float] = {}  # when stage s may start (phase, m) as far as inputs go
+    producers, consumers = chain(P)
+    finished: dict[Work, float] = {}
     position = [0] * P
     remaining = [0.0] * P
     running: list[Action | None] = [None] * P
@@ -218,17 +219,19 @@ def _run_pipeline(
         return cost.backward_s + overheads.backward(sizes[action.microbatch])
 
     def ready_at(stage: int, action: Action) -> float | None:
-        m = action.microbatch
-        if action.phase is Phase.FORWARD and stage > 0:
-            # The runtime posts an activation's receive when the forward starts; the transfer begins then.
-            sent = arrival.get((stage, Phase.FORWARD, m))
-            if sent is None:
+        """When ``stage`` may start ``action``: its dependencies finished and their messages arrived."""
+        m, at = action.microbatch, free_at[stage]
+        for work in dependencies(stage, action, producers, consumers, m in recomputed[stage]):
+            other, phase, _ = work
+            if work not in finished:
                 return None
-            cost = microbatches[m][stage - 1]
-            return max(sent, free_at[stage]) + send(cost.output_bytes)
-        if action.phase is Phase.BACKWARD and stage < P - 1:
-            return arrival.get((stage, Phase.BACKWARD, m))
-        return free_at[stage]
+            if other == stage:
+                at = max(at, finished[work])
+            elif phase is Phase.FORWARD:  # the activation's receive is posted when the forward starts
+                at = max(at, max(finished[work], free_at[stage]) + send(microbatches[m][other].output_bytes))
+            else:  # the gradient's receive was posted at the forward: it travels as soon as it is sent
+                at = max(at, finished[work] + send(microbatches[m][other].input_bytes))
+        return at
 
     while True:
         for s in range(P):
@@ -259,11 +262,7 @@ def _run_pipeline(
                 spans.append(Span(s, str(action), started[s], now))
                 running[s], free_at[s] = None, now
                 position[s] += 1
-                cost = microbatches[action.microbatch][s]
-                if action.phase is Phase.FORWARD and s < P - 1:
-                    arrival[(s + 1, Phase.FORWARD, action.microbatch)] = now  # sent; see ready_at
-                if action.phase is Phase.BACKWARD and s > 0:  # its receive was posted at the forward
-                    arrival[(s - 1, Phase.BACKWARD, action.microbatch)] = now + send(cost.input_bytes)
+                finished[(s, action.phase, action.microbatch)] = now
     return spans, free_at
 
 
