@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from lightning_varuna.checkpoint.storage import Storage
 from lightning_varuna.pipeline.microbatch import batch_size_of
-from lightning_varuna.profiling.trace import Span, chrome_trace
+from lightning_varuna.profiling.trace import Span, chrome_trace, work_of
 
 __all__ = ["PipelineTrace"]
 
@@ -66,7 +66,7 @@ class PipelineTrace(pl.Callback):
             ranks = [(0, 0, mine)]
         step = self.step + self._recorded
         self.spans += [
-            Span(stage, name, start, end, replica, step)
+            Span(stage, work_of(name), start, end, replica, step)
             for replica, stage, spans in ranks
             for name, start, end in spans
         ]

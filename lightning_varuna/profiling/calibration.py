@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from lightning_varuna.pipeline.schedules import Phase
 from lightning_varuna.profiling.profile import ModelProfile, RuntimeOverheads
 from lightning_varuna.profiling.simulator import Config, Prediction, simulate
 from lightning_varuna.profiling.trace import Span
@@ -59,8 +60,12 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
 
     fitted = RuntimeOverheads()
     for _ in range(_ROUNDS):
-        fitted.forward_s = _solve(lambda x: _mean_duration(predict(replace(fitted, forward_s=x)), "F") - forward)
-        fitted.backward_s = _solve(lambda x: _mean_duration(predict(replace(fitted, backward_s=x)), "B") - backward)
+        fitted.forward_s = _solve(
+            lambda x: _mean_duration(predict(replace(fitted, forward_s=x)), Phase.FORWARD) - forward
+        )
+        fitted.backward_s = _solve(
+            lambda x: _mean_duration(predict(replace(fitted, backward_s=x)), Phase.BACKWARD) - backward
+        )
         if config.pipeline_parallel_size > 1:
             fitted.message_s = _solve(lambda x: _pipeline_length(predict(replace(fitted, message_s=x))) - pipeline)
     fitted.step_s = max(0.0, step - predict(fitted).step_s)
@@ -111,24 +116,24 @@ def _by_step(measured: Sequence[Span]) -> list[list[Span]]:
 
 def _measures(spans: list[Span]) -> tuple[float, float, float, float]:
     """One measured step: mean forward and backward, length of the pipelined part and of the whole step."""
-    computed = [s for s in spans if s.name[0] in "FRB"]
+    computed = [s for s in spans if s.phase is not None]
     if not computed:
         raise ValueError("The measured timeline has no forward or backward; record it with PipelineTrace.")
     start = min(s.start_s for s in spans)
     return (
-        statistics.mean(s.end_s - s.start_s for s in computed if s.name[0] == "F"),
-        statistics.mean(s.end_s - s.start_s for s in computed if s.name[0] == "B"),
+        statistics.mean(s.end_s - s.start_s for s in computed if s.phase is Phase.FORWARD),
+        statistics.mean(s.end_s - s.start_s for s in computed if s.phase is Phase.BACKWARD),
         max(s.end_s for s in computed) - start,
         max(s.end_s for s in spans) - start,
     )
 
 
 def _pipeline_length(prediction: Prediction) -> float:
-    return max(s.end_s for s in prediction.timeline if s.name[0] in "FRB")
+    return max(s.end_s for s in prediction.timeline if s.phase is not None)
 
 
-def _mean_duration(prediction: Prediction, phase: str) -> float:
-    return statistics.mean(s.end_s - s.start_s for s in prediction.timeline if s.name[0] == phase)
+def _mean_duration(prediction: Prediction, phase: Phase) -> float:
+    return statistics.mean(s.end_s - s.start_s for s in prediction.timeline if s.phase is phase)
 
 
 def _solve(excess: Callable[[float], float], high: float = 1.0, steps: int = 40) -> float:

@@ -259,7 +259,7 @@ def _run_pipeline(
             if remaining[s] <= 1e-12:
                 action = running[s]
                 assert action is not None
-                spans.append(Span(s, str(action), started[s], now))
+                spans.append(Span(s, action, started[s], now))
                 running[s], free_at[s] = None, now
                 position[s] += 1
                 finished[(s, action.phase, action.microbatch)] = now

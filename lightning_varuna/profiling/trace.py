@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Span", "chrome_trace", "read_chrome_trace"]
+from lightning_varuna.pipeline.schedules import Action, Phase
+
+__all__ = ["Span", "chrome_trace", "read_chrome_trace", "work_of"]
 
 
 @dataclass(frozen=True)
@@ -15,11 +18,25 @@ class Span:
     """One piece of work on one stage of one replica during a training step (seconds)."""
 
     stage: int
-    name: str  # "F3", "R3", "B3", "all-reduce", "optimizer"
+    work: Action | str  # a schedule action (F3, R3, B3), or "all-reduce", "optimizer"
     start_s: float
     end_s: float
     replica: int = 0
     step: int = 0  # the training step, when a trace holds several
+
+    @property
+    def name(self) -> str:
+        return str(self.work)
+
+    @property
+    def phase(self) -> Phase | None:
+        """The phase of a schedule action; None for other work."""
+        return self.work.phase if isinstance(self.work, Action) else None
+
+
+def work_of(name: str) -> Action | str:
+    """The action a span's name prints (``"B3"``), or the name itself for other work (``"optimizer"``)."""
+    return Action.parse(name) if re.fullmatch(r"[FRB]\d+", name) else name
 
 
 def chrome_trace(spans: Iterable[Span], title: str, metadata: dict[str, Any] | None = None) -> str:
@@ -40,7 +57,7 @@ def chrome_trace(spans: Iterable[Span], title: str, metadata: dict[str, Any] | N
         events.append(
             {
                 "name": span.name,
-                "cat": span.name.rstrip("0123456789") or span.name,
+                "cat": span.phase.value if span.phase is not None else span.name,
                 "ph": "X",
                 "pid": span.replica,
                 "tid": span.stage,
@@ -56,7 +73,14 @@ def read_chrome_trace(text: str) -> tuple[list[Span], dict[str, Any]]:
     """The spans and the metadata of a trace written by `chrome_trace`."""
     trace = json.loads(text)
     spans = [
-        Span(e["tid"], e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["pid"], e.get("args", {}).get("step", 0))
+        Span(
+            e["tid"],
+            work_of(e["name"]),
+            e["ts"] / 1e6,
+            (e["ts"] + e["dur"]) / 1e6,
+            e["pid"],
+            e.get("args", {}).get("step", 0),
+        )
         for e in trace["traceEvents"]
         if e["ph"] == "X"
     ]
