@@ -12,7 +12,7 @@ from models import DIM, SEQ, TinyLM
 from lightning_varuna.cli import main as cli
 from lightning_varuna.partition.discovery import discover_cutpoints
 from lightning_varuna.pipeline.schedules import SCHEDULES
-from lightning_varuna.profiling.autoconfig import candidate_configs, format_ranking, rank_configs
+from lightning_varuna.profiling.autoconfig import candidate_configs, choose_configs, format_ranking, rank_configs
 from lightning_varuna.profiling.calibration import calibrate, measured_step_s
 from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.profiling.network import profile_network
@@ -325,3 +325,14 @@ def test_auto_needs_a_profile_and_a_global_batch():
         VarunaStrategy(schedule="auto")
     with pytest.raises(ValueError, match=r"unknown; choose one of \['1f1b', 'gpipe', 'varuna'\] or \"auto\""):
         VarunaStrategy(schedule="zero-bubble")
+
+
+def test_choose_configs_keeps_the_sizes_given():
+    """What VarunaStrategy runs with some sizes "auto": only configurations with the fixed sizes, fastest first."""
+    free = choose_configs(synthetic(), 2, 4)
+    fixed = choose_configs(synthetic(), 2, 4, pipeline_parallel_size=2, schedule="gpipe")
+    assert {p.config.pipeline_parallel_size for p in free} == {1, 2}
+    assert fixed and all(p.config.pipeline_parallel_size == 2 and p.config.schedule == "gpipe" for p in fixed)
+    assert [p.step_s for p in fixed] == sorted(p.step_s for p in fixed)
+    with pytest.raises(ValueError, match="with the sizes you fixed"):
+        choose_configs(synthetic(), 2, 4, pipeline_parallel_size=2, data_parallel_size=2)

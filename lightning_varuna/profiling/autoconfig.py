@@ -9,7 +9,7 @@ from lightning_varuna.pipeline.schedules import SCHEDULES
 from lightning_varuna.profiling.profile import ModelProfile
 from lightning_varuna.profiling.simulator import Config, MissingMeasurement, Prediction, simulate
 
-__all__ = ["candidate_configs", "format_ranking", "rank_configs"]
+__all__ = ["candidate_configs", "choose_configs", "format_ranking", "rank_configs"]
 
 
 def candidate_configs(
@@ -84,6 +84,47 @@ def rank_configs(
             f"{max(least.memory_bytes) / 2**30:.2f} GiB. Use more devices or smaller micro-batches."
         )
     return sorted(fitting, key=lambda p: (p.step_s, max(p.memory_bytes)))
+
+
+def choose_configs(
+    profile: ModelProfile,
+    world_size: int,
+    global_batch_size: int,
+    *,
+    pipeline_parallel_size: int | None = None,
+    data_parallel_size: int | None = None,
+    micro_batch_size: int | None = None,
+    schedule: str | None = None,
+    memory_bytes: int | None = None,
+    nodes: int = 1,
+) -> list[Prediction]:
+    """The configurations of ``world_size`` processes that keep every size given (``None``: free to choose) and fit
+    ``memory_bytes``, fastest first: what ``VarunaStrategy`` runs when some of its sizes are ``"auto"``.
+
+    Raises:
+        ValueError: none is feasible (says why and what to change).
+    """
+    ranked = rank_configs(
+        profile,
+        world_size,
+        global_batch_size,
+        memory_bytes=memory_bytes,
+        nodes=nodes,
+        schedules=None if schedule is None else [schedule],
+        micro_batch_sizes=None if micro_batch_size is None else [micro_batch_size],
+    )
+    ranked = [
+        p
+        for p in ranked
+        if pipeline_parallel_size in (None, p.config.pipeline_parallel_size)
+        and data_parallel_size in (None, p.config.data_parallel_size)
+    ]
+    if not ranked:
+        raise ValueError(
+            f"No configuration of {world_size} processes with the sizes you fixed fits; let more of "
+            "`pipeline_parallel_size`, `data_parallel_size` and `micro_batch_size` be chosen, or change them."
+        )
+    return ranked
 
 
 def format_ranking(predictions: Sequence[Prediction], limit: int | None = 20) -> str:

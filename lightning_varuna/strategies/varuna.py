@@ -60,7 +60,7 @@ from lightning_varuna.pipeline.runtime import StageRuntime
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
 from lightning_varuna.pipeline.shared_params import SharedParameters
 from lightning_varuna.pipeline.topology import Topology
-from lightning_varuna.profiling.autoconfig import format_ranking, rank_configs
+from lightning_varuna.profiling.autoconfig import choose_configs, format_ranking
 from lightning_varuna.profiling.profile import ModelProfile
 from lightning_varuna.profiling.simulator import Config
 from lightning_varuna.strategies.resume_last import MultiProcessingLauncher, SubprocessScriptLauncher
@@ -302,27 +302,17 @@ class VarunaStrategy(ParallelStrategy):
 
     def _rank_configs(self, memory: int | None) -> tuple[Config, str]:
         assert self.profile is not None and self.global_batch_size is not None
-        ranked = rank_configs(
+        ranked = choose_configs(
             self._model_profile,
             self.world_size,
             self.global_batch_size,
+            pipeline_parallel_size=None if "pipeline_parallel_size" in self._auto else self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            micro_batch_size=None if "micro_batch_size" in self._auto else self.micro_batch_size or None,
+            schedule=None if "schedule" in self._auto else self.schedule,
             memory_bytes=memory,
             nodes=self.num_nodes,
-            schedules=None if "schedule" in self._auto else [self.schedule],
-            micro_batch_sizes=None if "micro_batch_size" in self._auto else [self.micro_batch_size],
         )
-        fixed_stages = None if "pipeline_parallel_size" in self._auto else self.pipeline_parallel_size
-        ranked = [
-            p
-            for p in ranked
-            if fixed_stages in (None, p.config.pipeline_parallel_size)
-            and self.data_parallel_size in (None, p.config.data_parallel_size)
-        ]
-        if not ranked:
-            raise ValueError(
-                f"No configuration of {self.world_size} processes with the sizes you fixed fits; let more of "
-                "`pipeline_parallel_size`, `data_parallel_size` and `micro_batch_size` be chosen, or change them."
-            )
         return ranked[0].config, format_ranking(ranked, 5)
 
     @cached_property
