@@ -117,6 +117,7 @@ def fit_and_report(
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=config["epochs"],
+        max_steps=config.get("max_steps", -1),
         gradient_clip_val=config.get("clip"),
         accumulate_grad_batches=config.get("accumulate", 1),
         precision=precision,
@@ -128,7 +129,10 @@ def fit_and_report(
         num_sanity_val_steps=0,
         **trainer_kwargs,
     )
-    trainer.fit(model, train_loader, ckpt_path=ckpt_path)
+    val_loader = None
+    if config.get("validate_during_fit"):  # validation at every epoch end, as most training scripts do
+        val_loader = torch.utils.data.DataLoader(token_dataset(config["rows"], seed=2), batch_size=config["batch_size"])
+    trainer.fit(model, train_loader, val_loader, ckpt_path=ckpt_path)
     result = {"losses": record.losses, "acc": trainer.callback_metrics["train_acc"].item()}
     if record.loss_scales:
         result["loss_scales"] = record.loss_scales

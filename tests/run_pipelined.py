@@ -13,6 +13,7 @@ itself in the middle of the save at global step ``s``, right after writing its s
 and keeps the k newest; ``"watch_uploads": true`` holds each of its background uploads in flight while rank 0 looks
 at the store (`upload_hooks.WatchUploads`; what it saw goes to ``OUT_DIR/uploads.json``);
 ``"fail_upload": {"rank": r, "step": s}`` makes rank ``r``'s upload of the save at step ``s`` fail.
+``"max_steps"`` ends the fit after that many optimizer steps; ``"validate_during_fit"`` validates at every epoch end.
 ``"devices"`` and ``"num_nodes"`` go to the Trainer (default: one node with a process per rank).
 """
 

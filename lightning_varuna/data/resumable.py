@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-__all__ = ["DataPosition", "ResumableDistributedSampler", "resumable_loader"]
+__all__ = ["DataPosition", "ResumableDistributedSampler", "continue_unfinished_epoch", "epoch_rows", "resumable_loader"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,31 @@ class DataPosition:
 
     epoch: int
     rows: int
+
+    def advanced(self, rows: int) -> DataPosition:
+        """The position ``rows`` further into the same epoch."""
+        return DataPosition(self.epoch, self.rows + rows)
+
+    def normalized(self, epoch_rows: int | None) -> DataPosition:
+        """The start of the next epoch once all ``epoch_rows`` of this one are trained (unknown: as it is)."""
+        if epoch_rows is not None and self.rows >= epoch_rows:
+            return DataPosition(self.epoch + 1, 0)
+        return self
+
+
+def continue_unfinished_epoch(loops: dict[str, Any], position: DataPosition) -> None:
+    """Make Lightning's restored fit loop continue an epoch that ``max_steps`` cut short.
+
+    Lightning counts the epoch in which ``fit`` stopped at ``max_steps`` as completed, so a resumed fit (with a larger
+    ``max_steps`` or no limit) would start the next epoch and never train the rest of that one. ``position`` says how
+    far the epoch really got: count it as not yet completed, and the fit loop resumes it at the next batch, as an
+    uninterrupted run would have continued. ``loops`` is the checkpoint's ``"loops"`` entry, changed in place.
+    """
+    progress = loops.get("fit_loop", {}).get("epoch_progress")
+    if progress is None or position.rows == 0 or progress["current"]["completed"] <= position.epoch:
+        return
+    for counter in ("current", "total"):
+        progress[counter]["processed"] = progress[counter]["completed"] = position.epoch
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -78,3 +104,13 @@ def resumable_loader(
         drop_last=False,
     )
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def epoch_rows(loader: DataLoader, replicas: int) -> int:
+    """Rows one epoch of a `resumable_loader` trains over all ``replicas``."""
+    batch_sampler = loader.batch_sampler
+    assert isinstance(batch_sampler, BatchSampler)
+    per_replica = len(batch_sampler.sampler)
+    if batch_sampler.drop_last:
+        per_replica -= per_replica % batch_sampler.batch_size
+    return per_replica * replicas

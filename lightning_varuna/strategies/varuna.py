@@ -43,7 +43,7 @@ from typing_extensions import override
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
 from lightning_varuna.checkpoint.storage import Storage
-from lightning_varuna.data.resumable import DataPosition, resumable_loader
+from lightning_varuna.data.resumable import DataPosition, continue_unfinished_epoch, epoch_rows, resumable_loader
 from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.partition.discovery import forward_with_cutpoints, profile_segments
 from lightning_varuna.partition.skeleton import ModelSkeleton
@@ -189,7 +189,10 @@ class VarunaStrategy(ParallelStrategy):
         self._replica_batch_size: int | None = None
         self._resumed_shape: dict[str, Any] | None = None
         self._resume_position: DataPosition | None = None
-        self._epoch_rows = 0
+        # The rows trained of the epoch they belong to: a checkpoint taken after the epoch ended (Lightning has
+        # counted it done) must still say which epoch those rows were of, or a resumed run skips the next one.
+        self._position = DataPosition(0, 0)
+        self._epoch_rows: int | None = None  # rows of an epoch over all replicas, when the loader is resumable
 
     # ----------------------------------------------------------------------------------------- processes
     @property
@@ -380,12 +383,14 @@ class VarunaStrategy(ParallelStrategy):
             batch_size = self.global_batch_size // self.topology.data_parallel_size
         # The loader is resumable, which Lightning cannot see: silence its warning about mid-epoch resumes.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
-        return resumable_loader(dataloader, sampler, batch_size, self._resume_position)
+        loader = resumable_loader(dataloader, sampler, batch_size, self._resume_position)
+        self._epoch_rows = epoch_rows(loader, self.topology.data_parallel_size)
+        return loader
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:
-            self._epoch_rows = 0
+            self._position = DataPosition(self.lightning_module.trainer.current_epoch, 0)
 
     @override
     def model_to_device(self) -> None:
@@ -528,7 +533,7 @@ class VarunaStrategy(ParallelStrategy):
         self._check_micro_batch_size(rows)
         self._check_global_batch(rows)
         assert self.topology is not None
-        self._epoch_rows += rows * self.topology.data_parallel_size
+        self._position = self._position.advanced(rows * self.topology.data_parallel_size)
         stage_params = self._stage_plan().own_parameters()
         saved = {p: p.grad for p in stage_params}
         for p in stage_params:
@@ -743,7 +748,7 @@ class VarunaStrategy(ParallelStrategy):
             "global_batch_size": None
             if self._replica_batch_size is None
             else self._replica_batch_size * topo.data_parallel_size,
-            "data_position": asdict(DataPosition(self.lightning_module.trainer.current_epoch, self._epoch_rows)),
+            "data_position": asdict(self._position.normalized(self._epoch_rows)),
         }
         self._checkpoints.save(tensors, lightning_state, str(filepath), shape, storage_options)
 
@@ -754,8 +759,8 @@ class VarunaStrategy(ParallelStrategy):
         checkpoint, info = self._checkpoints.load(str(checkpoint_path), self.lightning_module, optimizers)
         self._resumed_shape = info.shape
         if info.shape.get("data_position") is not None:
-            self._resume_position = DataPosition(**info.shape["data_position"])
-            self._epoch_rows = self._resume_position.rows
+            self._resume_position = self._position = DataPosition(**info.shape["data_position"])
+            continue_unfinished_epoch(checkpoint.get("loops", {}), self._resume_position)
         return checkpoint
 
     @override
