@@ -23,11 +23,18 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 # their graphs with `torch.fx.Interpreter` (about 1.6x faster stage forwards). tests/test_partition.py.
 from torch.export.unflatten import _disable_interpreter as generated_code_modules
 
+# Renames a value of an FX graph (keeping names unique) when its name would shadow `self` in the generated code of a
+# stage's submodule (Hugging Face BERT's `attention.self`). tests/test_real_models.py.
+from torch.fx.node import Node
+
+rename_node = Node._rename
+
 __all__ = [
     "FsspecReader",
     "FsspecWriter",
     "flatten_dense_tensors",
     "generated_code_modules",
     "narrow_tensor_by_index",
+    "rename_node",
     "unflatten_dense_tensors",
 ]

@@ -17,7 +17,14 @@ from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.profiling.memory import SavedTensorMeter
 
-__all__ = ["SegmentProfile", "discover_cutpoints", "forward_with_cutpoints", "profile_segments", "timed_pass"]
+__all__ = [
+    "SegmentProfile",
+    "buffers_kept",
+    "discover_cutpoints",
+    "forward_with_cutpoints",
+    "profile_segments",
+    "timed_pass",
+]
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,20 @@ def _observe_cutpoints(module: nn.Module, batch_size: int, on_call: Any = None) 
             cut._observer = None
 
 
+@contextmanager
+def buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Put every buffer back as it was after the block: passes that only look at the model (finding the CutPoints,
+    timing the segments) must not move BatchNorm's running statistics, or the trained model differs from one
+    device's."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
 def discover_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = None) -> list[str]:
     """Run one forward without gradients and return the names of the cutpoints it went through, in order."""
     return forward_with_cutpoints(module, args, kwargs)[0]
@@ -85,7 +106,7 @@ def discover_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = Non
 
 def forward_with_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = None) -> tuple[list[str], Any]:
     """Run one forward without gradients; return the cutpoints it went through, in order, and its output."""
-    with torch.no_grad(), _observe_cutpoints(module, batch_size_of((args, kwargs))) as order:
+    with torch.no_grad(), buffers_kept(module), _observe_cutpoints(module, batch_size_of((args, kwargs))) as order:
         output = module(*args, **(kwargs or {}))
     return order, output
 
@@ -141,8 +162,9 @@ def profile_segments(module: nn.Module, args: tuple, kwargs: dict | None = None,
     """Time forward and backward of every segment between cutpoints (median of ``repeats`` steps)."""
     kwargs = kwargs or {}
     order = discover_cutpoints(module, args, kwargs)
-    timed_pass(module, args, kwargs)  # warm-up: allocator, lazy init
-    runs = [timed_pass(module, args, kwargs) for _ in range(repeats)]
+    with buffers_kept(module):
+        timed_pass(module, args, kwargs)  # warm-up: allocator, lazy init
+        runs = [timed_pass(module, args, kwargs) for _ in range(repeats)]
     forward = [statistics.median(r["forward"][i] for r in runs) for i in range(len(order) + 1)]
     backward = [statistics.median(r["backward"][i] for r in runs) for i in range(len(order) + 1)]
     return SegmentProfile(cutpoint_names=order, forward_seconds=forward, backward_seconds=backward)

@@ -32,8 +32,8 @@ class ModelSkeleton:
     """The names, shapes and ties of every parameter and buffer of a model.
 
     A rank that frees the parameters of the other stages can still trace the whole model: the skeleton
-    puts a zero-stride stand-in (one element of memory) into every slot while ``torch.export`` runs, then
-    puts the real tensors back.
+    puts a stand-in into every slot while ``torch.export`` runs (zero-stride for parameters: one element of
+    memory), then puts the real tensors back.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -76,10 +76,14 @@ class ModelSkeleton:
         for slot in self._slots:
             if slot.fqn not in made:
                 spec = self._specs[slot.fqn]
-                stand_in = torch.empty((), dtype=spec.dtype, device=spec.device).expand(spec.shape)
-                made[slot.fqn] = (
-                    nn.Parameter(stand_in, requires_grad=spec.requires_grad) if slot.is_parameter else stand_in
-                )
+                if slot.is_parameter:
+                    stand_in = torch.empty((), dtype=spec.dtype, device=spec.device).expand(spec.shape)
+                    made[slot.fqn] = nn.Parameter(stand_in, requires_grad=spec.requires_grad)
+                else:
+                    # A forward may update a buffer in place (BatchNorm's running statistics), which a zero-stride
+                    # tensor cannot take. Uninitialised memory is never written while tracing (export runs on fake
+                    # tensors) and large allocations are only committed when written.
+                    made[slot.fqn] = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
             self._table(module, slot)[slot.name] = made[slot.fqn]
         try:
             yield

@@ -16,7 +16,7 @@ from torch import Tensor, fx, nn
 from torch.distributed.pipelining import pipeline
 from torch.utils._pytree import tree_leaves
 
-from lightning_varuna._torch_private import generated_code_modules
+from lightning_varuna._torch_private import generated_code_modules, rename_node
 from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.partition.skeleton import ModelSkeleton
 
@@ -117,6 +117,27 @@ def _bind_real_tensors(stage_module: nn.Module, skeleton: ModelSkeleton, real: d
             stage_module.get_submodule(owner)._buffers[attr] = real[canonical]
 
 
+# Names a node of a generated forward must not take: its first parameter. (FX already avoids keywords and builtins.)
+_RESERVED_NAMES = frozenset({"self"})
+
+
+def _make_generated_code_safe(stage_module: nn.Module) -> None:
+    """Rename graph values whose names shadow the generated forward's ``self``, and generate the code again.
+
+    A value is named after the submodule that computed it: Hugging Face BERT's attention has a submodule called
+    ``self``, whose output would otherwise rebind ``self`` in the middle of the generated ``forward``.
+    """
+    for module in stage_module.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, fx.Graph) or "graph_module" not in module.__dict__:
+            continue
+        clashing = [node for node in graph.nodes if node.name in _RESERVED_NAMES]
+        for node in clashing:
+            rename_node(node, f"{node.name}_")
+        if clashing:
+            module.__dict__["graph_module"] = fx.GraphModule(module, graph)
+
+
 def split_into_stages(
     module: nn.Module,
     skeleton: ModelSkeleton,
@@ -187,6 +208,7 @@ def split_into_stages(
             f"{len(boundaries) + 1}: some stage has no computation. Put work between consecutive CutPoints."
         )
     own = stage_modules[stage_index]
+    _make_generated_code_safe(own)
     _bind_real_tensors(own, skeleton, real_tensors)
     return pipeline_graph, own
 

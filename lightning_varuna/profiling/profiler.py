@@ -16,7 +16,7 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves, tree_map
 from tqdm.auto import tqdm
 
-from lightning_varuna.partition.discovery import _float_leaves, _observe_cutpoints, timed_pass
+from lightning_varuna.partition.discovery import _float_leaves, _observe_cutpoints, buffers_kept, timed_pass
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
 from lightning_varuna.pipeline.microbatch import batch_size_of
@@ -92,18 +92,19 @@ def profile_model(
     module.train()
     traced: dict[int, tuple[PipelineGraph, fx.GraphModule]] = {}
     try:
-        for threads, mb in tqdm(todo, desc="Profiling segments", disable=not progress, unit="run"):
-            torch.set_num_threads(threads)
-            if mb is None:
-                _time_optimizer_steps(module, segments, segment_params, threads)
-                continue
-            inputs = resize_batch((args, kwargs), mb)
-            if mb not in traced:
-                traced[mb] = _trace_as_one_stage(module, *inputs)
-            timings = _measure(module, *inputs, repeats)
-            ratios = _runtime_ratio(module, traced[mb], *inputs, repeats)
-            for segment, timing in zip(segments, timings):
-                segment.timings.setdefault(threads, {})[mb] = _scaled_time(timing, ratios)
+        with buffers_kept(module):
+            for threads, mb in tqdm(todo, desc="Profiling segments", disable=not progress, unit="run"):
+                torch.set_num_threads(threads)
+                if mb is None:
+                    _time_optimizer_steps(module, segments, segment_params, threads)
+                    continue
+                inputs = resize_batch((args, kwargs), mb)
+                if mb not in traced:
+                    traced[mb] = _trace_as_one_stage(module, *inputs)
+                timings = _measure(module, *inputs, repeats)
+                ratios = _runtime_ratio(module, traced[mb], *inputs, repeats)
+                for segment, timing in zip(segments, timings):
+                    segment.timings.setdefault(threads, {})[mb] = _scaled_time(timing, ratios)
     finally:
         torch.set_num_threads(threads_before)
         module.train(was_training)
