@@ -3,10 +3,10 @@
 import warnings
 
 from lightning_varuna.callbacks import MorphCallback, PipelineTrace
-from lightning_varuna.cutpoint import CutPoint
+from lightning_varuna.cutpoint import CutPoint, cut_after
 from lightning_varuna.strategies import VarunaStrategy
 
-__all__ = ["CutPoint", "MorphCallback", "PipelineTrace", "VarunaStrategy"]
+__all__ = ["CutPoint", "MorphCallback", "PipelineTrace", "VarunaStrategy", "cut_after"]
 __version__ = "0.1.0"
 
 # torch >= 2.10 deprecates `isinstance(spec, LeafSpec)`, which Lightning 2.6's own pytree helper and the unpickling of

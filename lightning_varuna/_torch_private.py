@@ -6,6 +6,11 @@ exercise each are named below.
 
 from __future__ import annotations
 
+# The module of nn.Transformer and its encoder and decoder, whose `_detect_is_causal_mask` compares a mask's values
+# (a data-dependent guard torch.export cannot trace): `partition.tracing` replaces it while a model is traced.
+# tests/test_real_models.py.
+import torch.nn.modules.transformer as transformer_module
+
 # One flat buffer from many gradients and views of it back: the gradient all-reduce of each step.
 # tests/test_parity.py.
 from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
@@ -36,5 +41,6 @@ __all__ = [
     "generated_code_modules",
     "narrow_tensor_by_index",
     "rename_node",
+    "transformer_module",
     "unflatten_dense_tensors",
 ]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.pipelining import pipe_split
 
-__all__ = ["CutPoint"]
+__all__ = ["CutPoint", "cut_after"]
 
 
 class CutPoint(nn.Module):
@@ -34,3 +35,30 @@ class CutPoint(nn.Module):
         if self._is_stage_boundary:
             pipe_split()  # a no-op when run eagerly; a split marker when traced by `torch.export`
         return x
+
+
+def cut_after(modules: Iterable[nn.Module]) -> list[CutPoint]:
+    """Put a `CutPoint` after each of ``modules``, without changing the model's code.
+
+    For layers of a model you did not write (``nn.TransformerEncoder.layers``, a Hugging Face model's
+    ``encoder.layer``): each module gets a child ``cutpoint`` and a forward hook that passes its output through it.
+    A layer that returns a tuple (as Hugging Face layers may) has its first element passed through. The model keeps
+    its structure, so code that inspects its layers (``nn.TransformerEncoder`` reads ``layers[0].self_attn``) works.
+
+    Returns:
+        The new CutPoints, in the order of ``modules``.
+    """
+    cuts = []
+    for module in modules:
+        if hasattr(module, "cutpoint"):
+            raise ValueError(f"`{type(module).__name__}` already has a `cutpoint`: call `cut_after` once per module.")
+        module.cutpoint = CutPoint()
+        module.register_forward_hook(_through_cutpoint)
+        cuts.append(module.cutpoint)
+    return cuts
+
+
+def _through_cutpoint(module: nn.Module, inputs: Any, output: Any) -> Any:
+    if isinstance(output, tuple) and output:
+        return (module.cutpoint(output[0]), *output[1:])
+    return module.cutpoint(output)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["ModelSkeleton"]
+
+_CALL_INDEX = re.compile(r"@\d+(?=\.|$)")
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,12 @@ class ModelSkeleton:
         self._aliases = {f"{s.owner}.{s.name}" if s.owner else s.name: s.fqn for s in self._slots}
 
     def canonical(self, fqn: str) -> str:
-        """The canonical FQN of a (possibly tied) parameter or buffer name."""
+        """The canonical FQN of a (possibly tied) parameter or buffer name.
+
+        A traced module called more than once in a forward (an embedding applied to two inputs) appears once per
+        call, as ``embedding@1`` for the second: those names are the module's own.
+        """
+        fqn = _CALL_INDEX.sub("", fqn)
         return self._aliases.get(fqn, fqn)
 
     @property

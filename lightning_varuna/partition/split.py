@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 from lightning_varuna._torch_private import generated_code_modules, rename_node
 from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.partition.skeleton import ModelSkeleton
+from lightning_varuna.partition.tracing import traceable_torch_modules
 
 __all__ = ["PipelineGraph", "Source", "TensorMeta", "split_into_stages"]
 
@@ -166,6 +167,7 @@ def split_into_stages(
             skeleton.stand_ins(module),
             torch.autocast(args_device_type(args), enabled=False),
             generated_code_modules(),
+            traceable_torch_modules(),
         ):
             pipe = pipeline(module, mb_args=args, mb_kwargs=kwargs or None)
     except RuntimeError as error:
