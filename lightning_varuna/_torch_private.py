@@ -32,10 +32,15 @@ from torch.export.unflatten import _disable_interpreter as generated_code_module
 # stage's submodule (Hugging Face BERT's `attention.self`). tests/test_real_models.py.
 from torch.fx.node import Node
 
+# The base of BatchNorm and InstanceNorm, whose running statistics each data-parallel replica updates from its own
+# micro-batches: VarunaStrategy gives every replica the first one's after each step. tests/test_real_models.py.
+from torch.nn.modules.batchnorm import _NormBase as NormWithRunningStats
+
 rename_node = Node._rename
 
 __all__ = [
     "FsspecReader",
+    "NormWithRunningStats",
     "FsspecWriter",
     "flatten_dense_tensors",
     "generated_code_modules",

@@ -1,4 +1,5 @@
-"""Sum a stage's gradients over its data-parallel replicas: the one all-reduce of every training step."""
+"""Keep a stage's replicas in step: its gradients summed over them (the one all-reduce of every training step) and
+its buffers taken from the first replica."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from torch import Tensor
 
 from lightning_varuna._torch_private import flatten_dense_tensors, unflatten_dense_tensors
 
-__all__ = ["sum_gradients"]
+__all__ = ["broadcast_buffers", "sum_gradients"]
 
 
 def sum_gradients(grads: list[Tensor], group: dist.ProcessGroup | None, replicas: int) -> list[Tensor]:
@@ -17,3 +18,13 @@ def sum_gradients(grads: list[Tensor], group: dist.ProcessGroup | None, replicas
     flat = flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
     return list(unflatten_dense_tensors(flat, grads))
+
+
+def broadcast_buffers(buffers: list[Tensor], group: dist.ProcessGroup | None, src: int, replicas: int) -> None:
+    """Give every replica the buffers of global rank ``src`` (BatchNorm's running statistics), as DDP does with
+    ``broadcast_buffers=True``: each replica updated them from its own micro-batches, and the replicas must hold one
+    model."""
+    if not buffers or replicas == 1:
+        return
+    for buffer in buffers:
+        dist.broadcast(buffer, src, group=group)

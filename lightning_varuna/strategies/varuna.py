@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from torch.utils.data import BatchSampler, DistributedSampler
 from typing_extensions import override
 
+from lightning_varuna._torch_private import NormWithRunningStats
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
 from lightning_varuna.checkpoint.storage import Storage
@@ -48,7 +49,7 @@ from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.partition.discovery import forward_with_cutpoints, profile_segments
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
-from lightning_varuna.pipeline.gradients import sum_gradients
+from lightning_varuna.pipeline.gradients import broadcast_buffers, sum_gradients
 from lightning_varuna.pipeline.microbatch import (
     batch_size_of,
     default_micro_batch_size,
@@ -464,6 +465,11 @@ class VarunaStrategy(ParallelStrategy):
             boundaries = []
         cut = f"cut at CutPoints {boundaries}" if boundaries else "not cut"
         rank_zero_info(f"VarunaStrategy: {num_stages} stage(s), {cut}")
+        if any(isinstance(m, NormWithRunningStats) for m in module.modules()):
+            rank_zero_info(
+                f"VarunaStrategy: batch normalization sees one micro-batch ({self.micro_batch_size} rows) at a time, "
+                "as in GPipe; every replica keeps the first replica's running statistics, as DDP does."
+            )
         _, output_spec = tree_flatten(example_output)
         plan = _StagePlan(module, boundaries, self.topology, output_spec, self.root_device, self._message_groups)
         graph, stage_module = plan.stage_for(args, kwargs)
@@ -690,9 +696,22 @@ class VarunaStrategy(ParallelStrategy):
             timeline.append(("all-reduce", start, time.time()))
         for p, g in zip(params, grads):
             p.grad = g
+        statistics = self._running_statistics()
+        broadcast_buffers(statistics, self._dp_group, topo.replica_ranks()[0], topo.data_parallel_size)
         if getattr(self.precision_plugin, "scaler", None) is not None:
             self._agree_on_overflow(params)
         return closure_loss
+
+    def _running_statistics(self) -> list[Tensor]:
+        """The buffers of this stage that training updates: the running statistics of its normalization layers
+        (BatchNorm, InstanceNorm), not constant buffers such as a positional encoding."""
+        return [
+            buffer
+            for module in self.lightning_module.modules()
+            if isinstance(module, NormWithRunningStats)
+            for buffer in module.buffers(recurse=False)
+            if buffer is not None
+        ]
 
     def _agree_on_overflow(self, params: list[Tensor]) -> None:
         """If any stage overflowed in fp16, make every stage's scaler see it, so all skip the step alike."""

@@ -1,0 +1,56 @@
+"""Train models of `real_models` one after another with VarunaStrategy, in the processes torchrun started.
+
+    torchrun --nproc-per-node=N tests/run_real_models.py OUT_DIR '{"models": [...], "pipeline_parallel_size": P, ...}'
+
+For each model writes ``OUT_DIR/<model>/losses.json`` (rank 0: the logged train loss of every step) and
+``OUT_DIR/<model>/rank{r}.pt`` (each rank's parameters and buffers by name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(__file__))
+from models import RecordLosses  # noqa: E402
+from real_models import build  # noqa: E402
+
+from lightning_varuna import VarunaStrategy  # noqa: E402
+
+
+def train(name: str, out_dir: str, config: dict) -> None:
+    model, data = build(name)
+    strategy = VarunaStrategy(
+        pipeline_parallel_size=config["pipeline_parallel_size"], micro_batch_size=config["micro_batch_size"]
+    )
+    record = RecordLosses()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=strategy,
+        max_steps=config["steps"],
+        callbacks=[record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=config["batch_size"]))
+    folder = os.path.join(out_dir, name)
+    os.makedirs(folder, exist_ok=True)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(state, os.path.join(folder, f"rank{trainer.global_rank}.pt"))
+    if trainer.is_global_zero:
+        with open(os.path.join(folder, "losses.json"), "w") as f:
+            json.dump({"losses": record.losses, "shape": [strategy.topology.pipeline_parallel_size,
+                                                         strategy.topology.data_parallel_size]}, f)
+
+
+if __name__ == "__main__":
+    out, config = sys.argv[1], json.loads(sys.argv[2])
+    for model_name in config["models"]:
+        train(model_name, out, config)

@@ -1,0 +1,104 @@
+"""Models users bring, pipelined at two or more shapes, train like one device (real processes, gloo).
+
+The models are in `real_models` (Hugging Face ResNet, BERT and GPT-2, Lightning's demo Transformer, an
+``nn.TransformerEncoder`` and an MLP with BatchNorm). The single-device reference trains the same global batches
+(Lightning's DistributedSampler shuffles them) and runs each batch as the same micro-batches, so that BatchNorm sees
+the batches the pipeline's stages see; every rank's parameters and buffers (BatchNorm's running statistics too) must
+equal the reference's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import lightning as L
+import pytest
+import torch
+from conftest import run_job
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from models import RecordLosses
+from reference import GlobalBatches
+from torch.utils.data import DataLoader
+
+from lightning_varuna.pipeline.microbatch import batch_size_of, split_microbatches
+
+pytest.importorskip("transformers", reason="the real-model tests train Hugging Face models: pip install transformers")
+from real_models import ROWS, build  # noqa: E402
+
+RUNNER = os.path.join(os.path.dirname(__file__), "run_real_models.py")
+STEPS = 3
+
+# (P, D) -> the models trained at that shape: each model at two shapes.
+SHAPES = {
+    (2, 1): ["bn_mlp", "resnet", "bert", "gpt2", "demo_transformer", "causal_encoder"],
+    (2, 2): ["bn_mlp", "bert", "demo_transformer"],
+    (1, 2): ["resnet", "causal_encoder"],
+    (3, 1): ["gpt2"],
+}
+BATCH, MICRO_BATCH = 4, 2  # per replica: micro-batches [2, 2]
+
+
+def reference(name: str, data_parallel_size: int) -> tuple[list[float], dict[str, torch.Tensor], set[str]]:
+    """One device, the same global batches, each run as the pipeline's micro-batches (loss weighted by rows).
+
+    Returns the logged losses, the final state dict and the names of the buffers.
+    """
+    model, data = build(name)
+    step_loss = model.step_loss
+
+    def microbatched(batch, batch_idx):  # noqa: ANN001, ANN202
+        rows = batch_size_of(batch)
+        parts = split_microbatches(batch, MICRO_BATCH)
+        loss = sum(step_loss(part) * (batch_size_of(part) / rows) for part in parts)
+        model.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    model.training_step = microbatched
+    record = RecordLosses()
+    sampler = GlobalBatches(ROWS, BATCH, data_parallel_size, seed=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        callbacks=[record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_sampler=sampler))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return record.losses, state, {name for name, _ in model.named_buffers()}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES), ids=[f"P{p}xD{d}" for p, d in SHAPES])
+def test_real_models_train_like_one_device(tmp_path, shape):
+    pp, dp = shape
+    config = dict(
+        models=SHAPES[shape], pipeline_parallel_size=pp, batch_size=BATCH, micro_batch_size=MICRO_BATCH, steps=STEPS
+    )
+    launch = ["-m", "torch.distributed.run", f"--nproc-per-node={pp * dp}", f"--master-port={find_free_network_port()}"]
+    proc = run_job([*launch, RUNNER, str(tmp_path), json.dumps(config)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for name in SHAPES[shape]:
+        result = json.loads((tmp_path / name / "losses.json").read_text())
+        assert result["shape"] == [pp, dp]
+        losses, weights, buffer_names = reference(name, dp)
+        assert len(result["losses"]) == len(losses) == STEPS
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-4, atol=1e-5)
+        seen = set()
+        shards = [torch.load(tmp_path / name / f"rank{rank}.pt") for rank in range(pp * dp)]
+        for rank, shard in enumerate(shards):
+            first_replica = shards[rank % pp]  # the same stage in replica 0
+            for key, value in shard.items():
+                # Buffers (BatchNorm's running statistics) are replica 0's on every replica, as under DDP: with one
+                # replica they are the single device's.
+                expected = weights[key] if dp == 1 or key not in buffer_names else first_replica[key]
+                where = f"{name}: {key} on rank {rank}"
+                if value.is_floating_point():
+                    torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-5, msg=lambda m, w=where: w + m)
+                else:
+                    assert torch.equal(value, expected), where
+                seen.add(key)
+        assert seen == set(weights), f"{name}: no rank holds {sorted(set(weights) - seen)}"
