@@ -10,10 +10,11 @@ from models import DIM, SEQ, VOCAB, TinyLM
 from torch import nn
 
 from lightning_varuna import CutPoint
-from lightning_varuna.partition.discovery import discover_cutpoints, profile_segments
+from lightning_varuna.partition.discovery import discover_cutpoints
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, Source, TensorMeta, split_into_stages
 from lightning_varuna.pipeline.schedules import dry_run, forward_only, gpipe, one_f_one_b
+from lightning_varuna.profiling.segments import measure_segments
 
 BATCH = 4
 BOUNDARIES = ["cuts.1", "cuts.3"]
@@ -142,31 +143,32 @@ def test_cutpoint_is_identity_outside_discovery():
     Twice()(x)
 
 
-def test_profile_segments_on_tinylm(model, idx):
-    profile = profile_segments(model, (idx,), repeats=1)
-    assert profile.cutpoint_names == ["cuts.0", "cuts.1", "cuts.2", "cuts.3"]
-    assert profile.num_segments == 5
-    assert len(profile.forward_seconds) == len(profile.backward_seconds) == 5
-    assert len(profile.costs) == 5
-    assert all(c >= 0 for c in profile.costs)
-    assert all(t >= 0 for t in profile.forward_seconds + profile.backward_seconds)
-    assert profile.costs == [f + b for f, b in zip(profile.forward_seconds, profile.backward_seconds)]
-    # Profiling leaves no gradients and no observers behind.
+def test_measure_segments_on_tinylm(model, idx):
+    timings = measure_segments(model, (idx,), repeats=1)
+    assert len(timings) == 5  # 4 CutPoints
+    assert all(t.forward_s >= 0 and t.backward_s >= 0 and t.forward_no_grad_s >= 0 for t in timings)
+    assert timings[-1].output_bytes == 0 and all(t.output_bytes > 0 for t in timings[:-1])
+    # Measuring leaves no gradients and no observers behind.
     assert all(p.grad is None for p in model.parameters())
     assert all(cut._observer is None for cut in all_cutpoints(model))
 
 
-def test_profile_segments_without_cutpoints():
-    profile = profile_segments(nn.Linear(3, 2), (torch.randn(4, 3),), repeats=2)
-    assert profile.cutpoint_names == []
-    assert profile.num_segments == 1
-    assert len(profile.costs) == 1
-    assert profile.costs[0] >= 0
+def test_measure_segments_without_cutpoints():
+    timings = measure_segments(nn.Linear(3, 2), (torch.randn(4, 3),), repeats=2)
+    assert len(timings) == 1 and timings[0].forward_s >= 0
 
 
-def test_profile_segments_reports_cutpoint_errors():
+def test_measure_segments_reports_cutpoint_errors():
     with pytest.raises(ValueError, match="twice"):
-        profile_segments(Twice(), (torch.randn(2, 3),), repeats=1)
+        measure_segments(Twice(), (torch.randn(2, 3),), repeats=1)
+
+
+def test_measuring_leaves_batchnorm_statistics_alone():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    measure_segments(model, (torch.randn(8, 3),), repeats=2)
+    discover_cutpoints(model, (torch.randn(8, 3),))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 # ---------------------------------------------------------------------------------------------- skeleton

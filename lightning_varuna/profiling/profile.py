@@ -11,6 +11,11 @@ from lightning_varuna.checkpoint.storage import Storage
 __all__ = ["LinearCost", "ModelProfile", "ProfiledSegment", "RuntimeOverheads", "SegmentTiming"]
 
 
+def segment_costs(timings: list[SegmentTiming]) -> list[float]:
+    """Forward + backward seconds of each segment: what the stages are balanced by."""
+    return [t.forward_s + t.backward_s for t in timings]
+
+
 @dataclass
 class SegmentTiming:
     """One segment at one micro-batch size and thread count."""
@@ -152,8 +157,7 @@ class ModelProfile:
 
     def segment_costs(self, threads: int, micro_batch_size: int) -> list[float]:
         """Forward + backward seconds of each segment: what the stages are balanced by."""
-        timings = (self.timing(i, threads, micro_batch_size) for i in range(len(self.segments)))
-        return [t.forward_s + t.backward_s for t in timings]
+        return segment_costs([self.timing(i, threads, micro_batch_size) for i in range(len(self.segments))])
 
     def optimizer_step_s(self, segment: int, threads: int) -> float:
         """The optimizer step time of a segment's parameters at the nearest profiled thread count (0 if none)."""

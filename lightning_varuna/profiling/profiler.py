@@ -16,12 +16,12 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves, tree_map
 from tqdm.auto import tqdm
 
-from lightning_varuna.partition.discovery import _float_leaves, _observe_cutpoints, buffers_kept, timed_pass
+from lightning_varuna.partition.discovery import buffers_kept, observe_cutpoints
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
 from lightning_varuna.pipeline.microbatch import batch_size_of
-from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.profiling.profile import ModelProfile, ProfiledSegment, SegmentTiming
+from lightning_varuna.profiling.segments import float_leaves, measure_segments
 
 __all__ = ["default_thread_counts", "profile_model", "resize_batch"]
 
@@ -101,7 +101,7 @@ def profile_model(
                 inputs = resize_batch((args, kwargs), mb)
                 if mb not in traced:
                     traced[mb] = _trace_as_one_stage(module, *inputs)
-                timings = _measure(module, *inputs, repeats)
+                timings = measure_segments(module, *inputs, repeats)
                 ratios = _runtime_ratio(module, traced[mb], *inputs, repeats)
                 for segment, timing in zip(segments, timings):
                     segment.timings.setdefault(threads, {})[mb] = _scaled_time(timing, ratios)
@@ -139,7 +139,7 @@ def _describe_segments(
     try:
         with (
             torch.no_grad(),
-            _observe_cutpoints(module, batch_size_of((args, kwargs)), on_call=lambda x: None) as order,
+            observe_cutpoints(module, batch_size_of((args, kwargs)), on_call=lambda x: None) as order,
         ):
             module(*args, **kwargs)
     finally:
@@ -169,39 +169,6 @@ def _describe_segments(
 
 
 # ------------------------------------------------------------------------------------------------ timings
-def _measure(module: nn.Module, args: tuple, kwargs: dict, repeats: int) -> list[SegmentTiming]:
-    """Each segment's timings from the fastest of ``repeats`` passes: the machine's speed when nothing else
-    interferes (a busy neighbour on a shared machine slows some passes, never speeds one up)."""
-    weights = [*module.parameters(), *module.buffers()]
-    sized = timed_pass(module, args, kwargs, SavedTensorMeter(exclude=weights))  # also the warm-up
-    runs = [timed_pass(module, args, kwargs) for _ in range(repeats)]  # timed without the meter's overhead
-    fastest = min(runs, key=lambda run: sum(run["forward"]) + sum(run["backward"]))
-    fastest_no_grad = min((_one_forward_no_grad(module, args, kwargs) for _ in range(repeats)), key=sum)
-    return [
-        SegmentTiming(
-            forward_s=fastest["forward"][i],
-            forward_no_grad_s=fastest_no_grad[i],
-            backward_s=fastest["backward"][i],
-            activation_bytes=sized["saved"][i],
-            output_bytes=sized["outputs"][i],
-        )
-        for i in range(len(fastest["forward"]))
-    ]
-
-
-def _one_forward_no_grad(module: nn.Module, args: tuple, kwargs: dict) -> list[float]:
-    marks: list[float] = []
-    with (
-        torch.no_grad(),
-        _observe_cutpoints(module, batch_size_of(args), on_call=lambda x: marks.append(time.perf_counter())),
-    ):
-        start = time.perf_counter()
-        module(*args, **kwargs)
-        end = time.perf_counter()
-    bounds = [start, *marks, end]
-    return [b - a for a, b in zip(bounds, bounds[1:])]
-
-
 # --------------------------------------------------------------------------------------- runtime overhead
 def _trace_as_one_stage(module: nn.Module, args: tuple, kwargs: dict) -> tuple[PipelineGraph, fx.GraphModule]:
     """The traced module VarunaStrategy runs for a stage (here: the whole model as one stage)."""
@@ -224,11 +191,11 @@ def _runtime_ratio(
     stage_args = [leaves[src.index] for src in graph.stage_inputs[0]]
 
     def eager() -> list[Tensor]:
-        return _float_leaves(module(*args, **kwargs))
+        return float_leaves(module(*args, **kwargs))
 
     def pipelined() -> list[Tensor]:
         outputs = stage(*stage_args)
-        return _float_leaves(outputs if isinstance(outputs, tuple) else (outputs,))
+        return float_leaves(outputs if isinstance(outputs, tuple) else (outputs,))
 
     times = {}
     for name, forward in (("eager", eager), ("pipelined", pipelined)):

@@ -46,7 +46,7 @@ from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, opti
 from lightning_varuna.checkpoint.storage import Storage
 from lightning_varuna.data.resumable import DataPosition, continue_unfinished_epoch, epoch_rows, resumable_loader
 from lightning_varuna.partition.balance import balance_stages
-from lightning_varuna.partition.discovery import forward_with_cutpoints, profile_segments
+from lightning_varuna.partition.discovery import forward_with_cutpoints
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
 from lightning_varuna.pipeline.gradients import broadcast_buffers, sum_gradients
@@ -62,7 +62,8 @@ from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
 from lightning_varuna.pipeline.shared_params import SharedParameters
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.profiling.autoconfig import choose_configs, format_ranking
-from lightning_varuna.profiling.profile import ModelProfile
+from lightning_varuna.profiling.profile import ModelProfile, segment_costs
+from lightning_varuna.profiling.segments import measure_segments
 from lightning_varuna.profiling.simulator import Config
 from lightning_varuna.strategies.resume_last import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_varuna.strategies.step_logging import LogRecorder, replay
@@ -484,7 +485,7 @@ class VarunaStrategy(ParallelStrategy):
             module = self.lightning_module
             assert module is not None
             costs = (
-                profile_segments(module, args, kwargs, repeats=self.profile_repeats).costs
+                segment_costs(measure_segments(module, args, kwargs, repeats=self.profile_repeats))
                 if self.is_global_zero
                 else None
             )
