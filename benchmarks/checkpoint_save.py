@@ -116,7 +116,7 @@ def use_dcp_defaults() -> None:
     """Write and read as torch.distributed.checkpoint's own fsspec writer and reader do (one file and one thread per
     rank; items read in plan order through the stream's read-ahead cache): the comparison for our settings."""
     from lightning_varuna._torch_private import FsspecReader, FsspecWriter
-    from lightning_varuna.checkpoint.storage import Storage
+    from lightning_varuna.storage import Storage
 
     Storage.dcp_writer = lambda self, url: FsspecWriter(str(url), sync_files=False, **self.fs_options)
     Storage.dcp_reader = lambda self, url: FsspecReader(str(url), **self.fs_options)
@@ -188,7 +188,7 @@ def main() -> None:
     import s3fs
     from moto.server import ThreadedMotoServer
 
-    from lightning_varuna.checkpoint.storage import Storage
+    from lightning_varuna.storage import Storage
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from lightning_varuna.checkpoint.consolidate import consolidate
-from lightning_varuna.checkpoint.storage import Storage
+from lightning_varuna.storage import Storage
 
 __all__ = ["main"]
 

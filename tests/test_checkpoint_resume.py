@@ -14,7 +14,7 @@ from reference import train_reference
 from upload_hooks import describe_store, step_of
 
 from lightning_varuna.checkpoint.layout import COMMIT_MARKER, IncompleteCheckpointError, open_complete
-from lightning_varuna.checkpoint.storage import Storage
+from lightning_varuna.storage import Storage
 
 RUNNER = os.path.join(os.path.dirname(__file__), "run_pipelined.py")
 GLOBAL_BATCH, ROWS, EPOCHS = 6, 18, 4  # 3 steps per epoch

@@ -28,7 +28,7 @@ from lightning_varuna.checkpoint.layout import COMMIT_MARKER, IncompleteCheckpoi
 from lightning_varuna.checkpoint.range_reader import RangeReader
 from lightning_varuna.checkpoint.sharded import read_tensors
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
-from lightning_varuna.checkpoint.storage import Storage
+from lightning_varuna.storage import Storage
 
 
 def trainer(**kwargs) -> L.Trainer:

@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_varuna import MorphCallback, VarunaStrategy
 from lightning_varuna.checkpoint.layout import open_complete
-from lightning_varuna.checkpoint.storage import Storage
 from lightning_varuna.slurm import requeue_job
+from lightning_varuna.storage import Storage
 
 RUNNER = os.path.join(os.path.dirname(__file__), "run_elastic.py")
 GLOBAL_BATCH, ROWS, EPOCHS = 6, 24, 2  # 4 steps per epoch

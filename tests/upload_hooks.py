@@ -17,7 +17,7 @@ import lightning as L
 
 from lightning_varuna.checkpoint.consolidate import consolidate
 from lightning_varuna.checkpoint.layout import IncompleteCheckpointError, versions
-from lightning_varuna.checkpoint.storage import Storage
+from lightning_varuna.storage import Storage
 
 HOLD_TIMEOUT = 120.0  # seconds: a hold that nobody releases fails the upload instead of hanging the job
 

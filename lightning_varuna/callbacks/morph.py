@@ -31,8 +31,8 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_varuna.checkpoint.storage import Storage, join
 from lightning_varuna.slurm import requeue_job, requeue_signal
+from lightning_varuna.storage import Storage, join
 
 __all__ = ["MorphCallback"]
 

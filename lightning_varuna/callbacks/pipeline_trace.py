@@ -8,9 +8,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 
-from lightning_varuna.checkpoint.storage import Storage
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.profiling.trace import Span, chrome_trace, work_of
+from lightning_varuna.storage import Storage
 
 __all__ = ["PipelineTrace"]
 

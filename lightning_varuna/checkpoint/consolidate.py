@@ -7,7 +7,7 @@ from typing import Any
 from lightning_varuna.checkpoint.layout import open_complete
 from lightning_varuna.checkpoint.sharded import read_tensors, read_training_state
 from lightning_varuna.checkpoint.state import empty_like_entry
-from lightning_varuna.checkpoint.storage import Storage
+from lightning_varuna.storage import Storage
 
 __all__ = ["consolidate"]
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_varuna.checkpoint.storage import Storage, join
+from lightning_varuna.storage import Storage, join
 
 __all__ = [
     "COMMIT_MARKER",

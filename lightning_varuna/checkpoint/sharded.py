@@ -36,8 +36,8 @@ from lightning_varuna.checkpoint.layout import (
     versions,
 )
 from lightning_varuna.checkpoint.state import destination_for, parameter_names
-from lightning_varuna.checkpoint.storage import REMOTE_WRITE_THREADS, Storage, join
 from lightning_varuna.checkpoint.uploads import BackgroundUploads
+from lightning_varuna.storage import REMOTE_WRITE_THREADS, Storage, join
 
 __all__ = ["ShardedCheckpoints", "read_tensors", "read_training_state"]
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_varuna.checkpoint.storage import Storage
+from lightning_varuna.storage import Storage
 
 __all__ = ["LinearCost", "ModelProfile", "ProfiledSegment", "RuntimeOverheads", "SegmentTiming"]
 

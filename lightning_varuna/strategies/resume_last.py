@@ -28,11 +28,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_varuna.callbacks.morph import MorphCallback
 from lightning_varuna.checkpoint.layout import find_newest
-from lightning_varuna.checkpoint.storage import join
 from lightning_varuna.slurm import is_requeued_job, job_id, requeue_signal
+from lightning_varuna.storage import join
 
 if TYPE_CHECKING:
-    from lightning_varuna.checkpoint.storage import Storage
+    from lightning_varuna.storage import Storage
 
 __all__ = [
     "MultiProcessingLauncher",

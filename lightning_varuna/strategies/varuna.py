@@ -43,7 +43,6 @@ from typing_extensions import override
 from lightning_varuna._torch_private import NormWithRunningStats
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
-from lightning_varuna.checkpoint.storage import Storage
 from lightning_varuna.data.resumable import DataPosition, continue_unfinished_epoch, epoch_rows, resumable_loader
 from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.partition.discovery import forward_with_cutpoints
@@ -65,6 +64,7 @@ from lightning_varuna.profiling.autoconfig import choose_configs, format_ranking
 from lightning_varuna.profiling.profile import ModelProfile, segment_costs
 from lightning_varuna.profiling.segments import measure_segments
 from lightning_varuna.profiling.simulator import Config
+from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.resume_last import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_varuna.strategies.step_logging import LogRecorder, replay
 
