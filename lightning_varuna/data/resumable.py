@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
-from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+from lightning_varuna._lightning_private import dataloader_init_args, reinstantiate_dataloader
 
 __all__ = ["DataPosition", "ResumableDistributedSampler", "continue_unfinished_epoch", "epoch_rows", "resumable_loader"]
 
@@ -95,7 +95,7 @@ def resumable_loader(
         drop_last=sampler.drop_last,
     )
     resumable.resume_from = resume_from
-    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, resumable)
+    args, kwargs = dataloader_init_args(dataloader, resumable)
     kwargs.update(
         sampler=None,
         shuffle=False,
@@ -103,7 +103,7 @@ def resumable_loader(
         batch_size=1,
         drop_last=False,
     )
-    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+    return reinstantiate_dataloader(dataloader, *args, **kwargs)
 
 
 def epoch_rows(loader: DataLoader, replicas: int) -> int:

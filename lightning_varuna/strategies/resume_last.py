@@ -21,11 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_varuna._lightning_private import (
+    CheckpointConnector,
+    MultiProcessingLauncherBase,
+    SubprocessScriptLauncherBase,
+)
 from lightning_varuna.callbacks.morph import MorphCallback
 from lightning_varuna.checkpoint.layout import find_newest
 from lightning_varuna.slurm import is_requeued_job, job_id, requeue_signal
@@ -76,7 +79,7 @@ def add_requeue_callback(trainer: pl.Trainer) -> None:
     trainer.callbacks.append(MorphCallback(dirpath, signal=signum))
 
 
-class _VarunaCheckpointConnector(_CheckpointConnector):
+class _VarunaCheckpointConnector(CheckpointConnector):
     def _parse_ckpt_path(self, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
         folders = checkpoint_folders(self.trainer)
         requeued = is_requeued_job() and requeue_signal(self.trainer) is not None
@@ -96,16 +99,16 @@ class _PrepareTrainer:
     """
 
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        if trainer is not None and type(trainer._checkpoint_connector) is _CheckpointConnector:
+        if trainer is not None and type(trainer._checkpoint_connector) is CheckpointConnector:
             trainer._checkpoint_connector.__class__ = _VarunaCheckpointConnector
         if trainer is not None:
             add_requeue_callback(trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-class SubprocessScriptLauncher(_PrepareTrainer, _SubprocessScriptLauncher):
+class SubprocessScriptLauncher(_PrepareTrainer, SubprocessScriptLauncherBase):
     """Lightning's launcher for ``devices=N`` / torchrun / SLURM, with the trainer prepared as described above."""
 
 
-class MultiProcessingLauncher(_PrepareTrainer, _MultiProcessingLauncher):
+class MultiProcessingLauncher(_PrepareTrainer, MultiProcessingLauncherBase):
     """Lightning's spawn/fork launcher, with the trainer prepared as described above."""

@@ -20,14 +20,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -40,6 +33,14 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from torch.utils.data import BatchSampler, DistributedSampler
 from typing_extensions import override
 
+from lightning_varuna._lightning_private import (
+    default_process_group_backend,
+    distributed_is_initialized,
+    init_dist_connection,
+    optimizer_to_device,
+    optimizers_to_device,
+    sync_ddp_if_available,
+)
 from lightning_varuna._torch_private import NormWithRunningStats
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
@@ -257,7 +258,7 @@ class VarunaStrategy(ParallelStrategy):
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or default_process_group_backend(self.root_device)
         self._process_group_backend = backend
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
@@ -331,8 +332,8 @@ class VarunaStrategy(ParallelStrategy):
         # interpreter finalises before the groups are destroyed: destroy them while it is still alive.
         atexit.unregister(_destroy_process_groups)
         atexit.register(_destroy_process_groups)
-        if not isinstance(self.cluster_environment, TorchElasticEnvironment) or _distributed_is_initialized():
-            _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        if not isinstance(self.cluster_environment, TorchElasticEnvironment) or distributed_is_initialized():
+            init_dist_connection(self.cluster_environment, backend, **kwargs)
             return
         # torchrun keeps its store across the restarts of a job: key the process groups by restart (after a
         # failure) and world size (after machines joined), or the groups of a restarted job read the addresses
@@ -346,12 +347,12 @@ class VarunaStrategy(ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
+        if distributed_is_initialized():
             dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return obj
         objects = [obj]
         dist.broadcast_object_list(objects, src, group=_group.WORLD)
@@ -360,7 +361,7 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
@@ -427,7 +428,7 @@ class VarunaStrategy(ParallelStrategy):
             scaler.scale(torch.zeros((), device=self.root_device))
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _choose_micro_batch_size(self, trainer: pl.Trainer) -> None:
         """The default ``micro_batch_size``, from the replica's batch and the number of stages (logged once)."""
@@ -787,7 +788,7 @@ class VarunaStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         for optimizer, by_name in zip(self.optimizers, checkpoint["optimizer_states"]):
             load_optimizer_state_by_name(_unwrapped(optimizer), self.lightning_module, by_name)
-            _optimizer_to_device(optimizer, self.root_device)
+            optimizer_to_device(optimizer, self.root_device)
 
     def wait_for_checkpoints(self) -> None:
         """Return on every rank once the checkpoints saved so far are committed (with ``checkpoint_tempdir``:
@@ -810,7 +811,7 @@ class VarunaStrategy(ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         normal_end = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         try:
-            self._checkpoints.wait(collective=normal_end and _distributed_is_initialized())
+            self._checkpoints.wait(collective=normal_end and distributed_is_initialized())
         finally:
             super().teardown()
 
@@ -931,7 +932,7 @@ def _first_batch(trainer: pl.Trainer) -> Any:
 
 
 def _destroy_process_groups() -> None:
-    if _distributed_is_initialized():
+    if distributed_is_initialized():
         dist.destroy_process_group()
 
 

@@ -1,0 +1,50 @@
+"""The private Lightning APIs lightning-varuna relies on, all in one place (verified with lightning 2.6.6).
+
+None has a public equivalent that does the same. If a Lightning release moves or changes one, this is the file to
+change; the tests that exercise each are named below. Private attributes used on Lightning objects are listed too.
+"""
+
+from __future__ import annotations
+
+# Re-making the training DataLoader around a resumable sampler with the user's other arguments (as Lightning's
+# own distributed sampler injection does). tests/test_morph.py, tests/test_data_position.py.
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls as reinstantiate_dataloader
+
+# Process-group set-up and helpers of Lightning's own DDP strategies. tests/test_parity.py.
+from lightning.fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device as default_process_group_backend,
+)
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
+
+# Moving optimizer state to the device after a checkpoint is loaded. tests/test_checkpoint_resume.py.
+from lightning.fabric.utilities.optimizer import _optimizer_to_device as optimizer_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+
+# Lightning's process launchers, extended to resume `ckpt_path=None` in a requeued SLURM job and to report the failing
+# rank; its checkpoint connector, extended for `ckpt_path="last"` over sharded checkpoints.
+# tests/test_morph.py, tests/test_checkpoint_resume.py.
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncherBase
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncherBase
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector as CheckpointConnector
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs as dataloader_init_args
+
+# Private attributes and formats read or changed:
+# - `trainer._checkpoint_connector` (its class is swapped for the extended connector): strategies/resume_last.py.
+# - `loop._data_source.dataloader()`: the first batch of the running loop, to trace the model at start-up.
+# - the checkpoint's `loops["fit_loop"]["epoch_progress"]` counters: `data.resumable.continue_unfinished_epoch`.
+
+__all__ = [
+    "CheckpointConnector",
+    "MultiProcessingLauncherBase",
+    "SubprocessScriptLauncherBase",
+    "dataloader_init_args",
+    "default_process_group_backend",
+    "distributed_is_initialized",
+    "init_dist_connection",
+    "optimizer_to_device",
+    "optimizers_to_device",
+    "reinstantiate_dataloader",
+    "sync_ddp_if_available",
+]
