@@ -16,6 +16,8 @@ from upload_hooks import describe_store, step_of
 from lightning_varuna.checkpoint.layout import COMMIT_MARKER, IncompleteCheckpointError, open_complete
 from lightning_varuna.storage import Storage
 
+pytestmark = pytest.mark.slow  # real multi-process jobs
+
 RUNNER = os.path.join(os.path.dirname(__file__), "run_pipelined.py")
 GLOBAL_BATCH, ROWS, EPOCHS = 6, 18, 4  # 3 steps per epoch
 

@@ -14,6 +14,8 @@ import pytest
 from reference import train_reference
 from test_checkpoint_resume import EPOCHS, assert_continues, run, shape
 
+pytestmark = pytest.mark.slow  # real multi-process jobs
+
 
 @pytest.fixture(scope="module")
 def uninterrupted():

@@ -102,6 +102,7 @@ trainer.fit(TinyLM(blocks={blocks}), DataLoader(token_dataset(8), batch_size=4))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("devices", "strategy", "blocks", "match"),
     [

@@ -11,6 +11,8 @@ from conftest import clean_env, run_job
 
 from lightning_varuna import VarunaStrategy
 
+pytestmark = pytest.mark.slow  # real multi-process jobs
+
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
 

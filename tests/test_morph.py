@@ -27,6 +27,8 @@ from lightning_varuna.checkpoint.layout import open_complete
 from lightning_varuna.slurm import requeue_job
 from lightning_varuna.storage import Storage
 
+pytestmark = pytest.mark.slow  # real multi-process jobs
+
 RUNNER = os.path.join(os.path.dirname(__file__), "run_elastic.py")
 GLOBAL_BATCH, ROWS, EPOCHS = 6, 24, 2  # 4 steps per epoch
 

@@ -18,6 +18,8 @@ from reference import train_reference
 from lightning_varuna.pipeline.microbatch import default_micro_batch_size
 from lightning_varuna.profiling.profiler import profile_model
 
+pytestmark = pytest.mark.slow  # real multi-process jobs
+
 RUNNER = os.path.join(os.path.dirname(__file__), "run_pipelined.py")
 
 SHAPES = {

@@ -264,6 +264,7 @@ def test_cli_profiles_and_autoconfigures(tmp_path, capsys):
     assert json.loads(trace.read_text())["traceEvents"]
 
 
+@pytest.mark.slow
 # ------------------------------------------------------------------------------------------- in training
 def test_auto_configured_run_trains_like_one_device_and_traces_its_step(tmp_path):
     """``"auto"`` picks AutoConfig's best for the world size (stages, micro-batch size and schedule); the run

@@ -26,6 +26,8 @@ from lightning_varuna.pipeline.microbatch import batch_size_of, split_microbatch
 pytest.importorskip("transformers", reason="the real-model tests train Hugging Face models: pip install transformers")
 from real_models import ROWS, build  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real multi-process jobs
+
 RUNNER = os.path.join(os.path.dirname(__file__), "run_real_models.py")
 STEPS = 3
 
