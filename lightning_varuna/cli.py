@@ -1,4 +1,4 @@
-"""``lightning-varuna``: command-line tools around VarunaStrategy: checkpoints, profiling and auto-configuration."""
+"""lightning-varuna: command-line tools around VarunaStrategy: checkpoints, profiling and auto-configuration."""
 
 from __future__ import annotations
 
@@ -139,41 +139,63 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `lightning-varuna` command line: one sub-command per tool."""
-    parser = argparse.ArgumentParser(prog="lightning-varuna", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="lightning-varuna",
+        description=__doc__,
+        epilog="Run `lightning-varuna COMMAND --help` for the options of a command.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     merge = commands.add_parser(
         "consolidate",
         help="write a sharded checkpoint as one plain Lightning .ckpt (Model.load_from_checkpoint reads it)",
+        description="Write a sharded checkpoint as one plain Lightning .ckpt (Model.load_from_checkpoint reads it).",
     )
     merge.add_argument("checkpoint", help="the checkpoint folder (any fsspec URL), e.g. s3://bucket/run/last.ckpt")
     merge.add_argument("output", help="the .ckpt file to write (any fsspec URL)")
     merge.add_argument("--storage-options", help='fsspec options as JSON, e.g. \'{"endpoint_url": "http://..."}\'')
     merge.set_defaults(run=_consolidate)
     profile = commands.add_parser(
-        "profile", help="measure each CutPoint segment and the network; write a JSON profile for autoconfig"
+        "profile",
+        help="measure each CutPoint segment and the network; write a JSON profile for autoconfig",
+        description="Measure each CutPoint segment of a model (time, activation and parameter memory, optimizer step) "
+        "and the network between processes; write a JSON profile for autoconfig and VarunaStrategy(profile=...).",
     )
     profile.add_argument("model", help="`package.module:Class` or `path/to/file.py:Class`; needs example_input_array")
     profile.add_argument("--init-args", help="constructor arguments as JSON, e.g. '{\"layers\": 8}'")
     profile.add_argument("--input-shape", help="forward input of zeros of this shape, e.g. 8x64 (rows x ...)")
     profile.add_argument("--input-dtype", default="float32", help="dtype of --input-shape, e.g. int64")
-    profile.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    profile.add_argument(
+        "--micro-batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="micro-batch sizes to time each segment at (default: 1 2 4 8); the simulator interpolates between them",
+    )
     profile.add_argument("--devices", type=int, default=1, help="processes per node to measure communication with")
     profile.add_argument("--output", required=True, help="where to write the profile (any fsspec URL)")
     profile.add_argument("--update", action="store_true", help="keep what the profile at --output already has")
     profile.add_argument("--storage-options", help="fsspec options as JSON")
     profile.set_defaults(run=_profile)
-    auto = commands.add_parser("autoconfig", help="rank every pipeline configuration by simulated step time")
+    auto = commands.add_parser(
+        "autoconfig",
+        help="rank every pipeline configuration by simulated step time",
+        description="Simulate every (stages, replicas, micro-batch size, schedule) for the devices and rank them by "
+        "predicted step time; print the table and the VarunaStrategy(...) to use.",
+    )
     auto.add_argument("--profile", required=True, help="a profile written by `lightning-varuna profile`")
     auto.add_argument("--devices", type=int, required=True, help="devices (processes) in all")
     auto.add_argument("--batch-size", type=int, required=True, help="the global batch size")
-    auto.add_argument("--nodes", type=int, default=1)
+    auto.add_argument("--nodes", type=int, default=1, help="machines the devices are spread over (default: 1)")
     auto.add_argument("--memory-gb", type=float, help="memory per device; configurations needing more are dropped")
     auto.add_argument("--top", type=int, default=20, help="rows of the table")
     auto.add_argument("--trace", help="write the best configuration's predicted timeline here (Chrome trace JSON)")
     auto.add_argument("--storage-options", help="fsspec options as JSON")
     auto.set_defaults(run=_autoconfig)
     calibration = commands.add_parser(
-        "calibrate", help="learn from measured steps (PipelineTrace files) what the profile's segments leave out"
+        "calibrate",
+        help="learn from measured steps (PipelineTrace files) what the profile's segments leave out",
+        description="Learn from measured steps (PipelineTrace files) what the profile's segments leave out: per "
+        "forward, per backward, per message and per step costs; write the calibrated profile.",
     )
     calibration.add_argument("--profile", required=True, help="the profile to calibrate (any fsspec URL)")
     calibration.add_argument(

@@ -99,3 +99,14 @@ def test_the_checks_see_the_readme():
     assert any("VarunaStrategy" in line for line in _import_lines(readme))
     assert "lightning_varuna.pipeline.schedules" in _dotted_names(readme)
     assert any(argv[0] == "profile" for argv in _cli_commands(readme))
+
+
+def test_every_command_line_option_has_help():
+    """`lightning-varuna --help` and each `COMMAND --help` explain every command and option, in plain text."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    assert "``" not in parser.format_help()
+    for name, command in commands.items():
+        assert command.description, f"`lightning-varuna {name}` has no description"
+        for action in command._actions:
+            assert action.help, f"`lightning-varuna {name}` option {action.option_strings or action.dest} has no help"
