@@ -93,12 +93,11 @@ def test_cli_commands_parse(page):
         parser.parse_args(argv)  # exits with argparse's usage error on an unknown command or option
 
 
-def test_the_checks_see_the_readme():
-    """The checks above read what they should: the README's imports, names, calls and commands."""
-    readme = ROOT / "README.md"
-    assert any("VarunaStrategy" in line for line in _import_lines(readme))
-    assert "lightning_varuna.pipeline.schedules" in _dotted_names(readme)
-    assert any(argv[0] == "profile" for argv in _cli_commands(readme))
+def test_the_checks_see_the_docs():
+    """The checks above read what they should: the pages' imports, names, calls and commands."""
+    assert any("VarunaStrategy" in line for line in _import_lines(ROOT / "README.md"))
+    assert "lightning_varuna.pipeline.schedules" in _dotted_names(ROOT / "docs" / "pipelines.md")
+    assert any(argv[0] == "profile" for argv in _cli_commands(ROOT / "docs" / "autoconfig.md"))
 
 
 def test_every_command_line_option_has_help():

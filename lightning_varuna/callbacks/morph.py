@@ -49,7 +49,7 @@ class MorphCallback(Callback):
             checkpoint on SIGTERM). The handler only records the request, so a signal that arrives during a
             checkpoint write does not disturb it. Add ``signal.SIGTERM`` under ``torchrun``: its agent stops
             the workers with SIGTERM (then SIGKILL after 30 s) when machines join or leave (and start it with
-            ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that a joining machine gets in; see the README).
+            ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that a joining machine gets in; see docs/morphing.md).
         machine_list: URL of a file naming the machines available to the job, one host name per line (blank
             lines and ``#`` comments are ignored). When the names differ from the hosts the job runs on, the
             job morphs.
