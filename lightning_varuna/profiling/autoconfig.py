@@ -131,7 +131,7 @@ def format_ranking(predictions: Sequence[Prediction], limit: int | None = 20) ->
     """The ranked configurations as a table: predicted step time, memory and bubble."""
     lines = [
         f"{'rank':>4}  {'P':>2} {'D':>2} {'mb':>3} {'schedule':<8} {'step ms':>9} {'vs best':>8} "
-        f"{'max memory MB':>14} {'bubble':>7}  stages start at segment"
+        f"{'max memory MB':>14} {'bubble':>7}  cut at CutPoints"
     ]
     best = predictions[0].step_s if predictions else 1.0
     for i, p in enumerate(predictions[:limit], 1):
@@ -139,6 +139,6 @@ def format_ranking(predictions: Sequence[Prediction], limit: int | None = 20) ->
         lines.append(
             f"{i:>4}  {c.pipeline_parallel_size:>2} {c.data_parallel_size:>2} {c.micro_batch_size:>3} "
             f"{c.schedule:<8} {p.step_s * 1e3:>9.1f} {p.step_s / best:>7.2f}x {max(p.memory_bytes) / 2**20:>14.1f} "
-            f"{p.bubble:>7.0%}  {p.boundaries}"
+            f"{p.bubble:>7.0%}  {p.cut_at or '-'}"
         )
     return "\n".join(lines)

@@ -56,6 +56,7 @@ class Prediction:
     bubble: float  # share of the pipeline time the stages sit idle, on average
     memory_bytes: list[int]  # peak per stage: parameters, gradients, optimizer state, activations
     boundaries: list[int]  # first segment of each stage
+    cut_at: list[str]  # the CutPoints where stages 1, 2, ... begin (as VarunaStrategy's log names the cut)
     timeline: list[Span] = field(default_factory=list)
 
     def chrome_trace(self) -> str:
@@ -155,6 +156,7 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
         bubble=bubble,
         memory_bytes=memory,
         boundaries=starts,
+        cut_at=[profile.cutpoints[start - 1] for start in starts[1:]],
         timeline=spans if timeline else [],
     )
 
