@@ -10,7 +10,7 @@ fresh processes:
 * ``varuna-lightning-{1f1b,gpipe}``: ``Trainer.fit`` with ``VarunaStrategy(pipeline_parallel_size=2,
   micro_batch_size=4, schedule=...)``; 2 processes (gloo), 4 micro-batches.
 * ``varuna-runtime-{1f1b,gpipe}``: lightning-varuna's ``StageRuntime`` driving the traced stage ``GraphModule``
-  (the ``_StagePlan`` the strategy builds) without Lightning; 2 processes (gloo).
+  (the ``Stage`` the strategy builds) without Lightning; 2 processes (gloo).
 * ``torch-pipelining-{1f1b,gpipe}``: ``torch.distributed.pipelining``'s ``Schedule1F1B`` / ``ScheduleGPipe`` on a
   ``pipeline()`` cut at the same CutPoint; 2 processes (gloo). Its stage modules step through their graphs with
   ``torch.fx.Interpreter``, as a user of ``pipeline()`` gets them.
@@ -240,8 +240,8 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     from torch.utils._pytree import tree_flatten
 
     from lightning_varuna.pipeline.schedules import SCHEDULES
+    from lightning_varuna.pipeline.stage import Stage
     from lightning_varuna.pipeline.topology import Topology
-    from lightning_varuna.strategies.varuna import _StagePlan
 
     rank, world = dist.get_rank(), dist.get_world_size()
     data = make_data(cfg)
@@ -250,7 +250,7 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     example = batches[0][0][: cfg.micro_batch_size]
     with torch.no_grad():
         _, output_spec = tree_flatten(model(example))
-    plan = _StagePlan(model, [cfg.boundary], Topology.from_world(world, rank, world, None), output_spec, example.device)
+    plan = Stage(model, [cfg.boundary], Topology.from_world(world, rank, world, None), output_spec, example.device)
     graph, stage_module = plan.stage_for((example,), {})
     plan.release_other_stages(graph, stage_module)
     params = plan.own_parameters()

@@ -56,8 +56,8 @@ def worker(schedule: str, stages: int, out: Path) -> None:
     from torch.utils._pytree import tree_flatten
 
     from lightning_varuna.pipeline.schedules import SCHEDULES as GENERATORS
+    from lightning_varuna.pipeline.stage import Stage
     from lightning_varuna.pipeline.topology import Topology
-    from lightning_varuna.strategies.varuna import _StagePlan
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -71,7 +71,7 @@ def worker(schedule: str, stages: int, out: Path) -> None:
     example = batches[0][0][: cfg.micro_batch_size]
     with torch.no_grad():
         _, output_spec = tree_flatten(model(example))
-    plan = _StagePlan(model, boundaries, Topology.from_world(stages, rank, stages, None), output_spec, example.device)
+    plan = Stage(model, boundaries, Topology.from_world(stages, rank, stages, None), output_spec, example.device)
     graph, stage_module = plan.stage_for((example,), {})
     plan.release_other_stages(graph, stage_module)
     params = plan.own_parameters()

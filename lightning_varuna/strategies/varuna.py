@@ -47,8 +47,6 @@ from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, opti
 from lightning_varuna.data.resumable import DataPosition, continue_unfinished_epoch, epoch_rows, resumable_loader
 from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.partition.discovery import forward_with_cutpoints
-from lightning_varuna.partition.skeleton import ModelSkeleton
-from lightning_varuna.partition.split import PipelineGraph, split_into_stages
 from lightning_varuna.pipeline.gradients import broadcast_buffers, sum_gradients
 from lightning_varuna.pipeline.microbatch import (
     batch_size_of,
@@ -57,9 +55,9 @@ from lightning_varuna.pipeline.microbatch import (
     microbatch_sizes,
     split_microbatches,
 )
-from lightning_varuna.pipeline.runtime import StageRuntime
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
 from lightning_varuna.pipeline.shared_params import SharedParameters
+from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.profiling.autoconfig import choose_configs, format_ranking
 from lightning_varuna.profiling.profile import ModelProfile, segment_costs
@@ -184,7 +182,7 @@ class VarunaStrategy(ParallelStrategy):
         self._pp_group: dist.ProcessGroup | None = None
         # The stages of a replica, once for its activations and once for its gradients (see `StageRuntime`).
         self._message_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
-        self._stages: _StagePlan | None = None
+        self._stages: Stage | None = None
         self._parked_grads: dict[Tensor, Tensor] | None = None
         self._sync_gradients = True  # False while Lightning accumulates a batch without an optimizer step
         self.checkpoint_storage = Storage(storage_options)
@@ -445,7 +443,7 @@ class VarunaStrategy(ParallelStrategy):
             f"rows for {num_stages} stage(s)); pass `micro_batch_size=` to choose another."
         )
 
-    def _partition(self, trainer: pl.Trainer) -> _StagePlan:
+    def _partition(self, trainer: pl.Trainer) -> Stage:
         module = self.lightning_module
         assert module is not None and self.topology is not None
         for keep, tie in self.shared_weights:
@@ -473,7 +471,7 @@ class VarunaStrategy(ParallelStrategy):
                 "as in GPipe; every replica keeps the first replica's running statistics, as DDP does."
             )
         _, output_spec = tree_flatten(example_output)
-        plan = _StagePlan(module, boundaries, self.topology, output_spec, self.root_device, self._message_groups)
+        plan = Stage(module, boundaries, self.topology, output_spec, self.root_device, self._message_groups)
         graph, stage_module = plan.stage_for(args, kwargs)
         plan.release_other_stages(graph, stage_module)
         plan.shared = SharedParameters(graph.stage_parameters, self.topology, dict(module.named_parameters()))
@@ -815,7 +813,7 @@ class VarunaStrategy(ParallelStrategy):
         finally:
             super().teardown()
 
-    def _stage_plan(self) -> _StagePlan:
+    def _stage_plan(self) -> Stage:
         if self._stages is None:
             raise RuntimeError("VarunaStrategy is not set up: it partitions the model in `Trainer.fit/validate/...`.")
         return self._stages
@@ -827,53 +825,6 @@ _STEP_OF_FN = {
     TrainerFn.TESTING: "test_step",
     TrainerFn.PREDICTING: "predict_step",
 }
-
-
-class _StagePlan:
-    """This rank's stage: the cut, the traced stage module per input shape, its runtime and shared params."""
-
-    def __init__(
-        self,
-        module: pl.LightningModule,
-        boundaries: list[str],
-        topology: Topology,
-        output_spec: Any,
-        device: torch.device,
-        message_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
-    ) -> None:
-        self.module = module
-        self.boundaries = boundaries
-        self.stage_index = topology.pp_rank
-        self.skeleton = ModelSkeleton(module)
-        self._real = dict(_named_tensors(module))
-        self._traced: dict[tuple, tuple[PipelineGraph, torch.fx.GraphModule]] = {}
-        self.runtime = StageRuntime(topology.pp_rank, topology.stage_ranks(), output_spec, device, message_groups)
-        self.shared: SharedParameters
-
-    def stage_for(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, torch.fx.GraphModule]:
-        """The traced stage for inputs of this shape and the module's train/eval mode (traced once each)."""
-        key = (self.module.training, *(_shape_key(leaf) for leaf in tree_leaves((args, kwargs))))
-        if key not in self._traced:
-            # Trace the model's own forward, not the pipelined one a running step patched in.
-            patched = self.module.__dict__.pop("forward", None)
-            with torch.inference_mode(False), torch.enable_grad(), _restored(self.module, "forward", patched):
-                args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, (args, kwargs))
-                self._traced[key] = split_into_stages(
-                    self.module, self.skeleton, self._real, args, kwargs, self.boundaries, self.stage_index
-                )
-            self._traced[key][1].train(self.module.training)
-        return self._traced[key]
-
-    def release_other_stages(self, graph: PipelineGraph, stage_module: torch.fx.GraphModule) -> None:
-        """Free the parameters and buffers that ``stage_module``, this rank's stage, does not use."""
-        keep = graph.stage_parameters[self.stage_index] | {
-            self.skeleton.canonical(name) for name, _ in stage_module.named_buffers(remove_duplicate=False)
-        }
-        self.skeleton.release(self.module, keep)
-        self._real = {name: t for name, t in self._real.items() if name in keep}
-
-    def own_parameters(self) -> list[Tensor]:
-        return list(self.module.parameters())
 
 
 def _sum_present(a: Tensor | None, b: Tensor | None, like: Tensor) -> Tensor:
@@ -888,17 +839,6 @@ def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def _named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    yield from module.named_parameters()
-    yield from module.named_buffers()
-
-
-def _shape_key(leaf: Any) -> Any:
-    if isinstance(leaf, Tensor):
-        return (tuple(leaf.shape), leaf.dtype, leaf.device.type)
-    return repr(leaf)
-
-
 @contextmanager
 def _patched_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
     module.forward = forward  # type: ignore[method-assign]
@@ -906,16 +846,6 @@ def _patched_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> It
         yield
     finally:
         del module.forward
-
-
-@contextmanager
-def _restored(obj: Any, name: str, value: Any) -> Iterator[None]:
-    """Set instance attribute ``name`` back to ``value`` on exit (if ``value`` is not None)."""
-    try:
-        yield
-    finally:
-        if value is not None:
-            setattr(obj, name, value)
 
 
 def _first_batch(trainer: pl.Trainer) -> Any:

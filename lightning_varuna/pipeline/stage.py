@@ -1,0 +1,99 @@
+"""One rank's pipeline stage: the model traced and cut at the chosen CutPoints, the stage module this rank runs,
+its runtime, and the parameters it shares with other stages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from lightning_varuna.partition.skeleton import ModelSkeleton
+from lightning_varuna.partition.split import PipelineGraph, split_into_stages
+from lightning_varuna.pipeline.runtime import StageRuntime
+from lightning_varuna.pipeline.shared_params import SharedParameters
+from lightning_varuna.pipeline.topology import Topology
+
+__all__ = ["Stage"]
+
+
+class Stage:
+    """This rank's pipeline stage of a model cut at ``boundaries``: the traced stage module per input shape, the
+    runtime that runs it, and the parameters it shares with other stages.
+
+    Args:
+        module: the whole model; after `release_other_stages` it holds only this stage's tensors.
+        boundaries: the CutPoints where stages 1, 2, ... begin.
+        topology: this rank's place in the pipeline x data-parallel layout.
+        output_spec: the pytree structure of the model's output (rebuilt on the last stage).
+        device: where received activations and gradients are put.
+        message_groups: the process groups of this replica's activations and gradients (see `StageRuntime`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        boundaries: list[str],
+        topology: Topology,
+        output_spec: Any,
+        device: torch.device,
+        message_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
+    ) -> None:
+        self.module = module
+        self.boundaries = boundaries
+        self.stage_index = topology.pp_rank
+        self.skeleton = ModelSkeleton(module)
+        self._real = dict(_named_tensors(module))
+        self._traced: dict[tuple, tuple[PipelineGraph, torch.fx.GraphModule]] = {}
+        self.runtime = StageRuntime(topology.pp_rank, topology.stage_ranks(), output_spec, device, message_groups)
+        self.shared: SharedParameters
+
+    def stage_for(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, torch.fx.GraphModule]:
+        """The traced stage for inputs of this shape and the module's train/eval mode (traced once each)."""
+        key = (self.module.training, *(_shape_key(leaf) for leaf in tree_leaves((args, kwargs))))
+        if key not in self._traced:
+            # Trace the model's own forward, not the pipelined one a running step patched in.
+            patched = self.module.__dict__.pop("forward", None)
+            with torch.inference_mode(False), torch.enable_grad(), _restored(self.module, "forward", patched):
+                args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, (args, kwargs))
+                self._traced[key] = split_into_stages(
+                    self.module, self.skeleton, self._real, args, kwargs, self.boundaries, self.stage_index
+                )
+            self._traced[key][1].train(self.module.training)
+        return self._traced[key]
+
+    def release_other_stages(self, graph: PipelineGraph, stage_module: torch.fx.GraphModule) -> None:
+        """Free the parameters and buffers that ``stage_module``, this rank's stage, does not use."""
+        keep = graph.stage_parameters[self.stage_index] | {
+            self.skeleton.canonical(name) for name, _ in stage_module.named_buffers(remove_duplicate=False)
+        }
+        self.skeleton.release(self.module, keep)
+        self._real = {name: t for name, t in self._real.items() if name in keep}
+
+    def own_parameters(self) -> list[Tensor]:
+        return list(self.module.parameters())
+
+
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def _shape_key(leaf: Any) -> Any:
+    if isinstance(leaf, Tensor):
+        return (tuple(leaf.shape), leaf.dtype, leaf.device.type)
+    return repr(leaf)
+
+
+@contextmanager
+def _restored(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """Set instance attribute ``name`` back to ``value`` on exit (if ``value`` is not None)."""
+    try:
+        yield
+    finally:
+        if value is not None:
+            setattr(obj, name, value)
