@@ -1,14 +1,24 @@
-"""Keep a stage's replicas in step: its gradients summed over them (the one all-reduce of every training step) and
-its buffers taken from the first replica."""
+"""Everything done to a stage's gradients after its pipelined backward: summed over the replicas (the one all-reduce
+of every optimizer step) and over the stages that hold a tied weight, clipped by the norm over all stages, and
+checked for fp16 overflow on every stage together; and the replicas' BatchNorm statistics kept equal."""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ReduceOp
 
 from lightning_varuna._torch_private import flatten_dense_tensors, unflatten_dense_tensors
+from lightning_varuna.pipeline.shared_params import SharedParameters
 
-__all__ = ["broadcast_buffers", "sum_gradients"]
+__all__ = [
+    "agree_on_overflow",
+    "broadcast_buffers",
+    "clip_grad_norm_across_stages",
+    "reduce_gradients",
+    "sum_gradients",
+]
 
 
 def sum_gradients(grads: list[Tensor], group: dist.ProcessGroup | None, replicas: int) -> list[Tensor]:
@@ -28,3 +38,38 @@ def broadcast_buffers(buffers: list[Tensor], group: dist.ProcessGroup | None, sr
         return
     for buffer in buffers:
         dist.broadcast(buffer, src, group=group)
+
+
+def reduce_gradients(
+    params: list[Tensor], grads: list[Tensor], group: dist.ProcessGroup | None, replicas: int, shared: SharedParameters
+) -> list[Tensor]:
+    """``grads`` of ``params`` summed over the replicas and, for tied weights, over the stages that hold them."""
+    grads = sum_gradients(grads, group, replicas)
+    shared.sum_across_stages(dict(zip(params, grads)))
+    return grads
+
+
+def clip_grad_norm_across_stages(
+    params: list[Tensor], counted: list[Tensor], max_norm: float, group: dist.ProcessGroup | None, stages: int
+) -> Tensor:
+    """Clip the gradients of ``params`` by the norm over the gradients of all stages, as on one device.
+
+    ``counted`` are the parameters whose gradients count towards this stage's share of the norm (a tied weight counts
+    on one stage only). One all-reduce over the stages, as torchtitan does for its pipeline. Returns the total norm.
+    """
+    local = torch.nn.utils.get_total_norm([p.grad for p in counted if p.grad is not None])
+    squared = local.float().pow(2)
+    if stages > 1:
+        dist.all_reduce(squared, group=group)
+    total = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
+    return total
+
+
+def agree_on_overflow(params: list[Tensor], device: torch.device) -> None:
+    """If any stage's gradients overflowed (fp16), make every stage's grad scaler see it, so all skip the step."""
+    overflowed = any(not torch.isfinite(p.grad).all() for p in params if p.grad is not None)
+    found = torch.tensor([float(overflowed)], device=device)
+    dist.all_reduce(found, op=ReduceOp.MAX)
+    if found.item() and params and params[0].grad is not None:
+        params[0].grad.view(-1)[0] = float("inf")

@@ -47,7 +47,12 @@ from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, opti
 from lightning_varuna.data.resumable import DataPosition, continue_unfinished_epoch, epoch_rows, resumable_loader
 from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.partition.discovery import forward_with_cutpoints
-from lightning_varuna.pipeline.gradients import broadcast_buffers, sum_gradients
+from lightning_varuna.pipeline.gradients import (
+    agree_on_overflow,
+    broadcast_buffers,
+    clip_grad_norm_across_stages,
+    reduce_gradients,
+)
 from lightning_varuna.pipeline.microbatch import (
     batch_size_of,
     default_micro_batch_size,
@@ -689,8 +694,7 @@ class VarunaStrategy(ParallelStrategy):
         # The gradients of earlier accumulated batches are in `p.grad`, not yet reduced: reduce them all at once.
         grads = [_sum_present(p.grad, parked.get(p), p) for p in params]
         start = time.time()
-        grads = sum_gradients(grads, self._dp_group, topo.data_parallel_size)
-        self._stage_plan().shared.sum_across_stages(dict(zip(params, grads)))
+        grads = reduce_gradients(params, grads, self._dp_group, topo.data_parallel_size, self._stage_plan().shared)
         timeline = self._stage_plan().runtime.timeline
         if timeline is not None:
             timeline.append(("all-reduce", start, time.time()))
@@ -699,7 +703,7 @@ class VarunaStrategy(ParallelStrategy):
         statistics = self._running_statistics()
         broadcast_buffers(statistics, self._dp_group, topo.replica_ranks()[0], topo.data_parallel_size)
         if getattr(self.precision_plugin, "scaler", None) is not None:
-            self._agree_on_overflow(params)
+            agree_on_overflow(params, self.root_device)
         return closure_loss
 
     def _running_statistics(self) -> list[Tensor]:
@@ -713,30 +717,13 @@ class VarunaStrategy(ParallelStrategy):
             if buffer is not None
         ]
 
-    def _agree_on_overflow(self, params: list[Tensor]) -> None:
-        """If any stage overflowed in fp16, make every stage's scaler see it, so all skip the step alike."""
-        found = torch.tensor(
-            [float(any(not torch.isfinite(p.grad).all() for p in params if p.grad is not None))],
-            device=self.root_device,
-        )
-        dist.all_reduce(found, op=ReduceOp.MAX)
-        if found.item() and params and params[0].grad is not None:
-            params[0].grad.view(-1)[0] = float("inf")
-
     def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
-        """Clip by the norm over the gradients of all stages, as on one device."""
-        plan = self._stage_plan()
-        grads = [p.grad for p in plan.shared.counted_once(plan.own_parameters()) if p.grad is not None]
-        sq = torch.zeros((), device=self.root_device, dtype=torch.float32)
-        for g in grads:
-            sq += g.detach().float().pow(2).sum()
-        if self.topology.pipeline_parallel_size > 1:
-            dist.all_reduce(sq, group=self._pp_group)
-        coef = clip_val / (sq.sqrt() + 1e-6)
-        if coef < 1:
-            for p in plan.own_parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.dtype))
+        """Lightning's gradient clipping by norm, over the gradients of all stages."""
+        stage = self._stage_plan()
+        params = stage.own_parameters()
+        assert self.topology is not None
+        stages = self.topology.pipeline_parallel_size
+        clip_grad_norm_across_stages(params, stage.shared.counted_once(params), clip_val, self._pp_group, stages)
 
     # ----------------------------------------------------------------------------------- checkpoints
     @property
