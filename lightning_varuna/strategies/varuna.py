@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -19,7 +17,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -36,7 +33,6 @@ from typing_extensions import override
 from lightning_varuna._lightning_private import (
     default_process_group_backend,
     distributed_is_initialized,
-    init_dist_connection,
     optimizer_to_device,
     optimizers_to_device,
     sync_ddp_if_available,
@@ -69,6 +65,7 @@ from lightning_varuna.profiling.profile import ModelProfile, segment_costs
 from lightning_varuna.profiling.segments import measure_segments
 from lightning_varuna.profiling.simulator import Config
 from lightning_varuna.storage import Storage
+from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
 from lightning_varuna.strategies.resume_last import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_varuna.strategies.step_logging import LogRecorder, replay
 
@@ -241,17 +238,10 @@ class VarunaStrategy(ParallelStrategy):
 
     def _follow_torchrun(self) -> None:
         """Under torchrun, take the processes per node and the node count from torchrun, not the Trainer."""
-        if not isinstance(self.cluster_environment, TorchElasticEnvironment) or "LOCAL_WORLD_SIZE" not in os.environ:
-            return
-        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
-        nodes = self.cluster_environment.world_size() // per_node
-        assert self.parallel_devices is not None
-        device = self.parallel_devices[0]
-        if len(self.parallel_devices) != per_node:
-            self.parallel_devices = [
-                device if device.type == "cpu" else torch.device(device.type, i) for i in range(per_node)
-            ]
-        self.num_nodes = nodes
+        assert self.cluster_environment is not None and self.parallel_devices is not None
+        layout = torchrun_layout(self.cluster_environment, self.parallel_devices)
+        if layout is not None:
+            self.parallel_devices, self.num_nodes = layout
 
     @override
     def setup_environment(self) -> None:
@@ -263,10 +253,9 @@ class VarunaStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
         backend = self._process_group_backend or default_process_group_backend(self.root_device)
         self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        self._init_process_group(backend, **kwargs)
+        kwargs: dict[str, Any] = {"device_id": self.root_device} if self.root_device.type != "cpu" else {}
+        assert self.cluster_environment is not None
+        init_process_group(self.cluster_environment, backend, self._timeout, **kwargs)
         if self._auto:
             self._autoconfigure()
         self.topology = Topology.from_world(
@@ -329,24 +318,6 @@ class VarunaStrategy(ParallelStrategy):
         """``profile``, read once (by the auto-configuration and the cut)."""
         assert self.profile is not None
         return ModelProfile.load(self.profile, self.checkpoint_storage)
-
-    def _init_process_group(self, backend: str, **kwargs: Any) -> None:
-        # gloo's worker threads abort the process ("terminate called without an active exception") when the
-        # interpreter finalises before the groups are destroyed: destroy them while it is still alive.
-        atexit.unregister(_destroy_process_groups)
-        atexit.register(_destroy_process_groups)
-        if not isinstance(self.cluster_environment, TorchElasticEnvironment) or distributed_is_initialized():
-            init_dist_connection(self.cluster_environment, backend, **kwargs)
-            return
-        # torchrun keeps its store across the restarts of a job: key the process groups by restart (after a
-        # failure) and world size (after machines joined), or the groups of a restarted job read the addresses
-        # their dead predecessors left and connect to nothing.
-        rendezvous = dist.rendezvous("env://", self.global_rank, self.world_size, timeout=self._timeout)
-        store, rank, world_size = next(rendezvous)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"lightning_varuna/restart_{restart}/world_{world_size}", store)
-        log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -846,11 +817,6 @@ def _first_batch(trainer: pl.Trainer) -> Any:
     loader = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders
     loader = loader[0] if isinstance(loader, (list, tuple)) else loader
     return next(iter(loader))
-
-
-def _destroy_process_groups() -> None:
-    if distributed_is_initialized():
-        dist.destroy_process_group()
 
 
 StrategyRegistry.register(
