@@ -31,7 +31,7 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs as dataloader_init_args
 
 # Private attributes and formats read or changed:
-# - `trainer._checkpoint_connector` (its class is swapped for the extended connector): strategies/resume_last.py.
+# - `trainer._checkpoint_connector` (its class is swapped for the extended connector): strategies/launchers.py.
 # - `loop._data_source.dataloader()`: the first batch of the running loop, to trace the model at start-up.
 # - the checkpoint's `loops["fit_loop"]["epoch_progress"]` counters: `data.resumable.continue_unfinished_epoch`.
 

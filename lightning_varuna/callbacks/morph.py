@@ -10,7 +10,7 @@ relaunch at the new size resumes from it with ``trainer.fit(model, ckpt_path="la
 
 Under SLURM (with Lightning's auto-requeue, its default there), a morph that SLURM's requeue signal asked for
 also requeues the job, and the requeued job resumes from the checkpoint on its own. VarunaStrategy adds a
-MorphCallback for that signal itself when the trainer has none (see `lightning_varuna.strategies.resume_last`).
+MorphCallback for that signal itself when the trainer has none (see `lightning_varuna.strategies.launchers`).
 """
 
 from __future__ import annotations
