@@ -65,8 +65,8 @@ from lightning_varuna.profiling.profile import ModelProfile, segment_costs
 from lightning_varuna.profiling.segments import measure_segments
 from lightning_varuna.profiling.simulator import Config
 from lightning_varuna.storage import Storage
-from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
 from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
 from lightning_varuna.strategies.step_logging import LogRecorder, replay
 
 __all__ = ["VarunaStrategy"]
