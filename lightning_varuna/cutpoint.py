@@ -59,6 +59,7 @@ def cut_after(modules: Iterable[nn.Module]) -> list[CutPoint]:
 
 
 def _through_cutpoint(module: nn.Module, inputs: Any, output: Any) -> Any:
+    cut = module.get_submodule("cutpoint")
     if isinstance(output, tuple) and output:
-        return (module.cutpoint(output[0]), *output[1:])
-    return module.cutpoint(output)
+        return (cut(output[0]), *output[1:])
+    return cut(output)

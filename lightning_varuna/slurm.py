@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 def requeue_signal(trainer: pl.Trainer) -> signal.Signals | None:
     """The signal that asks this SLURM job to requeue (``SLURMEnvironment.requeue_signal``, SIGUSR1 by default);
     None outside SLURM or with Lightning's auto-requeue off (``SLURMEnvironment(auto_requeue=False)``)."""
-    environment = trainer.strategy.cluster_environment
+    environment = getattr(trainer.strategy, "cluster_environment", None)
     if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
         return environment.requeue_signal
     return None

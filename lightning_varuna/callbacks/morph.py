@@ -132,11 +132,11 @@ class MorphCallback(Callback):
                 " `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` on every machine."
             )
         if self.machine_list is not None:
-            hosts = [socket.gethostname()]
+            hosts: list[str | None] = [socket.gethostname()]
             if dist.is_available() and dist.is_initialized():
                 hosts = [None] * dist.get_world_size()
                 dist.all_gather_object(hosts, socket.gethostname())
-            self._running_hosts = set(hosts)
+            self._running_hosts = {host for host in hosts if host is not None}
         self._install_handlers(self.signals, self._on_signal)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

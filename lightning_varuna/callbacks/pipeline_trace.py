@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
 
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.profiling.trace import Span, chrome_trace, work_of
+
+if TYPE_CHECKING:
+    from lightning_varuna.strategies.varuna import VarunaStrategy
 from lightning_varuna.storage import Storage
 
 __all__ = ["PipelineTrace"]
@@ -41,7 +44,7 @@ class PipelineTrace(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if trainer.global_step >= self.step and self._recorded < self.steps:
-            trainer.strategy.record_timeline()
+            _varuna(trainer).record_timeline()
             self._recording, self._optimizer_start = True, None
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -54,8 +57,9 @@ class PipelineTrace(pl.Callback):
         if not self._recording:
             return
         self._recording = False
-        strategy = trainer.strategy
+        strategy = _varuna(trainer)
         topology = strategy.topology
+        assert topology is not None
         mine = strategy.take_timeline()
         if self._optimizer_start is not None:  # not on a batch that only accumulates gradients
             mine.append(("optimizer", self._optimizer_start, time.time()))
@@ -87,3 +91,11 @@ class PipelineTrace(pl.Callback):
             }
             trace = chrome_trace(self.spans, title, {"config": config})
             self._storage.write_bytes(self.path, trace.encode())
+
+
+def _varuna(trainer: pl.Trainer) -> VarunaStrategy:
+    from lightning_varuna.strategies.varuna import VarunaStrategy
+
+    if not isinstance(trainer.strategy, VarunaStrategy):
+        raise TypeError(f"PipelineTrace records VarunaStrategy's pipeline; this Trainer runs {trainer.strategy}.")
+    return trainer.strategy

@@ -82,7 +82,7 @@ def versions(storage: Storage, url: str) -> list[str]:
 
 def newest_commit(storage: Storage, url: str) -> tuple[CheckpointInfo | None, list[str]]:
     """The newest committed save under ``url``, and the versions newer than it that were never committed."""
-    uncommitted = []
+    uncommitted: list[str] = []
     for version in reversed(versions(storage, url)):
         marker = join(url, version, COMMIT_MARKER)
         if storage.exists(marker):

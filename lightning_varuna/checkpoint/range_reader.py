@@ -83,7 +83,7 @@ class RangeReader(FsspecReader):
         """The bytes of ``path`` from the first item of ``window`` to the end of its last."""
         infos = [self.storage_data[item.storage_index] for item in window]
         start, end = infos[0].offset, max(info.offset + info.length for info in infos)
-        fs = self.fs.fs
+        fs = self.fs.fs  # type: ignore[attr-defined]  # DCP's fsspec FileSystem keeps the fsspec filesystem here
         assert fs is not None
         return fs.cat_file(path, start=start, end=end)
 

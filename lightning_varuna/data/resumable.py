@@ -63,13 +63,15 @@ class ResumableDistributedSampler(DistributedSampler):
     checkpoint left off; a resumed epoch simply runs out of samples that many batches early.
     """
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.resume_from: DataPosition | None = None
 
     def __iter__(self) -> Iterator[int]:
         # The epoch's whole order, as torch's own sampler makes it for one replica.
-        whole = DistributedSampler(self.dataset, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed)
+        whole: DistributedSampler = DistributedSampler(
+            self.dataset, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed
+        )
         whole.set_epoch(self.epoch)
         order = list(whole)
         if self.resume_from is not None and self.resume_from.epoch == self.epoch:
@@ -110,7 +112,7 @@ def epoch_rows(loader: DataLoader, replicas: int) -> int:
     """Rows one epoch of a `resumable_loader` trains over all ``replicas``."""
     batch_sampler = loader.batch_sampler
     assert isinstance(batch_sampler, BatchSampler)
-    per_replica = len(batch_sampler.sampler)
+    per_replica = len(batch_sampler.sampler)  # type: ignore[arg-type]  # a ResumableDistributedSampler
     if batch_sampler.drop_last:
         per_replica -= per_replica % batch_sampler.batch_size
     return per_replica * replicas

@@ -74,9 +74,10 @@ class PipelineGraph:
 
 def _activate(module: nn.Module, boundaries: Sequence[str]) -> list[CutPoint]:
     cuts = [module.get_submodule(name) for name in boundaries]
+    assert all(isinstance(cut, CutPoint) for cut in cuts)
     for cut in cuts:
-        cut._is_stage_boundary = True
-    return cuts
+        cut._is_stage_boundary = True  # type: ignore[assignment]
+    return cuts  # type: ignore[return-value]  # checked above
 
 
 def _source_of(node: Any, stage_of: dict[fx.Node, int], placeholders: list[fx.Node]) -> Source:
@@ -87,12 +88,16 @@ def _source_of(node: Any, stage_of: dict[fx.Node, int], placeholders: list[fx.No
     if node.op == "call_module":
         return Source(stage_of[node], 0)
     if node.op == "call_function" and node.target is operator.getitem:
-        return Source(stage_of[node.args[0]], node.args[1])
+        producer, index = node.args[0], node.args[1]
+        assert isinstance(producer, fx.Node) and isinstance(index, int)
+        return Source(stage_of[producer], index)
     raise TypeError(f"Unexpected node `{node.format_node()}` between pipeline stages.")
 
 
-def _output_metas(stage_module: fx.GraphModule, stage: int) -> list[TensorMeta]:
-    output = next(n for n in stage_module.graph.nodes if n.op == "output")
+def _output_metas(stage_module: nn.Module, stage: int) -> list[TensorMeta]:
+    graph = stage_module.graph
+    assert isinstance(graph, fx.Graph)
+    output = next(n for n in graph.nodes if n.op == "output")
     values = output.args[0]
     values = values if isinstance(values, (tuple, list)) else (values,)
     metas = []
@@ -110,7 +115,7 @@ def _output_metas(stage_module: fx.GraphModule, stage: int) -> list[TensorMeta]:
 def _bind_real_tensors(stage_module: nn.Module, skeleton: ModelSkeleton, real: dict[str, Tensor]) -> None:
     for name, _ in list(stage_module.named_parameters(remove_duplicate=False)):
         owner, _, attr = name.rpartition(".")
-        stage_module.get_submodule(owner)._parameters[attr] = real[skeleton.canonical(name)]
+        stage_module.get_submodule(owner)._parameters[attr] = real[skeleton.canonical(name)]  # type: ignore[assignment]
     for name, _ in list(stage_module.named_buffers(remove_duplicate=False)):
         owner, _, attr = name.rpartition(".")
         canonical = skeleton.canonical(name)
@@ -147,7 +152,7 @@ def split_into_stages(
     kwargs: dict,
     boundaries: Sequence[str],
     stage_index: int,
-) -> tuple[PipelineGraph, fx.GraphModule]:
+) -> tuple[PipelineGraph, nn.Module]:
     """Trace ``module(*args, **kwargs)`` and cut it before each CutPoint named in ``boundaries``.
 
     Args:
@@ -157,7 +162,7 @@ def split_into_stages(
         args: example positional inputs of one micro-batch.
         kwargs: example keyword inputs of one micro-batch.
         boundaries: names of the cutpoints where stages 1, 2, ... begin.
-        stage_index: the stage whose ``GraphModule`` to return.
+        stage_index: the stage whose module (``torch.export.unflatten``'s, running generated code) to return.
     """
     cuts = _activate(module, boundaries)
     try:

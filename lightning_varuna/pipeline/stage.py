@@ -48,11 +48,11 @@ class Stage:
         self.stage_index = topology.pp_rank
         self.skeleton = ModelSkeleton(module)
         self._real = dict(_named_tensors(module))
-        self._traced: dict[tuple, tuple[PipelineGraph, torch.fx.GraphModule]] = {}
+        self._traced: dict[tuple, tuple[PipelineGraph, nn.Module]] = {}
         self.runtime = StageRuntime(topology.pp_rank, topology.stage_ranks(), output_spec, device, message_groups)
         self.shared: SharedParameters
 
-    def stage_for(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, torch.fx.GraphModule]:
+    def stage_for(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, nn.Module]:
         """The traced stage for inputs of this shape and the module's train/eval mode (traced once each)."""
         key = (self.module.training, *(_shape_key(leaf) for leaf in tree_leaves((args, kwargs))))
         if key not in self._traced:
@@ -66,7 +66,7 @@ class Stage:
             self._traced[key][1].train(self.module.training)
         return self._traced[key]
 
-    def release_other_stages(self, graph: PipelineGraph, stage_module: torch.fx.GraphModule) -> None:
+    def release_other_stages(self, graph: PipelineGraph, stage_module: nn.Module) -> None:
         """Free the parameters and buffers that ``stage_module``, this rank's stage, does not use."""
         keep = graph.stage_parameters[self.stage_index] | {
             self.skeleton.canonical(name) for name, _ in stage_module.named_buffers(remove_duplicate=False)

@@ -78,6 +78,7 @@ def rank_configs(
         raise ValueError(f"No configuration can be predicted from this profile: {skipped[0]}")
     fitting = [p for p in predictions if memory_bytes is None or max(p.memory_bytes) <= memory_bytes]
     if not fitting:
+        assert memory_bytes is not None
         least = min(predictions, key=lambda p: max(p.memory_bytes))
         raise ValueError(
             f"No configuration fits {memory_bytes / 2**30:.2f} GiB per device; the smallest, {least.config}, needs "

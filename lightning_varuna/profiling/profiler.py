@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 from tqdm.auto import tqdm
 
@@ -76,12 +76,12 @@ def profile_model(
     segments, segment_params = _describe_segments(module, args, kwargs)
     fingerprints = [s.fingerprint for s in segments]
     same_model = previous is not None and [s.fingerprint for s in previous.segments] == fingerprints
-    if same_model:
+    if previous is not None and same_model:
         for new, old in zip(segments, previous.segments):
             new.timings = {t: dict(by_mb) for t, by_mb in old.timings.items()}
             new.optimizer_step_s = dict(old.optimizer_step_s)
             new.optimizer_bytes = old.optimizer_bytes
-    todo = [
+    todo: list[tuple[int, int | None]] = [
         (t, mb)
         for t in thread_counts
         for mb in sorted(set(micro_batch_sizes))
@@ -90,7 +90,7 @@ def profile_model(
     todo += [(t, None) for t in thread_counts if t not in segments[0].optimizer_step_s]
     was_training, threads_before = module.training, torch.get_num_threads()
     module.train()
-    traced: dict[int, tuple[PipelineGraph, fx.GraphModule]] = {}
+    traced: dict[int, tuple[PipelineGraph, nn.Module]] = {}
     try:
         with buffers_kept(module):
             for threads, mb in tqdm(todo, desc="Profiling segments", disable=not progress, unit="run"):
@@ -101,8 +101,9 @@ def profile_model(
                 inputs = resize_batch((args, kwargs), mb)
                 if mb not in traced:
                     traced[mb] = _trace_as_one_stage(module, *inputs)
-                timings = measure_segments(module, *inputs, repeats)
-                ratios = _runtime_ratio(module, traced[mb], *inputs, repeats)
+                mb_args, mb_kwargs = inputs
+                timings = measure_segments(module, mb_args, mb_kwargs, repeats)
+                ratios = _runtime_ratio(module, traced[mb], mb_args, mb_kwargs, repeats)
                 for segment, timing in zip(segments, timings):
                     segment.timings.setdefault(threads, {})[mb] = _scaled_time(timing, ratios)
     finally:
@@ -170,15 +171,15 @@ def _describe_segments(
 
 # ------------------------------------------------------------------------------------------------ timings
 # --------------------------------------------------------------------------------------- runtime overhead
-def _trace_as_one_stage(module: nn.Module, args: tuple, kwargs: dict) -> tuple[PipelineGraph, fx.GraphModule]:
+def _trace_as_one_stage(module: nn.Module, args: tuple, kwargs: dict) -> tuple[PipelineGraph, nn.Module]:
     """The traced module VarunaStrategy runs for a stage (here: the whole model as one stage)."""
-    real = dict(module.named_parameters())
+    real: dict[str, Tensor] = dict(module.named_parameters())
     real.update(module.named_buffers())
     return split_into_stages(module, ModelSkeleton(module), real, args, kwargs, [], 0)
 
 
 def _runtime_ratio(
-    module: nn.Module, traced: tuple[PipelineGraph, fx.GraphModule], args: tuple, kwargs: dict, repeats: int
+    module: nn.Module, traced: tuple[PipelineGraph, nn.Module], args: tuple, kwargs: dict, repeats: int
 ) -> tuple[float, float]:
     """How much longer the traced stage module takes than the eager model: (forward, backward) ratios.
 

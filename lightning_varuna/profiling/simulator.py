@@ -259,12 +259,12 @@ def _run_pipeline(
         for s in active:
             remaining[s] -= step * rates[s]
             if remaining[s] <= 1e-12:
-                action = running[s]
-                assert action is not None
-                spans.append(Span(s, action, started[s], now))
+                done = running[s]
+                assert done is not None
+                spans.append(Span(s, done, started[s], now))
                 running[s], free_at[s] = None, now
                 position[s] += 1
-                finished[(s, action.phase, action.microbatch)] = now
+                finished[(s, done.phase, done.microbatch)] = now
     return spans, free_at
 
 

@@ -42,7 +42,7 @@ class LogRecorder:
         def log(name: str, value: Any, **kwargs: Any) -> None:
             self.record(name, value, kwargs)
 
-        module.log = log  # type: ignore[method-assign]
+        module.log = log  # type: ignore[method-assign,assignment]
         try:
             yield
         finally:
