@@ -16,14 +16,16 @@ from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device as default_process_group_backend,
 )
 from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
 
 # Moving optimizer state to the device after a checkpoint is loaded. tests/test_checkpoint_resume.py.
 from lightning.fabric.utilities.optimizer import _optimizer_to_device as optimizer_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 
-# Lightning's process launchers, extended to resume `ckpt_path=None` in a requeued SLURM job and to report the failing
-# rank; its checkpoint connector, extended for `ckpt_path="last"` over sharded checkpoints.
+# Lightning's process launchers, extended to resume `ckpt_path=None` in a requeued SLURM job and to end a failed job
+# with the failing rank's error (whose `launch` repeats Lightning's, with `set_num_threads_if_needed` above); its
+# checkpoint connector, extended for `ckpt_path="last"` over sharded checkpoints.
 # tests/test_morph.py, tests/test_checkpoint_resume.py.
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncherBase
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncherBase
@@ -46,5 +48,6 @@ __all__ = [
     "optimizer_to_device",
     "optimizers_to_device",
     "reinstantiate_dataloader",
+    "set_num_threads_if_needed",
     "sync_ddp_if_available",
 ]

@@ -24,6 +24,10 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 # stores. tests/test_checkpoint_storage.py, tests/test_checkpoint_resume.py.
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
+# The default process group's key-value store (TCPStore, or torchrun's): where a failing rank leaves its error for
+# the others. tests/test_failures.py.
+from torch.distributed.distributed_c10d import _get_default_store as default_store
+
 # Makes `torch.export.unflatten` build modules that run FX's generated Python code instead of stepping through
 # their graphs with `torch.fx.Interpreter` (about 1.6x faster stage forwards). tests/test_partition.py.
 from torch.export.unflatten import _disable_interpreter as generated_code_modules
@@ -42,6 +46,7 @@ __all__ = [
     "FsspecReader",
     "NormWithRunningStats",
     "FsspecWriter",
+    "default_store",
     "flatten_dense_tensors",
     "generated_code_modules",
     "narrow_tensor_by_index",

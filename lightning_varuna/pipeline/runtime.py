@@ -15,6 +15,7 @@ from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.schedules import Action, Phase, microbatches_of
+from lightning_varuna.pipeline.waiting import Waiter
 
 __all__ = ["StageRuntime"]
 
@@ -91,6 +92,10 @@ class StageRuntime:
         self.timeline: list[tuple[str, float, float]] | None = None  # when recording: (action, start, end)
         self._compute_start: float | None = None
         self._stashed: dict[int, tuple[fx.GraphModule, list[Any], _RandomState]] = {}
+        self._waiter: Waiter | None = None
+        self._on_wait: Callable[[], None] | None = None
+        # Sends of failed batches, never waited for: kept referenced while the backend may still read their tensors.
+        self._abandoned_sends: list[tuple[dist.Work, Tensor]] = []
 
     @property
     def num_stages(self) -> int:
@@ -163,9 +168,10 @@ class StageRuntime:
         tensors, grads = [], []
         if loss is not None and loss.requires_grad:
             tensors, grads = [loss], [torch.ones_like(loss)]
+        grad_recvs = self._grad_recvs.pop(microbatch, [])
+        self._wait([work for *_, work in grad_recvs])
         summed: dict[int, Tensor] = {}
-        for _, value, grad, work in self._grad_recvs.pop(microbatch, []):
-            work.wait()
+        for _, value, grad, _ in grad_recvs:
             summed[value] = summed[value] + grad if value in summed else grad
         self._compute_start = time.time()
         for value, grad in summed.items():
@@ -186,18 +192,22 @@ class StageRuntime:
         actions: Sequence[Action],
         run_forward: Callable[[int], Any],
         loss_of: Callable[[int, Any], Tensor | None],
+        on_wait: Callable[[], None] | None = None,
     ) -> list[Any]:
         """Execute ``actions`` in order.
 
         Args:
             run_forward: runs the user's step for a micro-batch (which calls `forward`); returns its output.
             loss_of: the weighted loss to back-propagate from a micro-batch's step output (last stage).
+            on_wait: called every half second while this stage waits for a message; it raises to stop waiting
+                (a peer failed, the process was asked to end), which abandons the batch.
 
         Returns:
             Each micro-batch's step output (``None`` on stages other than the last).
         """
         results: dict[int, Any] = {}
         self._recomputed = microbatches_of(actions, Phase.RECOMPUTE)
+        self._on_wait = on_wait
         try:
             for action in actions:
                 start, self._compute_start = time.time(), None
@@ -210,15 +220,24 @@ class StageRuntime:
                     self.backward(action.microbatch, loss_of(action.microbatch, step_output))
                 if self.timeline is not None:  # the time spent waiting for a message is not the action's
                     self.timeline.append((str(action), self._compute_start or start, time.time()))
-        finally:
             self.finish()
+        except BaseException:
+            # The peers may never receive what is still being sent: waiting for it could block for good.
+            self._abandoned_sends += self._pending_sends
+            self._pending_sends = []
+            self._drop_batch()
+            raise
+        finally:
+            self._on_wait = None
         return [results[m] for m in sorted(results)]
 
     def finish(self) -> None:
         """Wait for every send of the batch and drop what is left of its state."""
-        for work, _ in self._pending_sends:
-            work.wait()
+        self._wait([work for work, _ in self._pending_sends])
         self._pending_sends.clear()
+        self._drop_batch()
+
+    def _drop_batch(self) -> None:
         self._received.clear()
         self._sent.clear()
         self._graphs.clear()
@@ -261,9 +280,9 @@ class StageRuntime:
                         self._irecv(buffer, producer, microbatch, slot, Phase.FORWARD),
                     )
                 )
+        self._wait([work for *_, work in works])
         received = {}
-        for key, buffer, work in works:
-            work.wait()
+        for key, buffer, _ in works:
             if training and _carries_grad(buffer.dtype):
                 buffer.requires_grad_()
             received[key] = buffer
@@ -285,6 +304,17 @@ class StageRuntime:
                         )
                     )
         self._grad_recvs[microbatch] = posted
+
+    @property
+    def waiter(self) -> Waiter:
+        """Where this stage waits for its peers (`Waiter`): its messages, and what else a step waits for."""
+        if self._waiter is None:
+            self._waiter = Waiter(dist.get_backend(self._message_groups[0]))
+        return self._waiter
+
+    def _wait(self, works: list[dist.Work]) -> None:
+        if works:
+            self.waiter.call(lambda: [work.wait() for work in works], self._on_wait)
 
     def _isend(self, tensor: Tensor, stage: int, microbatch: int, slot: int, phase: Phase) -> None:
         tensor = tensor.detach().contiguous()

@@ -33,6 +33,7 @@ from lightning_varuna.callbacks.morph import MorphCallback
 from lightning_varuna.checkpoint.layout import find_newest
 from lightning_varuna.slurm import is_requeued_job, job_id, requeue_signal
 from lightning_varuna.storage import join
+from lightning_varuna.strategies.failures import ReportFirstFailure
 
 if TYPE_CHECKING:
     from lightning_varuna.storage import Storage
@@ -106,8 +107,9 @@ class _PrepareTrainer:
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-class SubprocessScriptLauncher(_PrepareTrainer, SubprocessScriptLauncherBase):
-    """Lightning's launcher for ``devices=N`` / torchrun / SLURM, with the trainer prepared as described above."""
+class SubprocessScriptLauncher(_PrepareTrainer, ReportFirstFailure, SubprocessScriptLauncherBase):
+    """Lightning's launcher for ``devices=N`` / torchrun / SLURM, with the trainer prepared as described above; a
+    failed job ends with the first failure's error (see `ReportFirstFailure`)."""
 
 
 class MultiProcessingLauncher(_PrepareTrainer, MultiProcessingLauncherBase):

@@ -23,6 +23,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -65,6 +66,7 @@ from lightning_varuna.profiling.profile import ModelProfile, segment_costs
 from lightning_varuna.profiling.segments import measure_segments
 from lightning_varuna.profiling.simulator import Config
 from lightning_varuna.storage import Storage
+from lightning_varuna.strategies.failures import Failure, FailureNotice, PeerFailure
 from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
 from lightning_varuna.strategies.step_logging import LogRecorder, replay
@@ -187,6 +189,7 @@ class VarunaStrategy(ParallelStrategy):
         self._stages: Stage | None = None
         self._parked_grads: dict[Tensor, Tensor] | None = None
         self._sync_gradients = True  # False while Lightning accumulates a batch without an optimizer step
+        self._failures: FailureNotice | None = None  # of the current Trainer run
         self.checkpoint_storage = Storage(storage_options)
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage, tempdir=checkpoint_tempdir)
         self._replica_batch_size: int | None = None
@@ -377,6 +380,7 @@ class VarunaStrategy(ParallelStrategy):
     # -------------------------------------------------------------------------------------- partitioning
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self._failures = FailureNotice()
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
@@ -557,8 +561,15 @@ class VarunaStrategy(ParallelStrategy):
         recorder = LogRecorder()
         scaler = getattr(self.precision_plugin, "scaler", None) if backward else None
         current = [0]
+        forwards = [0] * len(microbatches)  # calls of `self(...)` per micro-batch: the pipeline runs one
 
         def stage_forward(*fargs: Any, **fkwargs: Any) -> Any:
+            if forwards[current[0]]:
+                raise TypeError(
+                    _one_forward_per_step(module, step_name, rest, "called `self(...)` a second time")
+                    + "Compute everything the step needs from one call's output (`forward` may return several)."
+                )
+            forwards[current[0]] += 1
             graph, stage_module = plan.stage_for(fargs, fkwargs)
             out = plan.runtime.forward(current[0], graph, stage_module, tree_leaves((fargs, fkwargs)), backward)
             if out is None:
@@ -568,9 +579,15 @@ class VarunaStrategy(ParallelStrategy):
         def run_forward(m: int) -> Any:
             current[0], recorder.weight = m, weights[m]
             try:
-                return getattr(module, step_name)(microbatches[m], *rest, **kwargs)
+                step_output = getattr(module, step_name)(microbatches[m], *rest, **kwargs)
             except _StageForwardDone:
                 return None
+            if not forwards[m]:
+                raise TypeError(
+                    _one_forward_per_step(module, step_name, rest, "returned without calling `self(...)`")
+                    + "To leave a batch out, filter it out of the DataLoader, or (in training) multiply its loss by 0."
+                )
+            return step_output
 
         def loss_of(m: int, step_output: Any) -> Tensor | None:
             if not self.topology.is_last_stage:
@@ -586,12 +603,44 @@ class VarunaStrategy(ParallelStrategy):
             loss = loss * (weights[m] / (self.topology.data_parallel_size * module.trainer.accumulate_grad_batches))
             return scaler.scale(loss) if scaler is not None else loss
 
-        with recorder.capture(module), _patched_forward(module, stage_forward):
-            results = plan.runtime.run(actions, run_forward, loss_of)
-        outputs = merge_microbatches(results, weights) if self.topology.is_last_stage else None
-        summary, outputs = self._from_last_stage((recorder.summary(), outputs))
+        with self._failures_reported():
+            with recorder.capture(module), _patched_forward(module, stage_forward):
+                results = plan.runtime.run(actions, run_forward, loss_of, on_wait=self._stop_if_job_ended)
+            outputs = merge_microbatches(results, weights) if self.topology.is_last_stage else None
+            summary, outputs = self._from_last_stage((recorder.summary(), outputs))
         replay(module, summary, self.root_device)
         return tree_map(lambda t: t.to(self.root_device) if isinstance(t, Tensor) else t, outputs)
+
+    @contextmanager
+    def _failures_reported(self) -> Iterator[None]:
+        """Leave an error of this rank's step for the other ranks; if another rank failed first (and this error
+        follows from it: a connection to it broke), raise that failure instead."""
+        try:
+            yield
+        except PeerFailure:
+            raise
+        except Exception as error:
+            first = self._report_failure(error)
+            if first is not None and first.rank != self.global_rank:
+                raise PeerFailure(first, error) from None
+            raise
+
+    def _stop_if_job_ended(self) -> None:
+        """Stop waiting for a pipeline message on SIGTERM, or when another rank failed."""
+        if self.lightning_module.trainer.received_sigterm:
+            raise SIGTERMException
+        first = self._failures.first() if self._failures is not None else None
+        if first is not None and first.rank != self.global_rank:
+            raise PeerFailure(first)
+
+    def _report_failure(self, error: BaseException) -> Failure | None:
+        """Leave ``error`` for the other ranks unless another rank failed first; return the first failure."""
+        if self._failures is None:
+            return None
+        where = f"rank {self.global_rank}"
+        if self.topology is not None:
+            where += f" (pipeline stage {self.topology.pp_rank} of replica {self.topology.dp_rank})"
+        return self._failures.report(error, where)
 
     def _from_last_stage(self, payload: Any) -> Any:
         topo = self.topology
@@ -599,7 +648,10 @@ class VarunaStrategy(ParallelStrategy):
         if topo.pipeline_parallel_size == 1:
             return payload
         objects = [payload]
-        dist.broadcast_object_list(objects, src=topo.stage_ranks()[-1], group=self._pp_group)
+        self._stage_plan().runtime.waiter.call(
+            lambda: dist.broadcast_object_list(objects, src=topo.stage_ranks()[-1], group=self._pp_group),
+            self._stop_if_job_ended,
+        )
         return objects[0]
 
     def record_timeline(self) -> None:
@@ -757,6 +809,11 @@ class VarunaStrategy(ParallelStrategy):
             self._checkpoints.remove(str(filepath))
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Leave this rank's error for the other ranks, unless another rank failed first (`failures`)."""
+        self._report_failure(exception)
+
+    @override
     def teardown(self) -> None:
         """Wait for checkpoint uploads still in flight, then tear down as usual.
 
@@ -791,6 +848,14 @@ def _sum_present(a: Tensor | None, b: Tensor | None, like: Tensor) -> Tensor:
         present = a if b is None else b
         return torch.zeros_like(like) if present is None else present
     return a + b
+
+
+def _one_forward_per_step(module: pl.LightningModule, step_name: str, step_args: tuple, what: str) -> str:
+    batch = f" on batch {step_args[0]}" if step_args and isinstance(step_args[0], int) else ""
+    return (
+        f"`{type(module).__name__}.{step_name}` {what}{batch}. VarunaStrategy pipelines the forward of each step: "
+        "the other stages send and wait for the messages of exactly one `self(...)` per step. "
+    )
 
 
 def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:

@@ -1,0 +1,157 @@
+"""A step the pipeline cannot run fails on every rank, a failed job ends with the failing rank's error last, and
+ranks that wait for a pipeline message leave on SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch.nn.functional as F
+from conftest import clean_env, run_job
+from models import TinyLM, token_dataset
+from torch.utils.data import DataLoader
+
+from lightning_varuna import VarunaStrategy
+from lightning_varuna.pipeline.waiting import Waiter
+
+RUNNER = os.path.join(os.path.dirname(__file__), "run_faulty_step.py")
+SECOND_FORWARD = (
+    r"TypeError: `\w+.training_step` called `self\(...\)` a second time on batch 1\. .*"
+    r"Compute everything the step needs from one call's output"
+)
+NO_FORWARD = (
+    r"TypeError: `\w+.training_step` returned without calling `self\(...\)` on batch 1\. .*"
+    r"filter it out of the DataLoader, or \(in training\) multiply its loss by 0"
+)
+KILLED = r"PeerFailure: stopped \(RuntimeError: .*\) because rank 1 \(process \d+\) failed: killed by SIGKILL"
+# The other rank may first see its connection to the failed rank break: it quotes that too, in parentheses.
+STOPPED_BY = r"PeerFailure: stopped( \(.*\))? because rank {rank} \(pipeline stage {rank} of replica 0\) failed: "
+
+
+class TwoForwards(TinyLM):
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        idx, y = batch
+        logits = self(idx) + self(idx) if batch_idx == 1 else self(idx)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+class NoForward(TinyLM):
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        return self.head.weight.sum() * 0 if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(
+    ("model", "match"), [(TwoForwards(), SECOND_FORWARD), (NoForward(), NO_FORWARD)], ids=["two", "none"]
+)
+def test_a_step_with_other_than_one_forward_fails(model, match):
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=VarunaStrategy(micro_batch_size=2),
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(TypeError, match=match.removeprefix("TypeError: ")):
+        trainer.fit(model, DataLoader(token_dataset(16), batch_size=4))
+
+
+def test_a_blocked_wait_runs_signal_handlers_and_gives_up_when_on_wait_raises():
+    waiter = Waiter("gloo")
+    never = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="gave up"):
+        waiter.call(never.wait, on_wait=lambda: _raise(TimeoutError("gave up")))
+    assert time.monotonic() - start < 2
+
+    previous = signal.signal(signal.SIGALRM, lambda *_: _raise(KeyboardInterrupt("signal handled")))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt, match="signal handled"):
+            waiter.call(never.wait)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert waiter.call(lambda: 42) == 42
+
+
+def _raise(error: BaseException) -> None:
+    raise error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "ranks", "last_error", "other_rank_says"),
+    [
+        # The issue's hang: only the last stage sees the second call; rank 0 waited for its gradients for ever.
+        ("twice", "1", STOPPED_BY.format(rank=1) + SECOND_FORWARD, SECOND_FORWARD),
+        # Rank 0 fails alone and lives on (it started the job): rank 1 learns of it while it waits.
+        ("skip", "0", NO_FORWARD, STOPPED_BY.format(rank=0) + NO_FORWARD),
+        ("skip", "0,1", NO_FORWARD, NO_FORWARD),
+        # A rank killed by a signal leaves no notice: rank 0 names it from its exit status.
+        ("die", "1", KILLED, None),
+    ],
+    ids=["second-forward", "no-forward-on-rank-0", "no-forward-on-all", "killed"],
+)  # fmt: skip
+def test_a_failing_rank_ends_the_job_with_its_error_last(tmp_path, fault, ranks, last_error, other_rank_says):
+    proc = run_job([RUNNER, fault, ranks], tmp_path, timeout=180)
+    assert proc.returncode != 0
+    lines = proc.stderr.rstrip().splitlines()
+    assert re.search(last_error, lines[-1]), proc.stderr[-4000:]
+    assert lines[-1].startswith("[rank0]:")  # the job's main process ends it
+    if other_rank_says is not None:
+        assert re.search(r"\[rank1\]: .*" + other_rank_says, proc.stderr), proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stalled_rank", [0, 1])
+def test_sigterm_ends_ranks_that_wait_for_a_pipeline_message(tmp_path, stalled_rank):
+    marker = tmp_path / "stalled"
+    with open(tmp_path / "output.txt", "w") as output:
+        job = subprocess.Popen(
+            [sys.executable, RUNNER, "stall", str(stalled_rank), str(marker)],
+            cwd=tmp_path,
+            env=clean_env(),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    children = []
+    try:
+        _wait_for_file(marker, job, timeout_s=120)
+        children = _children(job.pid)
+        time.sleep(1)  # the other stage now waits for the stalled one
+        job.send_signal(signal.SIGTERM)  # Lightning's launcher passes it on to the other process
+        job.wait(timeout=15)  # raises if the job did not end
+        assert not any(Path(f"/proc/{pid}").exists() for pid in children)
+    finally:
+        for pid in [job.pid, *children]:
+            _kill(pid)
+    assert "Received SIGTERM" in (tmp_path / "output.txt").read_text()
+
+
+def _wait_for_file(path: Path, job: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert job.poll() is None, f"the job ended before it stalled (exit code {job.returncode})"
+        assert time.monotonic() < deadline, f"the job did not stall within {timeout_s} s"
+        time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
