@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, fx
+from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
@@ -91,7 +91,7 @@ class StageRuntime:
         self._recomputed: set[int] = set()
         self.timeline: list[tuple[str, float, float]] | None = None  # when recording: (action, start, end)
         self._compute_start: float | None = None
-        self._stashed: dict[int, tuple[fx.GraphModule, list[Any], _RandomState]] = {}
+        self._stashed: dict[int, tuple[nn.Module, list[Any], _RandomState]] = {}
         self._waiter: Waiter | None = None
         self._on_wait: Callable[[], None] | None = None
         # Sends of failed batches, never waited for: kept referenced while the backend may still read their tensors.
@@ -109,7 +109,7 @@ class StageRuntime:
         self,
         microbatch: int,
         graph: PipelineGraph,
-        module: fx.GraphModule,
+        module: nn.Module,
         model_inputs: Sequence[Any],
         training: bool,
     ) -> Any:
@@ -320,8 +320,11 @@ class StageRuntime:
         tensor = tensor.detach().contiguous()
         group = self._message_groups[phase is Phase.BACKWARD]
         work = dist.isend(tensor, self._ranks[stage], group=group, tag=_tag(microbatch, slot, phase))
+        assert work is not None  # this rank is in the group
         self._pending_sends.append((work, tensor))
 
     def _irecv(self, buffer: Tensor, stage: int, microbatch: int, slot: int, phase: Phase) -> dist.Work:
         group = self._message_groups[phase is Phase.BACKWARD]
-        return dist.irecv(buffer, self._ranks[stage], group=group, tag=_tag(microbatch, slot, phase))
+        work = dist.irecv(buffer, self._ranks[stage], group=group, tag=_tag(microbatch, slot, phase))
+        assert work is not None  # this rank is in the group
+        return work

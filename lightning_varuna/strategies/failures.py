@@ -75,9 +75,11 @@ class FailureNotice:
     def report(self, error: BaseException, where: str) -> Failure | None:
         """Leave ``error`` of this rank, unless another failure came first; return the first failure."""
         store = _store()
-        notice = json.dumps(asdict(Failure(dist.get_rank(), where, _describe(error)))) if store else None
+        if store is None:
+            return None
+        notice = json.dumps(asdict(Failure(dist.get_rank(), where, _describe(error))))
         try:
-            return _parse(store.compare_set(self._key, "", notice)) if store else None
+            return _parse(store.compare_set(self._key, "", notice))
         except Exception:  # noqa: BLE001 - the store's host may be gone: then there is nothing to report to
             return None
 

@@ -51,7 +51,7 @@ def checkpoint_folders(trainer: pl.Trainer) -> list[str]:
     """The folders that the trainer's checkpoint callbacks (ModelCheckpoint with an explicit ``dirpath``,
     MorphCallback) write to."""
     writers = (ModelCheckpoint, MorphCallback)
-    folders = [getattr(cb, "dirpath", None) for cb in trainer.callbacks if isinstance(cb, writers)]
+    folders = [getattr(cb, "dirpath", None) for cb in trainer.callbacks if isinstance(cb, writers)]  # type: ignore[attr-defined]
     return list(dict.fromkeys(str(folder) for folder in folders if folder))
 
 
@@ -74,10 +74,11 @@ def newest_complete_checkpoint(storage: Storage, folders: list[str]) -> str | No
 def add_requeue_callback(trainer: pl.Trainer) -> None:
     """Under SLURM auto-requeue, have a `MorphCallback` handle the requeue signal (see above)."""
     signum = requeue_signal(trainer)
-    if signum is None or any(isinstance(cb, MorphCallback) and signum in cb.signals for cb in trainer.callbacks):
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    if signum is None or any(isinstance(cb, MorphCallback) and signum in cb.signals for cb in callbacks):
         return
     dirpath = join(str(trainer.default_root_dir), "hpc_checkpoints", job_id())
-    trainer.callbacks.append(MorphCallback(dirpath, signal=signum))
+    callbacks.append(MorphCallback(dirpath, signal=signum))
 
 
 class _VarunaCheckpointConnector(CheckpointConnector):
@@ -87,7 +88,8 @@ class _VarunaCheckpointConnector(CheckpointConnector):
         if ckpt_path is None and state_fn == TrainerFn.FITTING and requeued and folders:
             ckpt_path = "last"
         if ckpt_path == "last" and folders:
-            return newest_complete_checkpoint(self.trainer.strategy.checkpoint_storage, folders)
+            storage = self.trainer.strategy.checkpoint_storage  # type: ignore[attr-defined]
+            return newest_complete_checkpoint(storage, folders)
         return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
 
 
@@ -104,7 +106,7 @@ class _PrepareTrainer:
             trainer._checkpoint_connector.__class__ = _VarunaCheckpointConnector
         if trainer is not None:
             add_requeue_callback(trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
 class SubprocessScriptLauncher(_PrepareTrainer, ReportFirstFailure, SubprocessScriptLauncherBase):

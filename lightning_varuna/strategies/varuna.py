@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
-from torch.utils.data import BatchSampler, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_varuna._lightning_private import (
@@ -168,10 +168,10 @@ class VarunaStrategy(ParallelStrategy):
             raise ValueError(
                 f'`VarunaStrategy(schedule={schedule!r})` is unknown; choose one of {sorted(SCHEDULES)} or "auto".'
             )
-        self.pipeline_parallel_size: int = 0 if pipeline_parallel_size == "auto" else pipeline_parallel_size
+        self.pipeline_parallel_size: int = pipeline_parallel_size if isinstance(pipeline_parallel_size, int) else 0
         self.data_parallel_size = data_parallel_size
         # 0 until chosen: by the auto-configuration ("auto") or from the first batch (None, see `setup`).
-        self.micro_batch_size: int = 0 if micro_batch_size in ("auto", None) else micro_batch_size
+        self.micro_batch_size: int = micro_batch_size if isinstance(micro_batch_size, int) else 0
         self.schedule = schedule
         self.shared_weights = [tuple(pair) for pair in shared_weights or []]
         self.profile_repeats = profile_repeats
@@ -253,7 +253,7 @@ class VarunaStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         backend = self._process_group_backend or default_process_group_backend(self.root_device)
         self._process_group_backend = backend
         kwargs: dict[str, Any] = {"device_id": self.root_device} if self.root_device.type != "cpu" else {}
@@ -341,14 +341,21 @@ class VarunaStrategy(ParallelStrategy):
             return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @property
+    def _module(self) -> pl.LightningModule:
+        module = self.lightning_module
+        assert module is not None, "VarunaStrategy is used before Lightning connected the model"
+        return module
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Make the training DataLoader resumable mid-epoch and, with ``global_batch_size``, re-batch it."""
-        trainer = self.lightning_module.trainer
+        trainer = self._module.trainer
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         sampler = getattr(dataloader, "sampler", None)
-        if not isinstance(sampler, DistributedSampler) or type(dataloader.batch_sampler) is not BatchSampler:
+        resumable = isinstance(dataloader, DataLoader) and isinstance(sampler, DistributedSampler)
+        if not resumable or type(getattr(dataloader, "batch_sampler", None)) is not BatchSampler:
             if self.global_batch_size is not None:
                 raise ValueError(
                     "`VarunaStrategy(global_batch_size=...)` re-batches the training DataLoader, which needs a "
@@ -357,8 +364,10 @@ class VarunaStrategy(ParallelStrategy):
                     "yourself: global batch = DataLoader batch x data_parallel_size."
                 )
             return dataloader
+        assert isinstance(dataloader, DataLoader) and isinstance(sampler, DistributedSampler)
         assert self.topology is not None
         batch_size = dataloader.batch_size
+        assert batch_size is not None  # a plain BatchSampler
         if self.global_batch_size is not None:
             batch_size = self.global_batch_size // self.topology.data_parallel_size
         # The loader is resumable, which Lightning cannot see: silence its warning about mid-epoch resumes.
@@ -370,7 +379,7 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:
-            self._position = DataPosition(self.lightning_module.trainer.current_epoch, 0)
+            self._position = DataPosition(self._module.trainer.current_epoch, 0)
 
     @override
     def model_to_device(self) -> None:
@@ -384,7 +393,7 @@ class VarunaStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
-        if not self.lightning_module.automatic_optimization:
+        if not self._module.automatic_optimization:
             raise TypeError(
                 f"`{type(self.lightning_module).__name__}.automatic_optimization = False`: VarunaStrategy runs the "
                 "pipelined forward and backward of `training_step` itself and needs Lightning's automatic "
@@ -401,6 +410,7 @@ class VarunaStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         scaler = getattr(self.precision_plugin, "scaler", None)
+        assert self.topology is not None
         if scaler is not None and not self.topology.is_last_stage:
             # Only the last stage scales a loss; scaling nothing gives the others' scalers the scale unscale_ needs.
             scaler.scale(torch.zeros((), device=self.root_device))
@@ -497,6 +507,7 @@ class VarunaStrategy(ParallelStrategy):
             captured.append((args, kwargs))
             raise _StageForwardDone
 
+        assert trainer.state.fn is not None
         step = getattr(module, _STEP_OF_FN[trainer.state.fn])
         with (
             torch.no_grad(),
@@ -590,6 +601,7 @@ class VarunaStrategy(ParallelStrategy):
             return step_output
 
         def loss_of(m: int, step_output: Any) -> Tensor | None:
+            assert self.topology is not None
             if not self.topology.is_last_stage:
                 return None
             loss = step_output["loss"] if isinstance(step_output, dict) else step_output
@@ -627,7 +639,7 @@ class VarunaStrategy(ParallelStrategy):
 
     def _stop_if_job_ended(self) -> None:
         """Stop waiting for a pipeline message on SIGTERM, or when another rank failed."""
-        if self.lightning_module.trainer.received_sigterm:
+        if self._module.trainer.received_sigterm:
             raise SIGTERMException
         first = self._failures.first() if self._failures is not None else None
         if first is not None and first.rank != self.global_rank:
@@ -734,7 +746,7 @@ class VarunaStrategy(ParallelStrategy):
         (BatchNorm, InstanceNorm), not constant buffers such as a positional encoding."""
         return [
             buffer
-            for module in self.lightning_module.modules()
+            for module in self._module.modules()
             if isinstance(module, NormWithRunningStats)
             for buffer in module.buffers(recurse=False)
             if buffer is not None
@@ -758,7 +770,7 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's state keyed by parameter name (independent of the pipeline shape)."""
-        return optimizer_state_by_name(_unwrapped(optimizer), self.lightning_module)
+        return optimizer_state_by_name(_unwrapped(optimizer), self._module)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -785,7 +797,7 @@ class VarunaStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read this stage's part of a checkpoint written with any pipeline shape."""
         optimizers = [_unwrapped(o) for o in self.optimizers]
-        checkpoint, info = self._checkpoints.load(str(checkpoint_path), self.lightning_module, optimizers)
+        checkpoint, info = self._checkpoints.load(str(checkpoint_path), self._module, optimizers)
         self._resumed_shape = info.shape
         if info.shape.get("data_position") is not None:
             self._resume_position = self._position = DataPosition(**info.shape["data_position"])
@@ -795,7 +807,7 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         for optimizer, by_name in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_optimizer_state_by_name(_unwrapped(optimizer), self.lightning_module, by_name)
+            load_optimizer_state_by_name(_unwrapped(optimizer), self._module, by_name)
             optimizer_to_device(optimizer, self.root_device)
 
     def wait_for_checkpoints(self) -> None:
@@ -877,13 +889,13 @@ def _first_batch(trainer: pl.Trainer) -> Any:
         TrainerFn.VALIDATING: trainer.validate_loop,
         TrainerFn.TESTING: trainer.test_loop,
         TrainerFn.PREDICTING: trainer.predict_loop,
-    }[trainer.state.fn]
-    loaders = loop._data_source.dataloader()
+    }[trainer.state.fn]  # type: ignore[index]
+    loaders = loop._data_source.dataloader()  # type: ignore[attr-defined]
     loader = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders
     loader = loader[0] if isinstance(loader, (list, tuple)) else loader
     return next(iter(loader))
 
 
 StrategyRegistry.register(
-    VarunaStrategy.strategy_name, VarunaStrategy, description=VarunaStrategy.__doc__.splitlines()[0]
+    VarunaStrategy.strategy_name, VarunaStrategy, description=(VarunaStrategy.__doc__ or "").splitlines()[0]
 )
