@@ -92,6 +92,7 @@ class StageRuntime:
         self.timeline: list[tuple[str, float, float]] | None = None  # when recording: (action, start, end)
         self._compute_start: float | None = None
         self._stashed: dict[int, tuple[nn.Module, list[Any], _RandomState]] = {}
+        self.current_microbatch = 0  # the micro-batch whose forward `run` is running (the user's step calls forward)
         self._waiter: Waiter | None = None
         self._on_wait: Callable[[], None] | None = None
         # Sends of failed batches, never waited for: kept referenced while the backend may still read their tensors.
@@ -212,6 +213,7 @@ class StageRuntime:
             for action in actions:
                 start, self._compute_start = time.time(), None
                 if action.phase is Phase.FORWARD:
+                    self.current_microbatch = action.microbatch
                     results[action.microbatch] = run_forward(action.microbatch)
                 elif action.phase is Phase.RECOMPUTE:
                     self.recompute(action.microbatch)

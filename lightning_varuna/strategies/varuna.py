@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
 from functools import cached_property
@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from typing_extensions import override
 
@@ -53,13 +53,14 @@ from lightning_varuna.pipeline.gradients import (
 from lightning_varuna.pipeline.microbatch import (
     batch_size_of,
     default_micro_batch_size,
-    merge_microbatches,
     microbatch_sizes,
     split_microbatches,
 )
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
 from lightning_varuna.pipeline.shared_params import SharedParameters
 from lightning_varuna.pipeline.stage import Stage
+from lightning_varuna.pipeline.step import MicroBatchedStep, capture_forward_inputs
+from lightning_varuna.pipeline.step_logging import replay
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.profiling.autoconfig import choose_configs, format_ranking
 from lightning_varuna.profiling.profile import ModelProfile, segment_costs
@@ -69,18 +70,10 @@ from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.failures import Failure, FailureNotice, PeerFailure
 from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
-from lightning_varuna.strategies.step_logging import LogRecorder, replay
 
 __all__ = ["VarunaStrategy"]
 
 log = logging.getLogger(__name__)
-
-
-class _StageForwardDone(BaseException):
-    """Ends a user step on a stage that is not the last: the rest of the step needs the model's output.
-
-    A ``BaseException`` so that a user's ``except Exception`` around ``self(...)`` does not swallow it.
-    """
 
 
 class VarunaStrategy(ParallelStrategy):
@@ -501,27 +494,8 @@ class VarunaStrategy(ParallelStrategy):
             return self.batch_to_device(args), self.batch_to_device(kwargs)
         batch = self.batch_to_device(_first_batch(trainer))
         microbatch = split_microbatches(batch, self.micro_batch_size)[0]
-        captured: list[tuple[tuple, dict]] = []
-
-        def capture(*args: Any, **kwargs: Any) -> None:
-            captured.append((args, kwargs))
-            raise _StageForwardDone
-
         assert trainer.state.fn is not None
-        step = getattr(module, _STEP_OF_FN[trainer.state.fn])
-        with (
-            torch.no_grad(),
-            LogRecorder().capture(module),
-            _patched_forward(module, capture),
-            suppress(_StageForwardDone),
-        ):
-            step(microbatch, 0)
-        if not captured:
-            raise RuntimeError(
-                f"`{type(module).__name__}.{step.__name__}` never called `self(...)`; VarunaStrategy pipelines the "
-                "forward call of each step. Call the model once per step, or set `example_input_array`."
-            )
-        return captured[0]
+        return capture_forward_inputs(module, _STEP_OF_FN[trainer.state.fn], microbatch)
 
     # ------------------------------------------------------------------------------------------- steps
     @override
@@ -559,67 +533,26 @@ class VarunaStrategy(ParallelStrategy):
 
     def _pipelined_step(self, step_name: str, args: tuple, kwargs: dict, backward: bool) -> Any:
         """Run ``step_name`` of every micro-batch through the pipeline; return the batch's step output."""
-        module = self.lightning_module
-        plan = self._stage_plan()
-        assert module is not None and self.topology is not None
-        batch, rest = args[0], args[1:]
-        microbatches = split_microbatches(batch, self.micro_batch_size)
-        total = batch_size_of(batch)
-        weights = [batch_size_of(mb) / total for mb in microbatches]
-        num_stages, stage = self.topology.pipeline_parallel_size, self.topology.pp_rank
+        module, stage, topo = self._module, self._stage_plan(), self.topology
+        assert topo is not None
+        batch = args[0]
         make = SCHEDULES[self.schedule] if backward else forward_only
-        actions = make(num_stages, len(microbatches))[stage]
-        recorder = LogRecorder()
+        actions = make(topo.pipeline_parallel_size, len(microbatch_sizes(batch_size_of(batch), self.micro_batch_size)))
         scaler = getattr(self.precision_plugin, "scaler", None) if backward else None
-        current = [0]
-        forwards = [0] * len(microbatches)  # calls of `self(...)` per micro-batch: the pipeline runs one
-
-        def stage_forward(*fargs: Any, **fkwargs: Any) -> Any:
-            if forwards[current[0]]:
-                raise TypeError(
-                    _one_forward_per_step(module, step_name, rest, "called `self(...)` a second time")
-                    + "Compute everything the step needs from one call's output (`forward` may return several)."
-                )
-            forwards[current[0]] += 1
-            graph, stage_module = plan.stage_for(fargs, fkwargs)
-            out = plan.runtime.forward(current[0], graph, stage_module, tree_leaves((fargs, fkwargs)), backward)
-            if out is None:
-                raise _StageForwardDone
-            return out
-
-        def run_forward(m: int) -> Any:
-            current[0], recorder.weight = m, weights[m]
-            try:
-                step_output = getattr(module, step_name)(microbatches[m], *rest, **kwargs)
-            except _StageForwardDone:
-                return None
-            if not forwards[m]:
-                raise TypeError(
-                    _one_forward_per_step(module, step_name, rest, "returned without calling `self(...)`")
-                    + "To leave a batch out, filter it out of the DataLoader, or (in training) multiply its loss by 0."
-                )
-            return step_output
-
-        def loss_of(m: int, step_output: Any) -> Tensor | None:
-            assert self.topology is not None
-            if not self.topology.is_last_stage:
-                return None
-            loss = step_output["loss"] if isinstance(step_output, dict) else step_output
-            if not isinstance(loss, Tensor):
-                raise TypeError(
-                    f"`training_step` returned {type(step_output).__name__}; with VarunaStrategy it must return the "
-                    "loss tensor or a dict with a `loss` tensor on every batch."
-                )
-            # Weighted by the micro-batch's share of all rows of the optimizer step (over replicas and accumulated
-            # batches): the summed gradients are the mean, scaled as one device scales them (same fp16 overflows).
-            loss = loss * (weights[m] / (self.topology.data_parallel_size * module.trainer.accumulate_grad_batches))
-            return scaler.scale(loss) if scaler is not None else loss
-
+        step = MicroBatchedStep(
+            module,
+            stage,
+            step_name,
+            args[1:],
+            kwargs,
+            loss_weight=1 / (topo.data_parallel_size * module.trainer.accumulate_grad_batches),
+            scale_loss=scaler.scale if scaler is not None else None,
+        )
         with self._failures_reported():
-            with recorder.capture(module), _patched_forward(module, stage_forward):
-                results = plan.runtime.run(actions, run_forward, loss_of, on_wait=self._stop_if_job_ended)
-            outputs = merge_microbatches(results, weights) if self.topology.is_last_stage else None
-            summary, outputs = self._from_last_stage((recorder.summary(), outputs))
+            outputs = step.run(
+                batch, self.micro_batch_size, actions[topo.pp_rank], training=backward, on_wait=self._stop_if_job_ended
+            )
+            summary, outputs = self._from_last_stage((step.recorder.summary(), outputs))
         replay(module, summary, self.root_device)
         return tree_map(lambda t: t.to(self.root_device) if isinstance(t, Tensor) else t, outputs)
 
@@ -862,25 +795,8 @@ def _sum_present(a: Tensor | None, b: Tensor | None, like: Tensor) -> Tensor:
     return a + b
 
 
-def _one_forward_per_step(module: pl.LightningModule, step_name: str, step_args: tuple, what: str) -> str:
-    batch = f" on batch {step_args[0]}" if step_args and isinstance(step_args[0], int) else ""
-    return (
-        f"`{type(module).__name__}.{step_name}` {what}{batch}. VarunaStrategy pipelines the forward of each step: "
-        "the other stages send and wait for the messages of exactly one `self(...)` per step. "
-    )
-
-
 def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-@contextmanager
-def _patched_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
-    module.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.forward
 
 
 def _first_batch(trainer: pl.Trainer) -> Any:

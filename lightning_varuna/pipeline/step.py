@@ -1,0 +1,161 @@
+"""Run one step of a LightningModule (``training_step``, ``validation_step``, ...) over the micro-batches of a batch
+through this rank's pipeline stage.
+
+This is the one place that changes the user's module while a step runs, and only for the step's duration:
+
+- ``module.forward`` runs this rank's stage on the current micro-batch. On a stage other than the last it ends the
+  user's step there (by raising `StageForwardDone`, a ``BaseException`` that a user's ``except Exception`` does not
+  swallow): the rest of the step needs the model's output, which only the last stage has.
+- ``module.log`` records into a `LogRecorder`: values are averaged over micro-batches with their sizes as weights,
+  sent from the last stage to the others and logged once per batch (`replay`).
+
+A step must call ``self(...)`` exactly once: the other stages send and wait for the messages of one forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_leaves
+
+from lightning_varuna.pipeline.microbatch import batch_size_of, merge_microbatches, split_microbatches
+from lightning_varuna.pipeline.schedules import Action
+from lightning_varuna.pipeline.stage import Stage
+from lightning_varuna.pipeline.step_logging import LogRecorder
+
+__all__ = ["MicroBatchedStep", "StageForwardDone", "capture_forward_inputs"]
+
+
+class StageForwardDone(BaseException):
+    """Ends a user step on a stage that is not the last: the rest of the step needs the model's output."""
+
+
+class MicroBatchedStep:
+    """``module.<step_name>(batch, *rest, **kwargs)`` run as micro-batches of ``micro_batch_size`` rows through
+    ``stage`` under the schedule ``actions`` (this stage's list).
+
+    Args:
+        loss_weight: the factor each micro-batch's loss gets on top of its share of the batch's rows (training):
+            1 / (replicas x accumulated batches), so that the summed gradients are the mean.
+        scale_loss: the grad scaler's ``scale`` (fp16), or None.
+    """
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        stage: Stage,
+        step_name: str,
+        rest: tuple,
+        kwargs: dict,
+        *,
+        loss_weight: float = 1.0,
+        scale_loss: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        self.module, self.stage, self.step_name = module, stage, step_name
+        self.rest, self.kwargs = rest, kwargs
+        self.loss_weight, self.scale_loss = loss_weight, scale_loss
+        self.recorder = LogRecorder()
+        self._microbatches: list[Any] = []
+        self._weights: list[float] = []
+        self._forwards: list[int] = []
+        self._training = False
+
+    def run(
+        self, batch: Any, micro_batch_size: int, actions: list[Action], *, training: bool, on_wait: Callable[[], None]
+    ) -> Any:
+        """Run the step on every micro-batch; return the merged step output on the last stage (None elsewhere)."""
+        self._microbatches = split_microbatches(batch, micro_batch_size)
+        total = batch_size_of(batch)
+        self._weights = [batch_size_of(mb) / total for mb in self._microbatches]
+        self._forwards = [0] * len(self._microbatches)  # calls of `self(...)` per micro-batch: the pipeline runs one
+        self._training = training
+        runtime = self.stage.runtime
+        with self.recorder.capture(self.module), _patched_forward(self.module, self._stage_forward):
+            results = runtime.run(actions, self._run_user_step, self._loss_of, on_wait=on_wait)
+        return merge_microbatches(results, self._weights) if runtime.is_last_stage else None
+
+    def _stage_forward(self, *args: Any, **kwargs: Any) -> Any:
+        m = self.stage.runtime.current_microbatch
+        if self._forwards[m]:
+            raise TypeError(
+                self._one_forward("called `self(...)` a second time")
+                + "Compute everything the step needs from one call's output (`forward` may return several)."
+            )
+        self._forwards[m] += 1
+        graph, stage_module = self.stage.stage_for(args, kwargs)
+        out = self.stage.runtime.forward(m, graph, stage_module, tree_leaves((args, kwargs)), self._training)
+        if out is None:
+            raise StageForwardDone
+        return out
+
+    def _run_user_step(self, m: int) -> Any:
+        self.recorder.weight = self._weights[m]
+        try:
+            step_output = getattr(self.module, self.step_name)(self._microbatches[m], *self.rest, **self.kwargs)
+        except StageForwardDone:
+            return None
+        if not self._forwards[m]:
+            raise TypeError(
+                self._one_forward("returned without calling `self(...)`")
+                + "To leave a batch out, filter it out of the DataLoader, or (in training) multiply its loss by 0."
+            )
+        return step_output
+
+    def _loss_of(self, m: int, step_output: Any) -> Tensor | None:
+        if not self.stage.runtime.is_last_stage:
+            return None
+        loss = step_output["loss"] if isinstance(step_output, dict) else step_output
+        if not isinstance(loss, Tensor):
+            raise TypeError(
+                f"`training_step` returned {type(step_output).__name__}; with VarunaStrategy it must return the "
+                "loss tensor or a dict with a `loss` tensor on every batch."
+            )
+        # Weighted by the micro-batch's share of all rows of the optimizer step (over replicas and accumulated
+        # batches): the summed gradients are the mean, scaled as one device scales them (same fp16 overflows).
+        loss = loss * (self._weights[m] * self.loss_weight)
+        return self.scale_loss(loss) if self.scale_loss is not None else loss
+
+    def _one_forward(self, what: str) -> str:
+        batch = f" on batch {self.rest[0]}" if self.rest and isinstance(self.rest[0], int) else ""
+        return (
+            f"`{type(self.module).__name__}.{self.step_name}` {what}{batch}. VarunaStrategy pipelines the forward of "
+            "each step: the other stages send and wait for the messages of exactly one `self(...)` per step. "
+        )
+
+
+def capture_forward_inputs(module: pl.LightningModule, step_name: str, microbatch: Any) -> tuple[tuple, dict]:
+    """The arguments the step passes to ``self(...)`` for ``microbatch``, found by running the step up to that call
+    (without gradients, logging nothing)."""
+    captured: list[tuple[tuple, dict]] = []
+
+    def capture(*args: Any, **kwargs: Any) -> None:
+        captured.append((args, kwargs))
+        raise StageForwardDone
+
+    with (
+        torch.no_grad(),
+        LogRecorder().capture(module),
+        _patched_forward(module, capture),
+        suppress(StageForwardDone),
+    ):
+        getattr(module, step_name)(microbatch, 0)
+    if not captured:
+        raise RuntimeError(
+            f"`{type(module).__name__}.{step_name}` never called `self(...)`; VarunaStrategy pipelines the "
+            "forward call of each step. Call the model once per step, or set `example_input_array`."
+        )
+    return captured[0]
+
+
+@contextmanager
+def _patched_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.forward
