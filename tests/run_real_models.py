@@ -46,8 +46,13 @@ def train(name: str, out_dir: str, config: dict) -> None:
     torch.save(state, os.path.join(folder, f"rank{trainer.global_rank}.pt"))
     if trainer.is_global_zero:
         with open(os.path.join(folder, "losses.json"), "w") as f:
-            json.dump({"losses": record.losses, "shape": [strategy.topology.pipeline_parallel_size,
-                                                         strategy.topology.data_parallel_size]}, f)
+            json.dump(
+                {
+                    "losses": record.losses,
+                    "shape": [strategy.topology.pipeline_parallel_size, strategy.topology.data_parallel_size],
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

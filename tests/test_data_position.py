@@ -71,7 +71,9 @@ def test_fit_ended_by_max_steps_mid_epoch_continues_the_epoch(tmp_path, uninterr
 @pytest.mark.parametrize(
     "checkpoint", ["end.ckpt", "epochs/epoch=0-step=3.ckpt"], ids=["save_checkpoint", "after_validation"]
 )
-def test_fit_ended_at_an_epoch_end_trains_the_next_epoch(tmp_path, three_steps_with_validation, uninterrupted, checkpoint):  # noqa: E501
+def test_fit_ended_at_an_epoch_end_trains_the_next_epoch(
+    tmp_path, three_steps_with_validation, uninterrupted, checkpoint
+):
     resume = os.path.join(three_steps_with_validation, checkpoint)
     result, weights = run(tmp_path, "resumed", shape(2, 1, epochs=EPOCHS, resume=resume, validate_during_fit=True))
     assert_continues(result, weights, uninterrupted, from_step=3)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 
 import pytest
 import torch
 from models import DIM, SEQ, VOCAB, TinyLM
 from torch import nn
+from torch.nn.modules.transformer import _detect_is_causal_mask as detect_is_causal_mask
 
+import lightning_varuna.partition.split
 from lightning_varuna import CutPoint
+from lightning_varuna._torch_private import transformer_module
 from lightning_varuna.partition.discovery import discover_cutpoints
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, Source, TensorMeta, split_into_stages
@@ -438,3 +443,61 @@ def test_split_with_an_empty_stage_raises():
     with pytest.raises(ValueError, match="gave 2 stages instead of 3"):
         split_into_stages(module, ModelSkeleton(module), real_tensors(module), (x,), {}, ["c0", "c1"], 0)
     assert not module.c0._is_stage_boundary and not module.c1._is_stage_boundary
+
+
+# ----------------------------------------------------------------------------------------------- untraceable forwards
+
+
+class ValueBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.cut = nn.Linear(4, 4), nn.Linear(4, 4), CutPoint()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.cut(self.a(x))
+        if x.sum() > 0:
+            x = x * 2
+        return self.b(x)
+
+
+class CausalEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.cut = CutPoint()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.encoder(self.cut(x), mask=mask)
+
+
+def line_of(function: object, code: str) -> int:
+    """The number of the first line of ``function``'s source that contains ``code``."""
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if code in line)
+
+
+def test_untraceable_forward_names_the_users_line():
+    module = ValueBranch()
+    with pytest.raises(RuntimeError) as info:
+        split_into_stages(module, ModelSkeleton(module), real_tensors(module), (torch.randn(2, 4),), {}, ["cut"], 0)
+    message = str(info.value)
+    assert message.startswith("Cannot cut `ValueBranch.forward` into pipeline stages")
+    assert f"line {line_of(ValueBranch.forward, 'if x.sum()')} of {__file__} (`if x.sum() > 0:`)" in message
+    assert "depends on a tensor's values" in message and "torch.where(condition, a, b)" in message
+    assert not module.cut._is_stage_boundary
+
+
+def test_causal_mask_check_is_traceable_and_named_without_the_patch(monkeypatch):
+    """``nn.TransformerEncoder`` reads its mask's values: traced as written; without the patch torch's line is named."""
+    module, x = CausalEncoder(), torch.randn(2, 5, 8)
+    split_into_stages(module, ModelSkeleton(module), real_tensors(module), (x,), {}, ["cut"], 1)
+    assert transformer_module._detect_is_causal_mask is detect_is_causal_mask  # patched only while tracing
+    monkeypatch.setattr(lightning_varuna.partition.split, "traceable_torch_modules", contextlib.nullcontext)
+    with pytest.raises(RuntimeError) as info:
+        split_into_stages(module, ModelSkeleton(module), real_tensors(module), (x,), {}, ["cut"], 1)
+    message = str(info.value)
+    assert f"line {line_of(CausalEncoder.forward, 'self.encoder(')} of {__file__}" in message
+    assert f"inside line {line_of(detect_is_causal_mask, 'make_causal = bool(')} of " in message
+    assert "as `is_causal=` does for an attention mask" in message

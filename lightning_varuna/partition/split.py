@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 from lightning_varuna._torch_private import generated_code_modules, rename_node
 from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.partition.skeleton import ModelSkeleton
-from lightning_varuna.partition.tracing import traceable_torch_modules
+from lightning_varuna.partition.tracing import traceable_torch_modules, untraceable_forward_error
 
 __all__ = ["PipelineGraph", "Source", "TensorMeta", "split_into_stages"]
 
@@ -176,13 +176,7 @@ def split_into_stages(
         ):
             pipe = pipeline(module, mb_args=args, mb_kwargs=kwargs or None)
     except RuntimeError as error:
-        cause = error.__cause__ or error
-        raise RuntimeError(
-            f"Cannot cut `{type(module).__name__}.forward` into pipeline stages: tracing it with torch.export failed "
-            f"({type(cause).__name__}: {str(cause).strip().splitlines()[0]}). Remove data-dependent Python control "
-            "flow (`if tensor...:`) and non-tensor results from the forward; see "
-            "https://pytorch.org/docs/stable/export.html"
-        ) from error
+        raise untraceable_forward_error(module, error) from error
     finally:
         for cut in cuts:
             cut._is_stage_boundary = False

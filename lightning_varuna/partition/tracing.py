@@ -1,15 +1,25 @@
-"""What ``torch.export`` needs to trace the models users bring, applied only while a model is traced."""
+"""What ``torch.export`` needs to trace the models users bring, and the error that names a line it cannot trace."""
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+import lightning_varuna
 from lightning_varuna._torch_private import transformer_module
 
-__all__ = ["traceable_torch_modules"]
+__all__ = ["traceable_torch_modules", "untraceable_forward_error"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn") + os.sep
+_OWN_DIR = os.path.dirname(lightning_varuna.__file__) + os.sep
+_MODULE_CALL = nn.Module.__call__.__code__.co_filename  # `Module.__call__` machinery between the model's frames
 
 
 def _is_causal_as_given(mask: torch.Tensor | None, is_causal: bool | None = None, size: int | None = None) -> bool:
@@ -30,3 +40,66 @@ def traceable_torch_modules() -> Iterator[None]:
         yield
     finally:
         transformer_module._detect_is_causal_mask = detect
+
+
+def untraceable_forward_error(module: nn.Module, error: BaseException) -> RuntimeError:
+    """The error to raise when tracing ``module``'s forward failed with ``error``: it names the line that failed.
+
+    ``torch.export`` runs the forward as Python, so the failing exception's traceback holds the model's own frames:
+    the innermost frame outside torch is the user's line; the innermost in ``torch.nn`` is torch's module code.
+    """
+    cause = error.__cause__ or error
+    frames = _model_frames(cause)
+    name = f"`{type(module).__name__}.forward`"
+    if not frames:
+        return RuntimeError(
+            f"Cannot cut {name} into pipeline stages: tracing it with torch.export failed "
+            f"({type(cause).__name__}: {_first_line(cause)}). See https://pytorch.org/docs/stable/export.html"
+        )
+    user_frames = [f for f in frames if not f.filename.startswith(_TORCH_DIR)]
+    where = _describe(user_frames[-1] if user_frames else frames[-1])
+    in_torch = frames[-1] not in user_frames
+    if in_torch:
+        where += f", inside {_describe(frames[-1])}"
+    return RuntimeError(
+        f"Cannot cut {name} into pipeline stages: torch.export cannot trace {where}. {_reason(cause, in_torch)}."
+    )
+
+
+def _reason(cause: BaseException, in_torch: bool) -> str:
+    """Why the line cannot be traced and what to change; ``in_torch``: the line is torch's module code."""
+    if not isinstance(cause, GuardOnDataDependentSymNode):
+        return f"{type(cause).__name__}: {_first_line(cause)}"
+    reason = (
+        "Python code there depends on a tensor's values (`if tensor:`, `bool()`, `int()`, `float()`, `.item()`), "
+        "which tracing with example inputs cannot know. "
+    )
+    if in_torch:
+        return reason + (
+            "That line is torch's own module code: give it the argument that tells it what it reads from the "
+            "values, if it has one (as `is_causal=` does for an attention mask)"
+        )
+    return reason + (
+        "Compute it with tensor operations instead (e.g. `torch.where(condition, a, b)` for `a if condition else b`), "
+        "or decide it outside the forward, from shapes or a constructor argument"
+    )
+
+
+def _model_frames(error: BaseException) -> list[traceback.FrameSummary]:
+    """The frames of the traced model's code (the user's and torch.nn's) in ``error``'s traceback, outermost first."""
+    return [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not f.filename.startswith(("<", _OWN_DIR))
+        and (not f.filename.startswith(_TORCH_DIR) or f.filename.startswith(_TORCH_NN_DIR))
+        and f.filename != _MODULE_CALL
+    ]
+
+
+def _describe(frame: traceback.FrameSummary) -> str:
+    return f"line {frame.lineno} of {frame.filename} (`{(frame.line or '').strip()}`)"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no message"
