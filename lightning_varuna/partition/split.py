@@ -21,7 +21,7 @@ from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.tracing import traceable_torch_modules, untraceable_forward_error
 
-__all__ = ["PipelineGraph", "Source", "TensorMeta", "split_into_stages"]
+__all__ = ["PipelineGraph", "Source", "TensorMeta", "split_into_all_stages", "split_into_stages"]
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,8 @@ def split_into_stages(
     boundaries: Sequence[str],
     stage_index: int,
 ) -> tuple[PipelineGraph, nn.Module]:
-    """Trace ``module(*args, **kwargs)`` and cut it before each CutPoint named in ``boundaries``.
+    """Trace ``module(*args, **kwargs)``, cut it before each CutPoint named in ``boundaries``, and return the graph
+    and the module of stage ``stage_index``, bound to ``real_tensors``.
 
     Args:
         module: the whole model; slots of other stages may be empty (the skeleton fills them while tracing).
@@ -164,6 +165,27 @@ def split_into_stages(
         boundaries: names of the cutpoints where stages 1, 2, ... begin.
         stage_index: the stage whose module (``torch.export.unflatten``'s, running generated code) to return.
     """
+    graph, stage_modules = _split(module, skeleton, args, kwargs, boundaries)
+    return graph, _bound(stage_modules[stage_index], skeleton, real_tensors)
+
+
+def split_into_all_stages(
+    module: nn.Module,
+    skeleton: ModelSkeleton,
+    real_tensors: dict[str, Tensor],
+    args: tuple,
+    kwargs: dict,
+    boundaries: Sequence[str],
+) -> tuple[PipelineGraph, list[nn.Module]]:
+    """`split_into_stages`, returning the module of every stage, each bound to ``real_tensors`` (all the model's
+    tensors: one process runs every stage, as the spilling strategy does)."""
+    graph, stage_modules = _split(module, skeleton, args, kwargs, boundaries)
+    return graph, [_bound(stage_module, skeleton, real_tensors) for stage_module in stage_modules]
+
+
+def _split(
+    module: nn.Module, skeleton: ModelSkeleton, args: tuple, kwargs: dict, boundaries: Sequence[str]
+) -> tuple[PipelineGraph, list[nn.Module]]:
     cuts = _activate(module, boundaries)
     try:
         # `generated_code_modules`: the stage's submodules run their generated Python code instead of stepping
@@ -208,10 +230,13 @@ def split_into_stages(
             f"Cutting at {len(boundaries)} CutPoint(s) gave {pipeline_graph.num_stages} stages instead of "
             f"{len(boundaries) + 1}: some stage has no computation. Put work between consecutive CutPoints."
         )
-    own = stage_modules[stage_index]
-    _make_generated_code_safe(own)
-    _bind_real_tensors(own, skeleton, real_tensors)
-    return pipeline_graph, own
+    return pipeline_graph, stage_modules
+
+
+def _bound(stage_module: nn.Module, skeleton: ModelSkeleton, real_tensors: dict[str, Tensor]) -> nn.Module:
+    _make_generated_code_safe(stage_module)
+    _bind_real_tensors(stage_module, skeleton, real_tensors)
+    return stage_module
 
 
 def args_device_type(args: Any) -> str:

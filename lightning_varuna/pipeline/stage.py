@@ -4,16 +4,15 @@ its runtime, and the parameters it shares with other stages."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
+from lightning_varuna.partition.trace_cache import trace_key, tracing_own_forward
 from lightning_varuna.pipeline.runtime import StageRuntime
 from lightning_varuna.pipeline.shared_params import SharedParameters
 from lightning_varuna.pipeline.topology import Topology
@@ -54,12 +53,9 @@ class Stage:
 
     def stage_for(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, nn.Module]:
         """The traced stage for inputs of this shape and the module's train/eval mode (traced once each)."""
-        key = (self.module.training, *(_shape_key(leaf) for leaf in tree_leaves((args, kwargs))))
+        key = trace_key(self.module, args, kwargs)
         if key not in self._traced:
-            # Trace the model's own forward, not the pipelined one a running step patched in.
-            patched = self.module.__dict__.pop("forward", None)
-            with torch.inference_mode(False), torch.enable_grad(), _restored(self.module, "forward", patched):
-                args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, (args, kwargs))
+            with tracing_own_forward(self.module, args, kwargs) as (args, kwargs):
                 self._traced[key] = split_into_stages(
                     self.module, self.skeleton, self._real, args, kwargs, self.boundaries, self.stage_index
                 )
@@ -81,19 +77,3 @@ class Stage:
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
     yield from module.named_parameters()
     yield from module.named_buffers()
-
-
-def _shape_key(leaf: Any) -> Any:
-    if isinstance(leaf, Tensor):
-        return (tuple(leaf.shape), leaf.dtype, leaf.device.type)
-    return repr(leaf)
-
-
-@contextmanager
-def _restored(obj: Any, name: str, value: Any) -> Iterator[None]:
-    """Set instance attribute ``name`` back to ``value`` on exit (if ``value`` is not None)."""
-    try:
-        yield
-    finally:
-        if value is not None:
-            setattr(obj, name, value)

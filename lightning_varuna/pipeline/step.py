@@ -28,7 +28,7 @@ from lightning_varuna.pipeline.schedules import Action
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step_logging import LogRecorder
 
-__all__ = ["MicroBatchedStep", "StageForwardDone", "capture_forward_inputs"]
+__all__ = ["MicroBatchedStep", "StageForwardDone", "capture_forward_inputs", "patched_forward"]
 
 
 class StageForwardDone(BaseException):
@@ -75,7 +75,7 @@ class MicroBatchedStep:
         self._forwards = [0] * len(self._microbatches)  # calls of `self(...)` per micro-batch: the pipeline runs one
         self._training = training
         runtime = self.stage.runtime
-        with self.recorder.capture(self.module), _patched_forward(self.module, self._stage_forward):
+        with self.recorder.capture(self.module), patched_forward(self.module, self._stage_forward):
             results = runtime.run(actions, self._run_user_step, self._loss_of, on_wait=on_wait)
         return merge_microbatches(results, self._weights) if runtime.is_last_stage else None
 
@@ -140,7 +140,7 @@ def capture_forward_inputs(module: pl.LightningModule, step_name: str, microbatc
     with (
         torch.no_grad(),
         LogRecorder().capture(module),
-        _patched_forward(module, capture),
+        patched_forward(module, capture),
         suppress(StageForwardDone),
     ):
         getattr(module, step_name)(microbatch, 0)
@@ -153,7 +153,8 @@ def capture_forward_inputs(module: pl.LightningModule, step_name: str, microbatc
 
 
 @contextmanager
-def _patched_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+def patched_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """``module(...)`` calls ``forward`` inside the block."""
     module.forward = forward  # type: ignore[method-assign]
     try:
         yield

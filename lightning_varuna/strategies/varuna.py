@@ -68,6 +68,7 @@ from lightning_varuna.profiling.segments import measure_segments
 from lightning_varuna.profiling.simulator import Config
 from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.failures import Failure, FailureNotice, PeerFailure
+from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
 
@@ -418,7 +419,7 @@ class VarunaStrategy(ParallelStrategy):
         if self.global_batch_size is not None:
             rows = self.global_batch_size // self.topology.data_parallel_size
         else:
-            rows = batch_size_of(_first_batch(trainer))
+            rows = batch_size_of(first_batch(trainer))
         self.micro_batch_size = default_micro_batch_size(rows, num_stages)
         count = len(microbatch_sizes(rows, self.micro_batch_size))
         rank_zero_info(
@@ -492,10 +493,10 @@ class VarunaStrategy(ParallelStrategy):
                 args, kwargs = (example if isinstance(example, tuple) else (example,)), {}
             args, kwargs = split_microbatches((args, kwargs), self.micro_batch_size)[0]
             return self.batch_to_device(args), self.batch_to_device(kwargs)
-        batch = self.batch_to_device(_first_batch(trainer))
+        batch = self.batch_to_device(first_batch(trainer))
         microbatch = split_microbatches(batch, self.micro_batch_size)[0]
         assert trainer.state.fn is not None
-        return capture_forward_inputs(module, _STEP_OF_FN[trainer.state.fn], microbatch)
+        return capture_forward_inputs(module, STEP_OF_FN[trainer.state.fn], microbatch)
 
     # ------------------------------------------------------------------------------------------- steps
     @override
@@ -779,14 +780,6 @@ class VarunaStrategy(ParallelStrategy):
         return self._stages
 
 
-_STEP_OF_FN = {
-    TrainerFn.FITTING: "training_step",
-    TrainerFn.VALIDATING: "validation_step",
-    TrainerFn.TESTING: "test_step",
-    TrainerFn.PREDICTING: "predict_step",
-}
-
-
 def _sum_present(a: Tensor | None, b: Tensor | None, like: Tensor) -> Tensor:
     """``a + b`` where either may be missing (zeros shaped as ``like`` if both are)."""
     if a is None or b is None:
@@ -797,19 +790,6 @@ def _sum_present(a: Tensor | None, b: Tensor | None, like: Tensor) -> Tensor:
 
 def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def _first_batch(trainer: pl.Trainer) -> Any:
-    loop = {
-        TrainerFn.FITTING: trainer.fit_loop,
-        TrainerFn.VALIDATING: trainer.validate_loop,
-        TrainerFn.TESTING: trainer.test_loop,
-        TrainerFn.PREDICTING: trainer.predict_loop,
-    }[trainer.state.fn]  # type: ignore[index]
-    loaders = loop._data_source.dataloader()  # type: ignore[attr-defined]
-    loader = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders
-    loader = loader[0] if isinstance(loader, (list, tuple)) else loader
-    return next(iter(loader))
 
 
 StrategyRegistry.register(

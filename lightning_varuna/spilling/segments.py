@@ -1,0 +1,39 @@
+"""A model cut at every CutPoint into segments, traced once per input shape and train/eval mode, whose segment
+modules run the model's own parameters (wherever their data is at the time)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from lightning_varuna.partition.skeleton import ModelSkeleton
+from lightning_varuna.partition.split import PipelineGraph, split_into_all_stages
+from lightning_varuna.partition.trace_cache import trace_key, tracing_own_forward
+
+__all__ = ["Segments"]
+
+
+class Segments:
+    """``module`` cut before each of ``cutpoints``: the segment modules for given inputs (traced on first use).
+
+    The skeleton is taken now, while every parameter has its data: later traces need only shapes, so they work while
+    the parameters are spilled.
+    """
+
+    def __init__(self, module: nn.Module, cutpoints: list[str]) -> None:
+        self.module, self.cutpoints = module, cutpoints
+        self.skeleton = ModelSkeleton(module)
+        self._real: dict[str, Tensor] = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        self._traced: dict[tuple, tuple[PipelineGraph, list[nn.Module]]] = {}
+
+    def for_inputs(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, list[nn.Module]]:
+        """The graph and segment modules for inputs of this shape in the model's current train/eval mode."""
+        key = trace_key(self.module, args, kwargs)
+        if key not in self._traced:
+            with tracing_own_forward(self.module, args, kwargs) as (args, kwargs):
+                graph, modules = split_into_all_stages(
+                    self.module, self.skeleton, self._real, args, kwargs, self.cutpoints
+                )
+            for segment in modules:
+                segment.train(self.module.training)
+            self._traced[key] = (graph, modules)
+        return self._traced[key]

@@ -1,0 +1,314 @@
+"""A model whose shards take turns on the device: forward shard by shard keeping only the activations at shard
+boundaries, backward in reverse recomputing each shard's forward, optimizer step shard by shard.
+
+A shard is a run of consecutive segments of the model cut at all its CutPoints (`split_into_all_stages`); while a
+shard is spilled its parameters, gradients and optimizer state are in the `SpillStore`, and its parameters hold no
+elements (so that a stray use fails loudly).
+Parameters used by more than one shard (tied weights) and all buffers stay on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
+
+from lightning_varuna.partition.split import PipelineGraph, Source
+from lightning_varuna.spilling.segments import Segments
+from lightning_varuna.spilling.store import SpillStore
+
+__all__ = ["Shard", "ShardedModel"]
+
+
+@dataclass
+class Shard:
+    """Consecutive segments that visit the device together, and the parameters only they use."""
+
+    index: int
+    segments: list[int]
+    params: list[nn.Parameter]
+    grad_norm_sq: Tensor | None = None  # the squared norm of its gradients after the last backward
+    _rng: tuple[Tensor, ...] = field(default=(), repr=False)
+
+    def key(self, part: str) -> str:
+        return f"shard{self.index}.{part}"
+
+
+class ShardedModel:
+    """Run a model's segments shard by shard on ``store.device``.
+
+    Args:
+        segments: the model cut at every CutPoint (traced per input shape and mode).
+        segment_modules: the segment modules of one trace (all traces bind the same parameters).
+        shards: the segment indices of each shard, in order.
+        store: where spilled shards wait.
+        output_spec: the pytree structure of the model's output.
+        prefetch: fetch the next shard while the current one computes.
+    """
+
+    def __init__(
+        self,
+        segments: Segments,
+        segment_modules: list[nn.Module],
+        shards: list[list[int]],
+        store: SpillStore,
+        output_spec: TreeSpec,
+        prefetch: bool = True,
+    ) -> None:
+        self.segments, self.store = segments, store
+        self.output_spec, self.prefetch_next = output_spec, prefetch
+        self._shard_of = {s: k for k, shard in enumerate(shards) for s in shard}
+        # A shard spills the parameters only its segments use; the others (tied weights) stay on the device.
+        owners: dict[nn.Parameter, set[int]] = {}
+        for s, module in enumerate(segment_modules):
+            for p in module.parameters():
+                owners.setdefault(p, set()).add(self._shard_of[s])
+        self.shards = [
+            Shard(k, segment_indices, [p for p, ks in owners.items() if ks == {k}])
+            for k, segment_indices in enumerate(shards)
+        ]
+        self.resident_params = [p for p in segments.module.parameters() if len(owners.get(p, ())) != 1]
+        self._resident: set[int] = set(range(len(self.shards)))
+        self._has_grad: set[nn.Parameter] = set()  # spilled parameters whose gradients are in the store
+        self._state_slots: dict[int, list[tuple[nn.Parameter, str]]] = {}  # shard -> its spilled optimizer state
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._graph: PipelineGraph | None = None
+        self._modules: list[nn.Module] = []
+        self._boundaries: dict[Source, Any] = {}
+        self._last_consumer: dict[Source, int] = {}
+        self._autocast: tuple[bool, torch.dtype] = (False, torch.float32)
+
+    # ------------------------------------------------------------------------------------------ residency
+    def spill_all(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Move every shard to the store (at setup); ``optimizer`` is the one whose state moves with them."""
+        self._optimizer = optimizer
+        for shard in self.shards:
+            if shard.index in self._resident:
+                self._evict(shard, write=("params", "grads", "state"))
+
+    def _bring(self, shard: Shard, parts: tuple[str, ...]) -> None:
+        if shard.index in self._resident:
+            return
+        tensors = self.store.get(shard.key("params"))
+        for p, t in zip(shard.params, tensors):
+            p.data = t
+        if "grads" in parts and shard.key("grads") in self.store:
+            grads = iter(self.store.get(shard.key("grads")))
+            for p in shard.params:
+                if p in self._has_grad:
+                    p.grad = next(grads)
+        if "state" in parts and shard.key("state") in self.store and self._optimizer is not None:
+            for (p, name), t in zip(self._state_slots[shard.index], self.store.get(shard.key("state"))):
+                self._optimizer.state[p][name] = t
+        self._resident.add(shard.index)
+
+    def _prefetch(self, index: int, parts: tuple[str, ...]) -> None:
+        """Start fetching shard ``index`` (if there is one) while the current one computes."""
+        if not 0 <= index < len(self.shards) or not self.prefetch_next or index in self._resident:
+            return
+        shard = self.shards[index]
+        for part in ("params", *parts):
+            self.store.prefetch(shard.key(part))
+
+    def _evict(self, shard: Shard, write: tuple[str, ...] = ()) -> None:
+        """Spill ``shard``: store the ``write`` parts (the others are unchanged since they were stored)."""
+        if shard.index not in self._resident:
+            return
+        if "params" in write:
+            self.store.put(shard.key("params"), [p.data for p in shard.params])
+        if "grads" in write:
+            grads = [p for p in shard.params if p.grad is not None]
+            self._has_grad.difference_update(shard.params)
+            self._has_grad.update(grads)
+            if grads:
+                self.store.put(shard.key("grads"), [p.grad for p in grads])  # type: ignore[misc]
+            else:
+                self.store.discard(shard.key("grads"))
+        if "state" in write and self._optimizer is not None:
+            slots = [
+                (p, name)
+                for p in shard.params
+                for name, value in sorted(self._optimizer.state.get(p, {}).items())
+                if isinstance(value, Tensor) and value.numel() > 1
+            ]
+            self._state_slots[shard.index] = slots
+            self.store.put(shard.key("state"), [self._optimizer.state[p][name] for p, name in slots])
+        if self._optimizer is not None:
+            for p, name in self._state_slots.get(shard.index, []):
+                self._optimizer.state[p].pop(name, None)
+        for p in shard.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.grad = None
+        self._resident.discard(shard.index)
+
+    # -------------------------------------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's output, computed shard by shard. With gradients enabled, the last shard stays on the device
+        with its autograd graph; the outputs of the others are leaves whose ``.grad`` `backward` reads."""
+        training = torch.is_grad_enabled()
+        self._use_trace(args, kwargs)
+        device_type = self.store.device.type
+        self._autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        inputs = tree_leaves((args, kwargs))
+        self._boundaries = {Source(None, i): leaf for i, leaf in enumerate(inputs)}
+        last = len(self.shards) - 1
+        for shard in self.shards:
+            with_graph = training and shard.index == last
+            self._bring(shard, ("grads",) if with_graph else ())
+            self._prefetch(shard.index + 1, ())
+            if training:
+                shard._rng = _rng_state(self.store.device)
+            with nullcontext() if with_graph else torch.no_grad():
+                produced = self._run(shard)
+            for src, value in produced.items():
+                if self._last_consumer.get(src, -1) > shard.index:
+                    if training and not with_graph and isinstance(value, Tensor) and value.is_floating_point():
+                        value = value.detach().requires_grad_(True)
+                    self._boundaries[src] = value
+            if not with_graph:
+                self._evict(shard)
+        assert self._graph is not None
+        outputs = [self._boundaries[src] for src in self._graph.output_sources]
+        return tree_unflatten(outputs, self.output_spec)
+
+    def _use_trace(self, args: tuple, kwargs: dict) -> None:
+        self._graph, self._modules = self.segments.for_inputs(args, kwargs)
+        last_consumer: dict[Source, int] = {}
+        for s, sources in enumerate(self._graph.stage_inputs):
+            for src in sources:
+                last_consumer[src] = max(last_consumer.get(src, -1), self._shard_of[s])
+        for src in self._graph.output_sources:
+            last_consumer[src] = len(self.shards)
+        self._last_consumer = last_consumer
+
+    def _run(self, shard: Shard) -> dict[Source, Any]:
+        """Run the segments of ``shard`` on the kept boundary values; return every value they produce."""
+        assert self._graph is not None
+        values: dict[Source, Any] = {}
+        for s in shard.segments:
+            args = [values[src] if src in values else self._boundaries[src] for src in self._graph.stage_inputs[s]]
+            out = self._modules[s](*args)
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            values.update({Source(s, i): value for i, value in enumerate(outs)})
+        return values
+
+    # ------------------------------------------------------------------------------------------- backward
+    def backward(self, loss: Tensor, backward: Callable[[Tensor], None]) -> None:
+        """``backward(loss)`` through the last shard, then each earlier shard recomputed and backpropagated, in
+        reverse; each shard's gradients (summed into those of earlier batches) are spilled with it."""
+        backward(loss)
+        for shard in reversed(self.shards):
+            if shard.index != len(self.shards) - 1:
+                self._bring(shard, ("grads",))
+                self._prefetch(shard.index - 1, ("grads",))
+                self._backward_through(shard)
+            shard.grad_norm_sq = _norm_sq([p.grad for p in shard.params])
+            self._evict(shard, write=("grads",))
+        self._boundaries = {}
+
+    def _backward_through(self, shard: Shard) -> None:
+        enabled, dtype = self._autocast
+        with (
+            torch.random.fork_rng(devices=_cuda_devices(self.store.device)),
+            torch.enable_grad(),
+            torch.autocast(self.store.device.type, dtype=dtype, enabled=enabled),
+        ):
+            _set_rng_state(shard._rng, self.store.device)
+            produced = self._run(shard)
+        outputs, grads = [], []
+        for src, value in produced.items():
+            leaf = self._boundaries.get(src)
+            if isinstance(leaf, Tensor) and leaf is not value and leaf.grad is not None and value.requires_grad:
+                outputs.append(value)
+                grads.append(leaf.grad)
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+
+    # ------------------------------------------------------------------------------------------ optimizer
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip: Callable[[list[nn.Parameter], Tensor], None] | None = None,
+    ) -> None:
+        """``optimizer.step()`` shard by shard, each shard's parameters, gradients and state on the device together.
+
+        ``clip(params, total_norm)`` (gradient clipping) gets each shard's parameters and the norm over all.
+        """
+        self._optimizer = optimizer
+        total = None
+        if clip is not None:
+            parts = [s.grad_norm_sq for s in self.shards if s.grad_norm_sq is not None]
+            parts.append(_norm_sq([p.grad for p in self.resident_params]))
+            total = torch.stack([t.to(self.store.device) for t in parts]).sum().sqrt()
+        for shard in self.shards:
+            self._bring(shard, ("grads", "state"))
+            self._prefetch(shard.index + 1, ("grads", "state"))
+            if clip is not None and total is not None:
+                clip(shard.params, total)
+            with _only(optimizer, set(shard.params)):
+                optimizer.step()
+            for p in shard.params:
+                p.grad = None  # consumed: Lightning zeroes the gradients before the next step's backward
+            self._evict(shard, write=("params", "grads", "state"))
+        if self.resident_params:
+            if clip is not None and total is not None:
+                clip(self.resident_params, total)
+            with _only(optimizer, set(self.resident_params)):
+                optimizer.step()
+
+    @contextmanager
+    def all_on_device(self) -> Iterator[None]:
+        """Every shard on the device for the block (to read a whole state dict), spilled again after, unchanged."""
+        for shard in self.shards:
+            self._bring(shard, ("grads", "state"))
+        try:
+            yield
+        finally:
+            for shard in self.shards:
+                self._evict(shard, write=("state",))  # state loaded into the optimizer before its first step
+
+    def restore(self) -> None:
+        """Put every shard's parameters back into the model for good (after training); drop the store."""
+        for shard in self.shards:
+            self._bring(shard, ("grads", "state"))
+        self.store.close()
+
+
+@contextmanager
+def _only(optimizer: torch.optim.Optimizer, params: set[nn.Parameter]) -> Iterator[None]:
+    """The optimizer sees only ``params`` in its groups for the block (its hyper-parameters unchanged)."""
+    groups = [group["params"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if p in params]
+    try:
+        yield
+    finally:
+        for group, original in zip(optimizer.param_groups, groups):
+            group["params"] = original
+
+
+def _norm_sq(grads: list[Tensor | None]) -> Tensor:
+    present = [g for g in grads if g is not None]
+    if not present:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(present).float().pow(2)
+
+
+def _cuda_devices(device: torch.device) -> list[int]:
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, ...]:
+    cpu = torch.get_rng_state()
+    return (cpu, torch.cuda.get_rng_state(device)) if device.type == "cuda" else (cpu,)
+
+
+def _set_rng_state(state: tuple[Tensor, ...], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[1], device)

@@ -1,0 +1,151 @@
+"""Where the tensors of a shard wait while other shards are on the device: host memory, or one file per part in a
+folder (the disk tier), read back on a background thread ahead of use."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["SpillStore"]
+
+_ALIGNMENT = 64  # bytes: every tensor of a file starts at a multiple of this, so it can be viewed as any dtype
+
+
+@dataclass(frozen=True)
+class _Slot:
+    shape: torch.Size
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+
+class SpillStore:
+    """Parts (a shard's parameters, gradients or optimizer state: lists of tensors) spilled under a key.
+
+    With ``folder=None`` a part stays in host memory: on a CUDA device as a pinned copy, on the CPU as the tensors
+    themselves (host memory is the device's). With a folder, a part is one file, written through and dropped from
+    the page cache, so it takes no memory while spilled. `prefetch` starts reading a part back on a background
+    thread; `get` waits for it.
+    """
+
+    def __init__(self, device: torch.device, folder: str | os.PathLike | None = None) -> None:
+        self.device = device
+        self.folder = Path(folder) if folder is not None else None
+        if self.folder is not None and device.type == "cpu":
+            _give_freed_memory_back()
+        self._host: dict[str, list[Tensor]] = {}
+        self._layouts: dict[str, list[_Slot]] = {}
+        self._pending: dict[str, Future[list[Tensor]]] = {}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="spill-reader")
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._host or key in self._layouts
+
+    def put(self, key: str, tensors: list[Tensor]) -> None:
+        """Spill ``tensors`` under ``key``, replacing what was there."""
+        self.discard(key)
+        if self.folder is None:
+            on_cpu = self.device.type == "cpu"
+            self._host[key] = [t.detach() if on_cpu else _pinned_copy(t) for t in tensors]
+            return
+        self._layouts[key] = self._write(self.folder / f"{key}.bin", tensors)
+
+    def prefetch(self, key: str) -> None:
+        """Start bringing ``key`` back to the device (no-op if it is on its way or not spilled)."""
+        if key in self._layouts and key not in self._pending:
+            self._pending[key] = self._reader.submit(self._read, key)
+
+    def get(self, key: str) -> list[Tensor]:
+        """The tensors spilled under ``key``, on the device (still spilled: `put` again after changing them)."""
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            return pending.result()
+        if key in self._host:
+            return [t.to(self.device, non_blocking=True) for t in self._host[key]]
+        return self._read(key)
+
+    def discard(self, key: str) -> None:
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            pending.result()
+        self._host.pop(key, None)
+        if self._layouts.pop(key, None) is not None:
+            assert self.folder is not None
+            (self.folder / f"{key}.bin").unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for key in list(self._host) + list(self._layouts):
+            self.discard(key)
+        self._reader.shutdown(wait=True)
+
+    def _write(self, path: Path, tensors: list[Tensor]) -> list[_Slot]:
+        slots, offset = [], 0
+        try:
+            with open(path, "wb") as f:
+                for t in tensors:
+                    offset = -(-offset // _ALIGNMENT) * _ALIGNMENT
+                    f.seek(offset)
+                    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                    f.write(data.numpy().data)
+                    slots.append(_Slot(t.shape, t.dtype, offset, data.numel()))
+                    offset += data.numel()
+                f.flush()
+                os.fdatasync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # written through: drop the page cache
+        except OSError as error:
+            path.unlink(missing_ok=True)
+            raise OSError(
+                error.errno,
+                f"Cannot spill {offset} bytes to `{path}` ({error.strerror}). Give SpillingStrategy a `spill_dir` "
+                "with room for the model's parameters, gradients and optimizer state, or `spill_dir=None` to keep "
+                "them in host memory",
+            ) from error
+        self.bytes_written += offset
+        return slots
+
+    def _read(self, key: str) -> list[Tensor]:
+        assert self.folder is not None
+        slots = self._layouts[key]
+        size = max((s.offset + s.nbytes for s in slots), default=0)
+        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        with open(self.folder / f"{key}.bin", "rb", buffering=0) as f:
+            view, done = buffer.numpy().data, 0
+            while done < size:
+                read = f.readinto(view[done:])
+                if not read:
+                    raise OSError(f"`{self.folder / f'{key}.bin'}` ended after {done} of {size} bytes")
+                done += read
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        self.bytes_read += size
+        if self.device.type != "cpu":
+            buffer = buffer.to(self.device, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+        return [buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in slots]
+
+
+def _give_freed_memory_back() -> None:
+    """Make glibc return freed blocks of 64 KiB or more to the OS at once (a fixed ``M_MMAP_THRESHOLD``).
+
+    By default glibc raises that threshold to the largest block freed so far, so after the first shard is freed
+    the next shards' buffers come from its heap, which keeps freed memory: host memory would grow by shards'
+    sizes instead of staying within the budget.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # not glibc
+            ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD = -3
+
+
+def _pinned_copy(tensor: Tensor) -> Tensor:
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    copy.copy_(tensor.detach(), non_blocking=True)
+    return copy

@@ -1,0 +1,32 @@
+"""The first batch of the loop a Trainer is about to run, and the step that loop calls: what a strategy traces and
+measures the model with before the first step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
+
+__all__ = ["STEP_OF_FN", "first_batch"]
+
+STEP_OF_FN = {
+    TrainerFn.FITTING: "training_step",
+    TrainerFn.VALIDATING: "validation_step",
+    TrainerFn.TESTING: "test_step",
+    TrainerFn.PREDICTING: "predict_step",
+}
+
+
+def first_batch(trainer: pl.Trainer) -> Any:
+    """The first batch of the first DataLoader of the loop ``trainer`` runs now (fit, validate, test or predict)."""
+    loop = {
+        TrainerFn.FITTING: trainer.fit_loop,
+        TrainerFn.VALIDATING: trainer.validate_loop,
+        TrainerFn.TESTING: trainer.test_loop,
+        TrainerFn.PREDICTING: trainer.predict_loop,
+    }[trainer.state.fn]  # type: ignore[index]
+    loaders = loop._data_source.dataloader()  # type: ignore[attr-defined]
+    loader = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders
+    loader = loader[0] if isinstance(loader, (list, tuple)) else loader
+    return next(iter(loader))

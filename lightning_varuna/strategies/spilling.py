@@ -1,0 +1,314 @@
+"""Train a model larger than the device's memory on one device: its shards take turns on it (Hydra's spilling)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import tempfile
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+from typing_extensions import override
+
+from lightning_varuna.partition.discovery import forward_with_cutpoints
+from lightning_varuna.partition.split import PipelineGraph, Source
+from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
+from lightning_varuna.profiling.memory import SavedTensorMeter
+from lightning_varuna.spilling.packing import SegmentMemory, format_bytes, pack_shards, parse_bytes
+from lightning_varuna.spilling.segments import Segments
+from lightning_varuna.spilling.shards import ShardedModel
+from lightning_varuna.spilling.store import SpillStore
+from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
+
+__all__ = ["SpillingStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class SpillingStrategy(SingleDeviceStrategy):
+    """Train on one device a model larger than its memory, by spilling shards to host memory or disk.
+
+    The model is cut at its CutPoints into segments, packed into shards from their measured memory so that one
+    shard's training plus the next shard, fetched meanwhile, fit ``memory_budget``. Forward runs shard by shard
+    keeping only the activations at shard boundaries; backward runs in reverse, recomputing each shard's forward
+    (same random numbers); the optimizer steps shard by shard, each shard's parameters, gradients and optimizer
+    state on the device together.
+
+    Args:
+        memory_budget: bytes (or a size such as ``"512MB"``, ``"2GiB"``) the strategy may hold on the device;
+            default: what the device has free.
+        spill_dir: a folder for spilled shards (one file per shard part, read back ahead of use), or None to keep
+            them in host memory.
+        prefetch: fetch the next shard while the current one computes.
+    """
+
+    strategy_name = "spilling"
+
+    def __init__(
+        self,
+        memory_budget: int | str | None = None,
+        spill_dir: str | Path | None = None,
+        prefetch: bool = True,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(device="cpu", checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.memory_budget = parse_bytes(memory_budget) if memory_budget is not None else None
+        self.spill_dir = Path(spill_dir) if spill_dir is not None else None
+        self.prefetch = prefetch
+        self._devices: list[torch.device] = []
+        self._sharded: ShardedModel | None = None
+        self._folder: tempfile.TemporaryDirectory | None = None
+        self._clip: tuple[str, float] | None = None
+        self.shards: list[list[int]] = []  # the segments of each shard, chosen at set-up
+
+    # ------------------------------------------------------------------------------------------- the device
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        """The Trainer's devices (Lightning sets them): one."""
+        return self._devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device]) -> None:
+        if len(devices) > 1:
+            raise ValueError(
+                f"SpillingStrategy trains one model on one device, but the Trainer has {len(devices)} devices. Use "
+                "`Trainer(devices=1)`; to train one model on several devices use `VarunaStrategy` (pipeline and "
+                "data parallel), to train several models at once use `MultiModelTrainer`."
+            )
+        self._devices = list(devices)
+        if devices:
+            self._root_device = torch.device(devices[0])
+
+    @property
+    def _module(self) -> pl.LightningModule:
+        module = self.lightning_module
+        assert module is not None
+        return module
+
+    # ---------------------------------------------------------------------------------------------- set-up
+    @override
+    def model_to_device(self) -> None:
+        # The model stays where it is built (host memory); shards visit the device when they run.
+        pass
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self.root_device.type != "cpu":
+            raise NotImplementedError(
+                f"SpillingStrategy runs on the CPU so far; `{self.root_device}` is not supported yet. "
+                "Use `Trainer(accelerator='cpu')`."
+            )
+        super().setup(trainer)
+        if self._sharded is None:
+            with torch.random.fork_rng(
+                devices=[]
+            ):  # measuring runs the model: training's random numbers stay as they are
+                self._sharded = self._shard(trainer)
+        self.precision_plugin.clip_grad_by_norm = self._request_clip_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_value = self._request_clip_by_value  # type: ignore[method-assign]
+        optimizer = self.optimizers[0] if self.optimizers else None
+        if len(self.optimizers) > 1:
+            raise ValueError("SpillingStrategy trains with one optimizer; `configure_optimizers` returned several.")
+        self._sharded.spill_all(optimizer)
+
+    def _shard(self, trainer: pl.Trainer) -> ShardedModel:
+        module = self.lightning_module
+        assert module is not None and trainer.state.fn is not None
+        batch = self.batch_to_device(first_batch(trainer))
+        args, kwargs = capture_forward_inputs(module, STEP_OF_FN[trainer.state.fn], batch)
+        cutpoints, example_output = forward_with_cutpoints(module, args, kwargs)
+        segments = Segments(module, cutpoints)
+        graph, segment_modules = segments.for_inputs(args, kwargs)
+        _, output_spec = tree_flatten(example_output)
+        memory, kept = self._measure(segment_modules, graph, args, kwargs, cutpoints)
+        budget = self.memory_budget if self.memory_budget is not None else _free_bytes(self.root_device)
+        shards = pack_shards(memory, budget, kept, self.prefetch)
+        self.shards = shards
+        if self.spill_dir is not None:
+            try:
+                self.spill_dir.mkdir(parents=True, exist_ok=True)
+                self._folder = tempfile.TemporaryDirectory(prefix="spill-", dir=self.spill_dir)
+            except OSError as error:
+                raise OSError(
+                    f"`SpillingStrategy(spill_dir={str(self.spill_dir)!r})` is not a folder this process can write "
+                    f"to ({error.strerror}). Pass a writable folder, or `spill_dir=None` to spill to host memory."
+                ) from error
+        store = SpillStore(self.root_device, self._folder.name if self._folder is not None else None)
+        where = f"`{self._folder.name}`" if self._folder is not None else "host memory"
+        rank_zero_info(
+            f"SpillingStrategy: {len(memory)} segment(s) in {len(shards)} shard(s) "
+            f"(segments {[shard[0] if len(shard) == 1 else (shard[0], shard[-1]) for shard in shards]}) for a budget "
+            f"of {format_bytes(budget)}; "
+            f"spilled to {where}."
+        )
+        return ShardedModel(segments, segment_modules, shards, store, output_spec, prefetch=self.prefetch)
+
+    def _measure(
+        self, segment_modules: list[nn.Module], graph: PipelineGraph, args: tuple, kwargs: dict, cutpoints: list[str]
+    ) -> tuple[list[SegmentMemory], int]:
+        """Each segment's parameters with their gradients and optimizer state (up to two tensors per parameter, as
+        Adam's moments), and the activations its forward keeps for backward, measured on the first batch; and the
+        bytes that stay on the device throughout: the activations at CutPoints and their gradients, the buffers,
+        and parameters used by more than one segment."""
+        module = self._module
+        names = ["the start", *(f"`{name}`" for name in cutpoints), "the end"]
+        weights = [*module.parameters(), *module.buffers()]
+        uses: dict[nn.Parameter, int] = {}
+        for segment in segment_modules:
+            for p in segment.parameters():
+                uses[p] = uses.get(p, 0) + 1
+        leaves = tree_flatten((args, kwargs))[0]
+        values: dict[Source, Any] = {}
+        segments, kept = [], sum(_nbytes(b) for b in module.buffers())
+        kept += sum(4 * _nbytes(p) for p, n in uses.items() if n > 1)
+        for s, segment in enumerate(segment_modules):
+            inputs = [leaves[src.index] if src.stage is None else values[src] for src in graph.stage_inputs[s]]
+            inputs = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x for x in inputs]
+            meter = SavedTensorMeter(exclude=weights)
+            with meter.measuring(), torch.enable_grad():
+                out = segment(*inputs)
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            values.update({Source(s, i): value.detach() for i, value in enumerate(outs)})
+            if s < len(segment_modules) - 1:
+                kept += 2 * sum(_nbytes(value) for value in outs if isinstance(value, Tensor))
+            state = sum(4 * _nbytes(p) for p in segment.parameters() if uses[p] == 1)
+            segments.append(SegmentMemory(f"between {names[s]} and {names[s + 1]}", state, meter.peak))
+            del out, outs
+        return segments, kept
+
+    # ----------------------------------------------------------------------------------------------- steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_through_shards():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_through_shards():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_through_shards():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_through_shards():
+            return super().predict_step(*args, **kwargs)
+
+    def _forward_through_shards(self) -> AbstractContextManager[None]:
+        """The user's step calls ``self(...)``: the forward runs shard by shard for the step's duration."""
+        return patched_forward(self._module, self._sharded_model().forward)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        def lightning_backward(loss: Tensor) -> None:
+            super(SpillingStrategy, self).backward(loss, optimizer, *args, **kwargs)
+
+        self._sharded_model().backward(closure_loss, lightning_backward)
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's closure (training step, backward, clipping request), then the optimizer shard by shard."""
+        return self.precision_plugin.optimizer_step(
+            _ShardwiseOptimizer(optimizer, self), model=model or self._module, closure=closure, **kwargs
+        )
+
+    def _request_clip_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        self._clip = ("norm", float(clip_val))
+
+    def _request_clip_by_value(self, optimizer: Any, clip_val: float) -> None:
+        self._clip = ("value", float(clip_val))
+
+    def _step_shards(self, optimizer: torch.optim.Optimizer) -> None:
+        clip, self._clip = self._clip, None
+        clip_fn = None
+        if clip is not None and clip[0] == "norm":
+            max_norm = clip[1]
+
+            def clip_fn(params: list[nn.Parameter], total: Tensor) -> None:
+                torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
+
+        elif clip is not None:
+            value = clip[1]
+
+            def clip_fn(params: list[nn.Parameter], total: Tensor) -> None:
+                torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], value)
+
+        self._sharded_model().step(optimizer, clip_fn)
+
+    def _sharded_model(self) -> ShardedModel:
+        if self._sharded is None:
+            raise RuntimeError("SpillingStrategy is not set up: it shards the model in `Trainer.fit/validate/...`.")
+        return self._sharded
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with self._all_on_device():
+            return {name: t.clone() for name, t in super().lightning_module_state_dict().items()}
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Tensor]:
+        with self._all_on_device():
+            return copy.deepcopy(super().optimizer_state(optimizer))
+
+    def _all_on_device(self) -> AbstractContextManager[None]:
+        """While training, every shard brought back for the block; after training the model is whole anyway."""
+        return self._sharded.all_on_device() if self._sharded is not None else nullcontext()
+
+    @override
+    def teardown(self) -> None:
+        """The model gets its parameters back (in host memory) for whatever follows ``fit``."""
+        if self._sharded is not None:
+            self._sharded.restore()
+            self._sharded = None
+        if self._folder is not None:
+            self._folder.cleanup()
+            self._folder = None
+        super().teardown()
+
+
+class _ShardwiseOptimizer:
+    """The user's optimizer as Lightning's precision plugin steps it: ``step(closure)`` runs the closure, then
+    steps shard by shard. Everything else is the user's optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: SpillingStrategy) -> None:
+        self._optimizer, self._strategy = optimizer, strategy
+
+    def step(self, closure: Any = None) -> Any:
+        result = closure() if closure is not None else None
+        self._strategy._step_shards(self._optimizer)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+StrategyRegistry.register(
+    SpillingStrategy.strategy_name, SpillingStrategy, description=(SpillingStrategy.__doc__ or "").splitlines()[0]
+)

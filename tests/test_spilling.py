@@ -1,0 +1,234 @@
+"""SpillingStrategy trains exactly like plain single-device training, within its memory budget."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from models import TinyLM, token_dataset
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_varuna import CutPoint, SpillingStrategy
+
+# Budgets that cut TinyLM with dropout (5 segments, batches of 8) into 1, 2 and 5 shards (one segment each).
+BUDGETS = {1: "1GB", 2: "170KB", 5: "85KB"}
+
+
+class SGDTinyLM(TinyLM):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class StepLosses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit(model: L.LightningModule, strategy: Any, ckpt_path: str | None = None, **kwargs: Any) -> L.Trainer:
+    options: dict[str, Any] = {
+        "max_steps": 4,
+        "gradient_clip_val": 0.5,
+        "accumulate_grad_batches": 2,
+        "limit_val_batches": 2,
+        "val_check_interval": 4,
+    }
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[StepLosses()],
+        **{**options, **kwargs},
+    )
+    data = token_dataset(64)
+    trainer.fit(model, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+    return trainer
+
+
+def losses(trainer: L.Trainer) -> list[float]:
+    return next(c for c in trainer.callbacks if isinstance(c, StepLosses)).losses  # type: ignore[attr-defined]
+
+
+def assert_same_model(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("model_class", [TinyLM, SGDTinyLM], ids=["adamw", "sgd-momentum"])
+@pytest.mark.parametrize("num_shards", [1, 2, 5])
+@pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
+def test_trains_like_one_device(tmp_path, model_class, num_shards, disk):
+    """Per-step losses, validation loss and final weights equal plain training: dropout on, an LR schedule,
+    clipping by the global norm, accumulated batches, a weight tied between the first and last shard."""
+    torch.manual_seed(0)
+    reference = model_class(dropout=0.1, scheduler=True)
+    model = copy.deepcopy(reference)
+    torch.manual_seed(1)
+    expected = fit(reference, "auto")
+    torch.manual_seed(1)
+    strategy = SpillingStrategy(memory_budget=BUDGETS[num_shards], spill_dir=tmp_path if disk else None)
+    trainer = fit(model, strategy)
+    assert len(strategy.shards) == num_shards
+    assert sum(len(shard) for shard in strategy.shards) == 5
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert losses(trainer) and len(set(losses(trainer))) > 1
+    torch.testing.assert_close(trainer.callback_metrics["val_loss"], expected.callback_metrics["val_loss"])
+    assert_same_model(model, reference)
+    assert not list(tmp_path.glob("spill-*")), "the spilled files are removed after training"
+
+
+def test_checkpoints_hold_the_model_and_optimizer_state(tmp_path):
+    """A checkpoint taken after spilled training holds what plain training's holds; resuming from it spilled
+    continues as plain Lightning continues from it (Lightning restarts an interrupted epoch's data)."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model, resumed, resumed_plainly = (copy.deepcopy(reference) for _ in range(3))
+    plain = fit(reference, "auto", max_steps=2)
+    spilled = fit(model, SpillingStrategy(memory_budget=BUDGETS[5], spill_dir=tmp_path), max_steps=2)
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    spilled.save_checkpoint(tmp_path / "spilled.ckpt")
+    a, b = (torch.load(tmp_path / name, weights_only=False) for name in ("plain.ckpt", "spilled.ckpt"))
+    torch.testing.assert_close(b["state_dict"], a["state_dict"])
+    torch.testing.assert_close(b["optimizer_states"], a["optimizer_states"])
+    path = str(tmp_path / "spilled.ckpt")
+    expected = fit(resumed_plainly, "auto", ckpt_path=path, max_steps=4)
+    continued = fit(resumed, SpillingStrategy(memory_budget=BUDGETS[2]), ckpt_path=path, max_steps=4)
+    torch.testing.assert_close(losses(continued), losses(expected), rtol=1e-5, atol=1e-6)
+    assert len(losses(continued)) == 4
+    assert_same_model(resumed, resumed_plainly)
+
+
+def test_by_name_and_validate_and_predict():
+    torch.manual_seed(0)
+    model = TinyLM()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="spilling", logger=False, enable_progress_bar=False)
+    assert isinstance(trainer.strategy, SpillingStrategy)
+    loader = DataLoader(token_dataset(16), batch_size=8)
+    predicted = trainer.predict(model, loader)
+    expected = [model(batch[0]).argmax(-1) for batch in loader]
+    assert all(torch.equal(a, b) for a, b in zip(predicted, expected))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+def test_a_segment_larger_than_the_budget_is_named():
+    with pytest.raises(
+        ValueError, match=r"The segment between `cuts\.3` and the end needs .* KiB on the device .*Add CutPoints"
+    ):
+        fit(TinyLM(), SpillingStrategy(memory_budget="60KB"))
+
+
+def test_a_budget_below_what_stays_on_the_device():
+    with pytest.raises(ValueError, match=r"less than the .* that stay on the device throughout"):
+        fit(TinyLM(), SpillingStrategy(memory_budget="10KB"))
+
+
+@pytest.mark.parametrize("budget", ["lots", "12 parsecs", 0, "-1MB"])
+def test_a_budget_that_is_not_a_size(budget):
+    with pytest.raises(ValueError, match="memory_budget"):
+        SpillingStrategy(memory_budget=budget)
+
+
+def test_more_than_one_device_points_elsewhere():
+    with pytest.raises(ValueError, match="VarunaStrategy.*MultiModelTrainer"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=SpillingStrategy())
+
+
+def test_a_spill_dir_that_cannot_be_written(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    model = TinyLM()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(OSError, match=r"spill_dir=.*file/spill.*is not a folder this process can write"):
+        fit(model, SpillingStrategy(memory_budget=BUDGETS[2], spill_dir=blocker / "spill"))
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, before[name])
+
+
+# ------------------------------------------------------------------------------------------------- memory
+WIDTH, LAYERS = 512, 24
+
+
+class DeepMLP(L.LightningModule):
+    """24 layers of 1 MiB of parameters, a CutPoint after each: 96 MiB with gradients and AdamW's moments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+        self.cuts = nn.ModuleList(CutPoint() for _ in range(LAYERS - 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i < len(self.cuts):
+                x = self.cuts[i](x)
+        return x
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def memory_status() -> dict[str, int]:
+    """VmRSS, VmHWM (peak resident memory) and RssAnon of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM", "RssAnon")}
+
+
+class PeakMemory(L.Callback):
+    """The peak resident memory over training steps 2.. (after the first step spilled the model), from the
+    kernel's high-water mark, reset after step 1."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 1:
+            self.start = memory_status()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current VmRSS
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.end = memory_status()
+
+
+OVERHEAD = 8 * 2**20  # Python and torch temporaries beside the budget
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_disk_tier_keeps_memory_within_the_budget(tmp_path):
+    """A model whose parameters, gradients and AdamW state are 8x the budget trains with the process's resident
+    memory growing by at most the budget plus a fixed overhead."""
+    torch.manual_seed(0)
+    model, budget = DeepMLP(), 12 * 2**20
+    state_bytes = sum(4 * p.numel() * p.element_size() for p in model.parameters())
+    assert state_bytes >= 8 * budget
+    peak = PeakMemory()
+    data = TensorDataset(torch.randn(192, WIDTH), torch.randn(192, WIDTH))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=SpillingStrategy(memory_budget=budget, spill_dir=tmp_path),
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[peak],
+    )
+    trainer.fit(model, DataLoader(data, batch_size=32))
+    assert len(trainer.strategy.shards) == LAYERS  # type: ignore[attr-defined]
+    growth = peak.end["VmHWM"] - peak.start["VmRSS"]
+    assert growth <= budget + OVERHEAD, f"grew by {growth / 2**20:.1f} MiB for a budget of {budget / 2**20} MiB"
