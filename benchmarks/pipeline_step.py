@@ -21,8 +21,9 @@ fresh processes:
 
 A step is forward + backward + ``AdamW.step`` (the model's own optimizer) + ``zero_grad``. The Lightning variants time
 ``on_train_batch_start`` -> ``on_train_batch_end`` with a Callback; the bare variants time the same work in a loop
-with a barrier (untimed) before each step. The bare pipelined variants do not sum the gradient of the tied
-embedding / LM head over the two stages (torch.distributed.pipelining has no such sync; VarunaStrategy does it).
+(one barrier before it). The bare runtime sums the gradient of the tied embedding / LM head over the two stages
+as VarunaStrategy does; torch.distributed.pipelining has no such sync and skips it. The ``dp-accumulate`` variants
+run one stage x 2 replicas with ``accumulate_grad_batches=4``; their step is one optimizer step (4 batches).
 The step time of a variant is the median over the timed steps after the warm-up, taken per rank; the table shows
 the slowest rank. Every process runs ``torch.set_num_threads(1)`` (and ``OMP_NUM_THREADS=1``), so 2 processes on 2
 cores are compared with 1 process on 1 core. Peak memory is ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of each
@@ -98,6 +99,9 @@ class Variant:
     schedule: str | None = None
     description: str = ""
     codegen: bool = False  # torch-pipelining: build the stages to run as FX generated code, as VarunaStrategy does
+    stages: int = 2  # varuna-lightning: pipeline_parallel_size (the rest of the processes are replicas)
+    accumulate: int = 1  # varuna-lightning: accumulate_grad_batches; a step is then one optimizer step
+    reduce_every_batch: bool = False  # varuna-lightning: all-reduce after every accumulated batch (timing only)
 
 
 VARIANTS = [
@@ -115,6 +119,25 @@ VARIANTS = [
         codegen=True,
     ),
     Variant("torch-pipelining-gpipe", "torch-pipelining", 2, "gpipe", "torch.distributed.pipelining ScheduleGPipe"),
+    Variant(
+        "varuna-lightning-dp-accumulate",
+        "varuna-lightning",
+        2,
+        "1f1b",
+        "Trainer.fit + VarunaStrategy, 1 stage x 2 replicas, accumulate_grad_batches=4: one all-reduce per step",
+        stages=1,
+        accumulate=4,
+    ),
+    Variant(
+        "varuna-lightning-dp-accumulate-reduce-every-batch",
+        "varuna-lightning",
+        2,
+        "1f1b",
+        "the same, all-reducing after every accumulated batch as before (timing only: it sums gradients twice)",
+        stages=1,
+        accumulate=4,
+        reduce_every_batch=True,
+    ),
     Variant("ddp-lightning", "ddp", 2, None, "Trainer.fit + DDP, 2 replicas x batch 8"),
     Variant("single-lightning", "single", 1, None, "Trainer.fit, 1 process, batch 16"),
     Variant("single-bare", "single-bare", 1, None, "plain PyTorch loop, 1 process, batch 16 (no Lightning)"),
@@ -156,15 +179,18 @@ def current_rss_mb() -> float:
 
 # ------------------------------------------------------------------------------------------ Lightning variants
 class StepTimer(L.Callback):
-    """Wall time of each training step (batch start -> batch end) and of its forward + backward part."""
+    """Wall time of each optimizer step (the first batch's start -> the last batch's end, ``accumulate`` batches)
+    and of its forward + backward part."""
 
-    def __init__(self) -> None:
+    def __init__(self, accumulate: int = 1) -> None:
+        self.accumulate = accumulate
         self.step_s: list[float] = []
         self.fwd_bwd_s: list[float] = []
         self._start = self._before_optimizer = 0.0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
-        self._start = time.perf_counter()
+        if idx % self.accumulate == 0:
+            self._start = time.perf_counter()
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self._before_optimizer = time.perf_counter()
@@ -172,30 +198,43 @@ class StepTimer(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
+        if (idx + 1) % self.accumulate:
+            return
         end = time.perf_counter()
         self.step_s.append(end - self._start)
         self.fwd_bwd_s.append(self._before_optimizer - self._start)
+
+
+class ReduceEveryBatch(VarunaStrategy):
+    """VarunaStrategy reducing gradients after every accumulated batch, as it did before it reduced once per
+    optimizer step. For timing only: it all-reduces the same bytes, but sums the earlier batches' gradients again."""
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Any:
+        yield
 
 
 def run_lightning(cfg: Config, variant: Variant) -> dict[str, Any]:
     data = make_data(cfg)
     model = make_model(cfg, len(data.vocab))
     if variant.kind == "varuna-lightning":
-        strategy: Any = VarunaStrategy(
-            pipeline_parallel_size=2, micro_batch_size=cfg.micro_batch_size, schedule=variant.schedule
+        strategy_class = ReduceEveryBatch if variant.reduce_every_batch else VarunaStrategy
+        strategy: Any = strategy_class(
+            pipeline_parallel_size=variant.stages, micro_batch_size=cfg.micro_batch_size, schedule=variant.schedule
         )
-        loader_batch = cfg.batch_size
+        loader_batch = cfg.batch_size * variant.stages // variant.world_size
     elif variant.kind == "ddp":
         strategy, loader_batch = "ddp", cfg.batch_size // variant.world_size
     else:
         strategy, loader_batch = "auto", cfg.batch_size
-    timer = StepTimer()
+    timer = StepTimer(variant.accumulate)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=variant.world_size,
         strategy=strategy,
         max_steps=cfg.warmup + cfg.steps,
         callbacks=[timer],
+        accumulate_grad_batches=variant.accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -221,9 +260,9 @@ def time_steps(
     """Run forward + backward + AdamW step on every batch; keep the times of the steps after the warm-up."""
     optimizer = torch.optim.AdamW(params, lr=3e-3)  # GPT.configure_optimizers
     step_s, fwd_bwd_s = [], []
+    if dist.is_initialized():
+        dist.barrier()  # once: in steady state each rank's step time is then the pipeline's period, as in Lightning
     for x, y in batches:
-        if dist.is_initialized():
-            dist.barrier()
         start = time.perf_counter()
         forward_backward(x, y)
         backward_done = time.perf_counter()
@@ -239,7 +278,9 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     """lightning-varuna's StageRuntime on the stage that VarunaStrategy would build, without Lightning."""
     from torch.utils._pytree import tree_flatten
 
+    from lightning_varuna.pipeline.gradients import reduce_gradients
     from lightning_varuna.pipeline.schedules import SCHEDULES
+    from lightning_varuna.pipeline.shared_params import SharedParameters
     from lightning_varuna.pipeline.stage import Stage
     from lightning_varuna.pipeline.topology import Topology
 
@@ -250,9 +291,11 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     example = batches[0][0][: cfg.micro_batch_size]
     with torch.no_grad():
         _, output_spec = tree_flatten(model(example))
-    plan = Stage(model, [cfg.boundary], Topology.from_world(world, rank, world, None), output_spec, example.device)
+    topology = Topology.from_world(world, rank, world, None)
+    plan = Stage(model, [cfg.boundary], topology, output_spec, example.device)
     graph, stage_module = plan.stage_for((example,), {})
     plan.release_other_stages(graph, stage_module)
+    plan.shared = SharedParameters(graph.stage_parameters, topology, dict(model.named_parameters()))
     params = plan.own_parameters()
     actions = SCHEDULES[variant.schedule](world, cfg.num_microbatches)[rank]
 
@@ -267,6 +310,9 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
             return None if logits is None else lm_loss(logits, ys[m]) / cfg.num_microbatches
 
         plan.runtime.run(actions, run_forward, loss_of)
+        # The tied embedding / LM head gradient summed over the two stages, as VarunaStrategy does.
+        for p, grad in zip(params, reduce_gradients(params, [p.grad for p in params], None, 1, plan.shared)):
+            p.grad = grad
 
     timings = time_steps(cfg, batches, forward_backward, params)
     return {"rank": rank, **timings, "param_bytes": param_bytes(params), "boundary": [cfg.boundary]}
@@ -459,6 +505,31 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+COMPARISONS = [
+    (
+        "Lightning's cost (Trainer + VarunaStrategy over the bare runtime), 1F1B",
+        "varuna-lightning-1f1b",
+        "varuna-runtime-1f1b",
+    ),
+    ("Lightning's cost, GPipe", "varuna-lightning-gpipe", "varuna-runtime-gpipe"),
+    (
+        "one all-reduce per optimizer step instead of one per accumulated batch",
+        "varuna-lightning-dp-accumulate",
+        "varuna-lightning-dp-accumulate-reduce-every-batch",
+    ),
+]
+
+
+def comparisons(rows: list[dict[str, Any]]) -> list[str]:
+    """The ratios the table is run for, as lines of text."""
+    by_name = {row["variant"]: row["step_ms"] for row in rows}
+    return [
+        f"{what}: {by_name[a]:.1f} / {by_name[b]:.1f} ms = {by_name[a] / by_name[b]:.3f}x"
+        for what, a, b in COMPARISONS
+        if a in by_name and b in by_name
+    ]
+
+
 def measure(variant: Variant, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     """Run a variant on a quiet machine; run it again (up to ``--retries`` times) if other processes disturbed it."""
     meter = LoadMeter()
@@ -511,6 +582,8 @@ def main() -> None:
     boundaries = {r["variant"]: r["boundary"] for r in rows if r["boundary"]}
     print(f"\nstage boundary: bare variants {cfg.boundary}; VarunaStrategy chose {boundaries or '-'}\n")
     print(format_table(rows))
+    for line in comparisons(rows):
+        print(line)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
     print(f"\nwrote {RESULTS.relative_to(ROOT)}")

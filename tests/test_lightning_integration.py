@@ -50,6 +50,27 @@ def test_lightning_cli_yaml_trains_pipelined(tmp_path, strategy_args):
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in proc.stderr + proc.stdout
 
 
+def test_lightning_cli_yaml_trains_spilled(tmp_path):
+    """examples/gpt_spilling.yaml: SpillingStrategy with a disk tier, from the Lightning CLI."""
+    pytest.importorskip("jsonargparse")
+    cmd = [
+        os.path.join(EXAMPLES, "gpt_cli.py"),
+        "fit",
+        "--config",
+        os.path.join(EXAMPLES, "gpt_spilling.yaml"),
+        "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.strategy.spill_dir={tmp_path / 'spill'}",
+    ]
+    proc = run_job(cmd, tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "SpillingStrategy: 5 segment(s) in 4 shard(s)" in proc.stderr + proc.stdout
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in proc.stderr + proc.stdout
+    assert list((tmp_path / "spill").iterdir()) == []  # the spilled shards are removed after training
+
+
 def test_torchrun_launch(tmp_path):
     cmd = [
         "-m",
