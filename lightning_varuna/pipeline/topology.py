@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["Topology"]
+__all__ = ["PipelineGroups", "Topology"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +72,26 @@ class Topology:
             if self.rank in ranks:
                 mine = group
         return mine
+
+    def process_groups(self) -> PipelineGroups:
+        """Create the process groups of the pipeline x data-parallel layout (every rank must call this alike)."""
+        replicas = self.new_groups([self.replica_ranks(s) for s in range(self.pipeline_parallel_size)])
+        pipelines = [self.stage_ranks(d) for d in range(self.data_parallel_size)]
+        stages = self.new_groups(pipelines)
+        messages = (self.new_groups(pipelines), self.new_groups(pipelines)) if self.pipeline_parallel_size > 1 else None
+        return PipelineGroups(replicas, stages, messages or (None, None))
+
+
+@dataclass(frozen=True)
+class PipelineGroups:
+    """This rank's process groups.
+
+    Attributes:
+        replicas: this stage's replicas (the gradient all-reduce, BatchNorm statistics).
+        stages: this replica's stages (the global gradient norm, the step's results from the last stage).
+        messages: this replica's stages again, one group for activations and one for gradients (see `StageRuntime`).
+    """
+
+    replicas: dist.ProcessGroup | None
+    stages: dist.ProcessGroup | None
+    messages: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]

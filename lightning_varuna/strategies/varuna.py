@@ -61,7 +61,7 @@ from lightning_varuna.pipeline.shared_params import SharedParameters
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step import MicroBatchedStep, capture_forward_inputs
 from lightning_varuna.pipeline.step_logging import replay
-from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.topology import PipelineGroups, Topology
 from lightning_varuna.profiling.autoconfig import choose_configs, format_ranking
 from lightning_varuna.profiling.profile import ModelProfile, segment_costs
 from lightning_varuna.profiling.segments import measure_segments
@@ -176,10 +176,7 @@ class VarunaStrategy(ParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self.topology: Topology | None = None
-        self._dp_group: dist.ProcessGroup | None = None
-        self._pp_group: dist.ProcessGroup | None = None
-        # The stages of a replica, once for its activations and once for its gradients (see `StageRuntime`).
-        self._message_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
+        self._groups = PipelineGroups(None, None, (None, None))
         self._stages: Stage | None = None
         self._parked_grads: dict[Tensor, Tensor] | None = None
         self._sync_gradients = True  # False while Lightning accumulates a batch without an optimizer step
@@ -265,12 +262,7 @@ class VarunaStrategy(ParallelStrategy):
                 f"pipeline_parallel_size {self.pipeline_parallel_size}). Use a global batch that is a multiple of "
                 "the data-parallel sizes the job may run at, or another pipeline_parallel_size."
             )
-        topo = self.topology
-        self._dp_group = topo.new_groups([topo.replica_ranks(s) for s in range(topo.pipeline_parallel_size)])
-        pipelines = [topo.stage_ranks(d) for d in range(topo.data_parallel_size)]
-        self._pp_group = topo.new_groups(pipelines)
-        if topo.pipeline_parallel_size > 1:
-            self._message_groups = (topo.new_groups(pipelines), topo.new_groups(pipelines))
+        self._groups = self.topology.process_groups()
 
     def _autoconfigure(self) -> None:
         """Choose what was left ``"auto"`` for this world size: the fastest configuration the simulator predicts
@@ -455,11 +447,11 @@ class VarunaStrategy(ParallelStrategy):
                 "as in GPipe; every replica keeps the first replica's running statistics, as DDP does."
             )
         _, output_spec = tree_flatten(example_output)
-        plan = Stage(module, boundaries, self.topology, output_spec, self.root_device, self._message_groups)
+        plan = Stage(module, boundaries, self.topology, output_spec, self.root_device, self._groups.messages)
         graph, stage_module = plan.stage_for(args, kwargs)
         plan.release_other_stages(graph, stage_module)
         plan.shared = SharedParameters(graph.stage_parameters, self.topology, dict(module.named_parameters()))
-        plan.shared.broadcast_initial_values(self._dp_group)
+        plan.shared.broadcast_initial_values(self._groups.replicas)
         return plan
 
     def _segment_costs(self, args: tuple, kwargs: dict, cutpoints: list[str]) -> list[float]:
@@ -595,7 +587,7 @@ class VarunaStrategy(ParallelStrategy):
             return payload
         objects = [payload]
         self._stage_plan().runtime.waiter.call(
-            lambda: dist.broadcast_object_list(objects, src=topo.stage_ranks()[-1], group=self._pp_group),
+            lambda: dist.broadcast_object_list(objects, src=topo.stage_ranks()[-1], group=self._groups.stages),
             self._stop_if_job_ended,
         )
         return objects[0]
@@ -663,14 +655,16 @@ class VarunaStrategy(ParallelStrategy):
         # The gradients of earlier accumulated batches are in `p.grad`, not yet reduced: reduce them all at once.
         grads = [_sum_present(p.grad, parked.get(p), p) for p in params]
         start = time.time()
-        grads = reduce_gradients(params, grads, self._dp_group, topo.data_parallel_size, self._stage_plan().shared)
+        grads = reduce_gradients(
+            params, grads, self._groups.replicas, topo.data_parallel_size, self._stage_plan().shared
+        )
         timeline = self._stage_plan().runtime.timeline
         if timeline is not None:
             timeline.append(("all-reduce", start, time.time()))
         for p, g in zip(params, grads):
             p.grad = g
         statistics = self._running_statistics()
-        broadcast_buffers(statistics, self._dp_group, topo.replica_ranks()[0], topo.data_parallel_size)
+        broadcast_buffers(statistics, self._groups.replicas, topo.replica_ranks()[0], topo.data_parallel_size)
         if getattr(self.precision_plugin, "scaler", None) is not None:
             agree_on_overflow(params, self.root_device)
         return closure_loss
@@ -692,7 +686,7 @@ class VarunaStrategy(ParallelStrategy):
         params = stage.own_parameters()
         assert self.topology is not None
         stages = self.topology.pipeline_parallel_size
-        clip_grad_norm_across_stages(params, stage.shared.counted_once(params), clip_val, self._pp_group, stages)
+        clip_grad_norm_across_stages(params, stage.shared.counted_once(params), clip_val, self._groups.stages, stages)
 
     # ----------------------------------------------------------------------------------- checkpoints
     @property
