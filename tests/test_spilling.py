@@ -69,18 +69,21 @@ def assert_same_model(a: nn.Module, b: nn.Module) -> None:
 @pytest.mark.parametrize("model_class", [TinyLM, SGDTinyLM], ids=["adamw", "sgd-momentum"])
 @pytest.mark.parametrize("num_shards", [1, 2, 5])
 @pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
-def test_trains_like_one_device(tmp_path, model_class, num_shards, disk):
+@pytest.mark.parametrize("clip", [0.5, None], ids=["clipped", "stepped-in-backward"])
+def test_trains_like_one_device(tmp_path, model_class, num_shards, disk, clip):
     """Per-step losses, validation loss and final weights equal plain training: dropout on, an LR schedule,
-    clipping by the global norm, accumulated batches, a weight tied between the first and last shard."""
+    accumulated batches, a weight tied between the first and last shard; with clipping by the global norm (an
+    optimizer pass after backward), and without (each shard steps right after its backward)."""
     torch.manual_seed(0)
     reference = model_class(dropout=0.1, scheduler=True)
     model = copy.deepcopy(reference)
     torch.manual_seed(1)
-    expected = fit(reference, "auto")
+    expected = fit(reference, "auto", gradient_clip_val=clip)
     torch.manual_seed(1)
     strategy = SpillingStrategy(memory_budget=BUDGETS[num_shards], spill_dir=tmp_path if disk else None)
-    trainer = fit(model, strategy)
+    trainer = fit(model, strategy, gradient_clip_val=clip)
     assert len(strategy.shards) == num_shards
+    assert strategy.optimizer_in_backward == (clip is None)
     assert sum(len(shard) for shard in strategy.shards) == 5
     torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
     assert losses(trainer) and len(set(losses(trainer))) > 1

@@ -4,6 +4,9 @@ checked for fp16 overflow on every stage together; and the replicas' BatchNorm s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -13,6 +16,7 @@ from lightning_varuna._torch_private import flatten_dense_tensors, unflatten_den
 from lightning_varuna.pipeline.shared_params import SharedParameters
 
 __all__ = [
+    "StepGradients",
     "agree_on_overflow",
     "broadcast_buffers",
     "clip_grad_norm_across_stages",
@@ -73,3 +77,47 @@ def agree_on_overflow(params: list[Tensor], device: torch.device) -> None:
     dist.all_reduce(found, op=ReduceOp.MAX)
     if found.item() and params and params[0].grad is not None:
         params[0].grad.view(-1)[0] = float("inf")
+
+
+class StepGradients:
+    """The gradients of a pipelined step, kept aside from Lightning's ``zero_grad``.
+
+    The pipeline runs backward inside Lightning's ``training_step``; Lightning then zeroes the gradients (at the
+    first batch it accumulates) before it calls the strategy's ``backward``. The step's gradients wait here and
+    join those of earlier accumulated batches in `gradients_with`.
+    """
+
+    def __init__(self) -> None:
+        self._step: dict[Tensor, Tensor] = {}
+
+    @contextmanager
+    def computing(self, params: list[Tensor]) -> Iterator[None]:
+        """Inside the block ``params`` collect this step's gradients alone; after it they are as before."""
+        earlier = {p: p.grad for p in params}
+        for p in params:
+            p.grad = None
+        try:
+            yield
+            self._step = {p: p.grad for p in params if p.grad is not None}
+        finally:
+            for p in params:
+                p.grad = earlier[p]
+
+    def accumulate(self, params: list[Tensor]) -> None:
+        """Add the step's gradients to ``params``' own (a batch accumulated without an optimizer step)."""
+        step, self._step = self._step, {}
+        for p in params:
+            if p in step:
+                p.grad = step[p] if p.grad is None else p.grad + step[p]
+
+    def gradients_with(self, params: list[Tensor]) -> list[Tensor]:
+        """The step's gradients plus those ``params`` hold from earlier accumulated batches (zeros if neither)."""
+        step, self._step = self._step, {}
+        return [_sum_present(p.grad, step.get(p), p) for p in params]
+
+
+def _sum_present(a: Tensor | None, b: Tensor | None, like: Tensor) -> Tensor:
+    if a is None or b is None:
+        present = a if b is None else b
+        return torch.zeros_like(like) if present is None else present
+    return a + b

@@ -78,8 +78,10 @@ class Topology:
         replicas = self.new_groups([self.replica_ranks(s) for s in range(self.pipeline_parallel_size)])
         pipelines = [self.stage_ranks(d) for d in range(self.data_parallel_size)]
         stages = self.new_groups(pipelines)
-        messages = (self.new_groups(pipelines), self.new_groups(pipelines)) if self.pipeline_parallel_size > 1 else None
-        return PipelineGroups(replicas, stages, messages or (None, None))
+        pipelined = self.pipeline_parallel_size > 1
+        messages = (self.new_groups(pipelines), self.new_groups(pipelines)) if pipelined else (None, None)
+        results = self.new_groups(pipelines) if pipelined else None
+        return PipelineGroups(replicas, stages, messages, results)
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,10 @@ class PipelineGroups:
         replicas: this stage's replicas (the gradient all-reduce, BatchNorm statistics).
         stages: this replica's stages (the global gradient norm, the step's results from the last stage).
         messages: this replica's stages again, one group for activations and one for gradients (see `StageRuntime`).
+        results: this replica's stages again, for the step's results sent from the last stage (`StepResults`).
     """
 
     replicas: dist.ProcessGroup | None
     stages: dist.ProcessGroup | None
     messages: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
+    results: dist.ProcessGroup | None = None

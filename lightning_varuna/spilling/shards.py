@@ -73,7 +73,7 @@ class ShardedModel:
             for k, segment_indices in enumerate(shards)
         ]
         self.resident_params = [p for p in segments.module.parameters() if len(owners.get(p, ())) != 1]
-        self._resident: set[int] = set(range(len(self.shards)))
+        self._loaded: dict[int, set[str]] = {k: {"params", "grads", "state"} for k in range(len(self.shards))}
         self._has_grad: set[nn.Parameter] = set()  # spilled parameters whose gradients are in the store
         self._state_slots: dict[int, list[tuple[nn.Parameter, str]]] = {}  # shard -> its spilled optimizer state
         self._optimizer: torch.optim.Optimizer | None = None
@@ -88,37 +88,43 @@ class ShardedModel:
         """Move every shard to the store (at setup); ``optimizer`` is the one whose state moves with them."""
         self._optimizer = optimizer
         for shard in self.shards:
-            if shard.index in self._resident:
-                self._evict(shard, write=("params", "grads", "state"))
+            self._evict(shard, write=("params", "grads", "state"))
 
     def _bring(self, shard: Shard, parts: tuple[str, ...]) -> None:
-        if shard.index in self._resident:
-            return
-        tensors = self.store.get(shard.key("params"))
-        for p, t in zip(shard.params, tensors):
-            p.data = t
-        if "grads" in parts and shard.key("grads") in self.store:
-            grads = iter(self.store.get(shard.key("grads")))
-            for p in shard.params:
-                if p in self._has_grad:
-                    p.grad = next(grads)
-        if "state" in parts and shard.key("state") in self.store and self._optimizer is not None:
-            for (p, name), t in zip(self._state_slots[shard.index], self.store.get(shard.key("state"))):
-                self._optimizer.state[p][name] = t
-        self._resident.add(shard.index)
+        """Put ``shard``'s parameters and the other ``parts`` ("grads", "state") that are spilled on the device."""
+        loaded = self._loaded.get(shard.index)
+        if loaded is None:
+            for p, t in zip(shard.params, self.store.get(shard.key("params"))):
+                p.data = t
+            loaded = self._loaded[shard.index] = {"params"}
+        if "grads" in parts and "grads" not in loaded:
+            if shard.key("grads") in self.store:
+                grads = iter(self.store.get(shard.key("grads")))
+                for p in shard.params:
+                    if p in self._has_grad:
+                        p.grad = next(grads)
+            loaded.add("grads")
+        if "state" in parts and "state" not in loaded:
+            if shard.key("state") in self.store and self._optimizer is not None:
+                for (p, name), t in zip(self._state_slots[shard.index], self.store.get(shard.key("state"))):
+                    self._optimizer.state[p][name] = t
+            loaded.add("state")
 
     def _prefetch(self, index: int, parts: tuple[str, ...]) -> None:
         """Start fetching shard ``index`` (if there is one) while the current one computes."""
-        if not 0 <= index < len(self.shards) or not self.prefetch_next or index in self._resident:
+        if not 0 <= index < len(self.shards) or not self.prefetch_next or index in self._loaded:
             return
         shard = self.shards[index]
         for part in ("params", *parts):
             self.store.prefetch(shard.key(part))
 
     def _evict(self, shard: Shard, write: tuple[str, ...] = ()) -> None:
-        """Spill ``shard``: store the ``write`` parts (the others are unchanged since they were stored)."""
-        if shard.index not in self._resident:
+        """Spill ``shard``: store the ``write`` parts that are on the device (the others are unchanged since they were
+        stored)."""
+        loaded = self._loaded.get(shard.index)
+        if loaded is None:
             return
+        write = tuple(part for part in write if part in loaded)
         if "params" in write:
             self.store.put(shard.key("params"), [p.data for p in shard.params])
         if "grads" in write:
@@ -144,7 +150,7 @@ class ShardedModel:
         for p in shard.params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             p.grad = None
-        self._resident.discard(shard.index)
+        del self._loaded[shard.index]
 
     # -------------------------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -198,17 +204,32 @@ class ShardedModel:
         return values
 
     # ------------------------------------------------------------------------------------------- backward
-    def backward(self, loss: Tensor, backward: Callable[[Tensor], None]) -> None:
+    def backward(
+        self, loss: Tensor, backward: Callable[[Tensor], None], optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
         """``backward(loss)`` through the last shard, then each earlier shard recomputed and backpropagated, in
-        reverse; each shard's gradients (summed into those of earlier batches) are spilled with it."""
+        reverse; each shard's gradients (summed into those of earlier batches) are spilled with it.
+
+        With ``optimizer``, each shard steps as soon as its gradients are complete, while it is on the device
+        (nothing needs the gradients of all shards first: no clipping by their norm), and only its parameters and
+        optimizer state are spilled: the separate optimizer pass over all shards is saved.
+        """
+        self._optimizer = optimizer or self._optimizer
+        parts = ("grads", "state") if optimizer is not None else ("grads",)
         backward(loss)
         for shard in reversed(self.shards):
+            self._bring(shard, parts)
             if shard.index != len(self.shards) - 1:
-                self._bring(shard, ("grads",))
-                self._prefetch(shard.index - 1, ("grads",))
+                self._prefetch(shard.index - 1, parts)
                 self._backward_through(shard)
-            shard.grad_norm_sq = _norm_sq([p.grad for p in shard.params])
-            self._evict(shard, write=("grads",))
+            if optimizer is not None:
+                self._step_shard(optimizer, shard.params)
+                self._evict(shard, write=("params", "grads", "state"))
+            else:
+                shard.grad_norm_sq = _norm_sq([p.grad for p in shard.params])
+                self._evict(shard, write=("grads",))
+        if optimizer is not None and self.resident_params:
+            self._step_shard(optimizer, self.resident_params, keep_grads=True)
         self._boundaries = {}
 
     def _backward_through(self, shard: Shard) -> None:
@@ -250,16 +271,23 @@ class ShardedModel:
             self._prefetch(shard.index + 1, ("grads", "state"))
             if clip is not None and total is not None:
                 clip(shard.params, total)
-            with _only(optimizer, set(shard.params)):
-                optimizer.step()
-            for p in shard.params:
-                p.grad = None  # consumed: Lightning zeroes the gradients before the next step's backward
+            self._step_shard(optimizer, shard.params)
             self._evict(shard, write=("params", "grads", "state"))
         if self.resident_params:
             if clip is not None and total is not None:
                 clip(self.resident_params, total)
-            with _only(optimizer, set(self.resident_params)):
-                optimizer.step()
+            self._step_shard(optimizer, self.resident_params, keep_grads=True)
+
+    def _step_shard(
+        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], keep_grads: bool = False
+    ) -> None:
+        """Step ``optimizer`` on ``params`` alone; their gradients are consumed (Lightning zeroes them before the
+        next backward), except those of parameters that stay on the device, which Lightning zeroes itself."""
+        with _only(optimizer, set(params)):
+            optimizer.step()
+        if not keep_grads:
+            for p in params:
+                p.grad = None
 
     @contextmanager
     def all_on_device(self) -> Iterator[None]:

@@ -14,6 +14,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
@@ -70,6 +71,8 @@ class SpillingStrategy(SingleDeviceStrategy):
         self._folder: tempfile.TemporaryDirectory | None = None
         self._clip: tuple[str, float] | None = None
         self.shards: list[list[int]] = []  # the segments of each shard, chosen at set-up
+        self.optimizer_in_backward = False  # each shard steps right after its backward (decided at set-up)
+        self._stepping: torch.optim.Optimizer | None = None  # the optimizer whose step runs the current closure
 
     # ------------------------------------------------------------------------------------------- the device
     @property
@@ -120,6 +123,21 @@ class SpillingStrategy(SingleDeviceStrategy):
         if len(self.optimizers) > 1:
             raise ValueError("SpillingStrategy trains with one optimizer; `configure_optimizers` returned several.")
         self._sharded.spill_all(optimizer)
+        self.optimizer_in_backward = self._can_step_in_backward(trainer)
+
+    def _can_step_in_backward(self, trainer: pl.Trainer) -> bool:
+        """Whether each shard may step as soon as its backward is done: nothing between Lightning's backward and
+        its optimizer step needs every shard's gradients (no gradient clipping, no ``on_before_optimizer_step``)."""
+        module = self._module
+        return not (
+            trainer.gradient_clip_val
+            or is_overridden("configure_gradient_clipping", module, pl.LightningModule)
+            or is_overridden("on_before_optimizer_step", module, pl.LightningModule)
+            or any(
+                is_overridden("on_before_optimizer_step", c, pl.Callback)
+                for c in trainer.callbacks  # type: ignore[attr-defined]
+            )
+        )
 
     def _shard(self, trainer: pl.Trainer) -> ShardedModel:
         module = self.lightning_module
@@ -216,7 +234,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         def lightning_backward(loss: Tensor) -> None:
             super(SpillingStrategy, self).backward(loss, optimizer, *args, **kwargs)
 
-        self._sharded_model().backward(closure_loss, lightning_backward)
+        self._sharded_model().backward(closure_loss, lightning_backward, self._stepping)
         return closure_loss
 
     @override
@@ -289,8 +307,14 @@ class _ShardwiseOptimizer:
         self._optimizer, self._strategy = optimizer, strategy
 
     def step(self, closure: Any = None) -> Any:
-        result = closure() if closure is not None else None
-        self._strategy._step_shards(self._optimizer)
+        strategy = self._strategy
+        strategy._stepping = self._optimizer if strategy.optimizer_in_backward else None
+        try:
+            result = closure() if closure is not None else None
+        finally:
+            stepped, strategy._stepping = strategy._stepping, None
+        if stepped is None:
+            strategy._step_shards(self._optimizer)
         return result
 
     def __getattr__(self, name: str) -> Any:

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from typing_extensions import override
 
@@ -42,9 +42,9 @@ from lightning_varuna._torch_private import NormWithRunningStats
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
 from lightning_varuna.data.resumable import DataPosition, continue_unfinished_epoch, epoch_rows, resumable_loader
-from lightning_varuna.partition.balance import balance_stages
-from lightning_varuna.partition.discovery import forward_with_cutpoints
+from lightning_varuna.partition.plan import plan_stage
 from lightning_varuna.pipeline.gradients import (
+    StepGradients,
     agree_on_overflow,
     broadcast_buffers,
     clip_grad_norm_across_stages,
@@ -57,10 +57,10 @@ from lightning_varuna.pipeline.microbatch import (
     split_microbatches,
 )
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
-from lightning_varuna.pipeline.shared_params import SharedParameters
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step import MicroBatchedStep, capture_forward_inputs
 from lightning_varuna.pipeline.step_logging import replay
+from lightning_varuna.pipeline.step_results import StepResults
 from lightning_varuna.pipeline.topology import PipelineGroups, Topology
 from lightning_varuna.profiling.autoconfig import choose_configs, format_ranking
 from lightning_varuna.profiling.profile import ModelProfile, segment_costs
@@ -177,8 +177,9 @@ class VarunaStrategy(ParallelStrategy):
         self._num_nodes = 1
         self.topology: Topology | None = None
         self._groups = PipelineGroups(None, None, (None, None))
+        self._step_results: StepResults | None = None
         self._stages: Stage | None = None
-        self._parked_grads: dict[Tensor, Tensor] | None = None
+        self._step_gradients = StepGradients()
         self._sync_gradients = True  # False while Lightning accumulates a batch without an optimizer step
         self._failures: FailureNotice | None = None  # of the current Trainer run
         self.checkpoint_storage = Storage(storage_options)
@@ -426,33 +427,24 @@ class VarunaStrategy(ParallelStrategy):
             owner, _, name = tie.rpartition(".")
             module.get_submodule(owner).register_parameter(name, module.get_parameter(keep))
         args, kwargs = self._example_forward_inputs(trainer)
-        cutpoints, example_output = forward_with_cutpoints(module, args, kwargs)
-        num_stages = self.topology.pipeline_parallel_size
-        if num_stages > len(cutpoints) + 1:
-            raise ValueError(
-                f"`VarunaStrategy(pipeline_parallel_size={num_stages})` needs at least {num_stages - 1} CutPoints in "
-                f"the forward, but `{type(module).__name__}` calls {len(cutpoints)}: {cutpoints}. Use at most "
-                f"{len(cutpoints) + 1} stages or add CutPoints."
-            )
-        if num_stages > 1:
-            starts = balance_stages(self._segment_costs(args, kwargs, cutpoints), num_stages)
-            boundaries = [cutpoints[start - 1] for start in starts[1:]]
-        else:
-            boundaries = []
-        cut = f"cut at CutPoints {boundaries}" if boundaries else "not cut"
-        rank_zero_info(f"VarunaStrategy: {num_stages} stage(s), {cut}")
+        stage = plan_stage(
+            module,
+            args,
+            kwargs,
+            self.topology,
+            lambda cutpoints: self._segment_costs(args, kwargs, cutpoints),
+            self.root_device,
+            self._groups,
+        )
+        cut = f"cut at CutPoints {stage.boundaries}" if stage.boundaries else "not cut"
+        rank_zero_info(f"VarunaStrategy: {self.topology.pipeline_parallel_size} stage(s), {cut}")
         if any(isinstance(m, NormWithRunningStats) for m in module.modules()):
             rank_zero_info(
                 f"VarunaStrategy: batch normalization sees one micro-batch ({self.micro_batch_size} rows) at a time, "
                 "as in GPipe; every replica keeps the first replica's running statistics, as DDP does."
             )
-        _, output_spec = tree_flatten(example_output)
-        plan = Stage(module, boundaries, self.topology, output_spec, self.root_device, self._groups.messages)
-        graph, stage_module = plan.stage_for(args, kwargs)
-        plan.release_other_stages(graph, stage_module)
-        plan.shared = SharedParameters(graph.stage_parameters, self.topology, dict(module.named_parameters()))
-        plan.shared.broadcast_initial_values(self._groups.replicas)
-        return plan
+        self._step_results = StepResults(self.topology, self._groups.results, stage.runtime.waiter)
+        return stage
 
     def _segment_costs(self, args: tuple, kwargs: dict, cutpoints: list[str]) -> list[float]:
         """Forward + backward seconds of each segment: from ``profile`` if given, else measured now on rank 0."""
@@ -498,16 +490,11 @@ class VarunaStrategy(ParallelStrategy):
         self._check_global_batch(rows)
         assert self.topology is not None
         self._position = self._position.advanced(rows * self.topology.data_parallel_size)
-        stage_params = self._stage_plan().own_parameters()
-        saved = {p: p.grad for p in stage_params}
-        for p in stage_params:
-            p.grad = None
-        with self.precision_plugin.train_step_context():
-            output = self._pipelined_step("training_step", args, kwargs, backward=True)
-        self._parked_grads = {p: p.grad for p in stage_params if p.grad is not None}
-        for p in stage_params:
-            p.grad = saved[p]
-        return output
+        with (
+            self._step_gradients.computing(self._stage_plan().own_parameters()),
+            self.precision_plugin.train_step_context(),
+        ):
+            return self._pipelined_step("training_step", args, kwargs, backward=True)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -545,7 +532,8 @@ class VarunaStrategy(ParallelStrategy):
             outputs = step.run(
                 batch, self.micro_batch_size, actions[topo.pp_rank], training=backward, on_wait=self._stop_if_job_ended
             )
-            summary, outputs = self._from_last_stage((step.recorder.summary(), outputs))
+            assert self._step_results is not None
+            summary, outputs = self._step_results.exchange((step.recorder.summary(), outputs), self._stop_if_job_ended)
         replay(module, summary, self.root_device)
         return tree_map(lambda t: t.to(self.root_device) if isinstance(t, Tensor) else t, outputs)
 
@@ -579,18 +567,6 @@ class VarunaStrategy(ParallelStrategy):
         if self.topology is not None:
             where += f" (pipeline stage {self.topology.pp_rank} of replica {self.topology.dp_rank})"
         return self._failures.report(error, where)
-
-    def _from_last_stage(self, payload: Any) -> Any:
-        topo = self.topology
-        assert topo is not None
-        if topo.pipeline_parallel_size == 1:
-            return payload
-        objects = [payload]
-        self._stage_plan().runtime.waiter.call(
-            lambda: dist.broadcast_object_list(objects, src=topo.stage_ranks()[-1], group=self._groups.stages),
-            self._stop_if_job_ended,
-        )
-        return objects[0]
 
     def record_timeline(self) -> None:
         """Record when each action of the coming training steps runs on this rank (see `PipelineTrace`)."""
@@ -643,17 +619,14 @@ class VarunaStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Put the gradients of the pipelined step in place, summed over replicas and ties (each micro-batch's loss
         was weighted by its share of the step's rows, so the sum is the mean)."""
-        parked, self._parked_grads = self._parked_grads or {}, None
         topo = self.topology
         assert topo is not None
         params = self._stage_plan().own_parameters()
         if not self._sync_gradients:
-            for p in params:
-                if p in parked:
-                    p.grad = parked[p] if p.grad is None else p.grad + parked[p]
+            self._step_gradients.accumulate(params)
             return closure_loss
-        # The gradients of earlier accumulated batches are in `p.grad`, not yet reduced: reduce them all at once.
-        grads = [_sum_present(p.grad, parked.get(p), p) for p in params]
+        # The gradients of earlier accumulated batches are not reduced yet: reduce them all at once.
+        grads = self._step_gradients.gradients_with(params)
         start = time.time()
         grads = reduce_gradients(
             params, grads, self._groups.replicas, topo.data_parallel_size, self._stage_plan().shared
@@ -764,6 +737,8 @@ class VarunaStrategy(ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         normal_end = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         try:
+            if self._step_results is not None:
+                self._step_results.flush()
             self._checkpoints.wait(collective=normal_end and distributed_is_initialized())
         finally:
             super().teardown()
@@ -772,14 +747,6 @@ class VarunaStrategy(ParallelStrategy):
         if self._stages is None:
             raise RuntimeError("VarunaStrategy is not set up: it partitions the model in `Trainer.fit/validate/...`.")
         return self._stages
-
-
-def _sum_present(a: Tensor | None, b: Tensor | None, like: Tensor) -> Tensor:
-    """``a + b`` where either may be missing (zeros shaped as ``like`` if both are)."""
-    if a is None or b is None:
-        present = a if b is None else b
-        return torch.zeros_like(like) if present is None else present
-    return a + b
 
 
 def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:

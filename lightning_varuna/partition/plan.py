@@ -1,0 +1,51 @@
+"""The one entry point that turns a model with CutPoints into this rank's pipeline stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_varuna.partition.balance import balance_stages
+from lightning_varuna.partition.discovery import forward_with_cutpoints
+from lightning_varuna.pipeline.shared_params import SharedParameters
+from lightning_varuna.pipeline.stage import Stage
+from lightning_varuna.pipeline.topology import PipelineGroups, Topology
+
+__all__ = ["plan_stage"]
+
+
+def plan_stage(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    topology: Topology,
+    segment_costs: Callable[[list[str]], list[float]],
+    device: torch.device,
+    groups: PipelineGroups,
+) -> Stage:
+    """Cut ``module`` into ``topology.pipeline_parallel_size`` stages at the CutPoints that balance
+    ``segment_costs(cutpoints)`` (seconds per segment, the same on every rank) and return this rank's `Stage`: traced
+    for ``(args, kwargs)`` (one micro-batch), holding only its own tensors, its tied weights equal on every stage
+    and replica. Collective: every rank calls it alike."""
+    cutpoints, example_output = forward_with_cutpoints(module, args, kwargs)
+    num_stages = topology.pipeline_parallel_size
+    if num_stages > len(cutpoints) + 1:
+        raise ValueError(
+            f"`VarunaStrategy(pipeline_parallel_size={num_stages})` needs at least {num_stages - 1} CutPoints in "
+            f"the forward, but `{type(module).__name__}` calls {len(cutpoints)}: {cutpoints}. Use at most "
+            f"{len(cutpoints) + 1} stages or add CutPoints."
+        )
+    boundaries: list[str] = []
+    if num_stages > 1:
+        starts = balance_stages(segment_costs(cutpoints), num_stages)
+        boundaries = [cutpoints[start - 1] for start in starts[1:]]
+    _, output_spec = tree_flatten(example_output)
+    stage = Stage(module, boundaries, topology, output_spec, device, groups.messages)
+    graph, stage_module = stage.stage_for(args, kwargs)
+    stage.release_other_stages(graph, stage_module)
+    stage.shared = SharedParameters(graph.stage_parameters, topology, dict(module.named_parameters()))
+    stage.shared.broadcast_initial_values(groups.replicas)
+    return stage

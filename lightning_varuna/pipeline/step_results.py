@@ -1,0 +1,58 @@
+"""Send what a step produced on the last stage (the values it logged, its output) to the other stages of its
+replica, without the last stage waiting for them."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.waiting import Waiter
+
+__all__ = ["StepResults"]
+
+
+class StepResults:
+    """The last stage posts each step's results (pickled, two messages per other stage) and goes on; the others
+    receive them when their own part of the step is done, which is later anyway (their last backward comes after
+    the last stage's). One `exchange` per step on every stage, in the same order.
+
+    Args:
+        topology: this rank's place in the job.
+        group: a process group over this replica's stages used for nothing else.
+        waiter: waits for a message, giving up when ``on_wait`` raises (a peer failed, SIGTERM).
+    """
+
+    def __init__(self, topology: Topology, group: dist.ProcessGroup | None, waiter: Waiter) -> None:
+        self._ranks = topology.stage_ranks()
+        self._is_last = topology.is_last_stage
+        self._group, self._waiter = group, waiter
+        self._sending: list[Any] = []
+
+    def exchange(self, results: Any, on_wait: Callable[[], None]) -> Any:
+        """On the last stage: send ``results`` and return them; elsewhere: return the last stage's."""
+        if len(self._ranks) == 1:
+            return results
+        if self._is_last:
+            self.flush()
+            data = torch.frombuffer(bytearray(pickle.dumps(results)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+            for rank in self._ranks[:-1]:
+                self._sending += [dist.isend(size, rank, self._group), dist.isend(data, rank, self._group)]
+            return results
+        source = self._ranks[-1]
+        size = torch.empty(1, dtype=torch.int64)
+        self._waiter.call(lambda: dist.recv(size, source, self._group), on_wait)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._waiter.call(lambda: dist.recv(data, source, self._group), on_wait)
+        return pickle.loads(data.numpy().tobytes())
+
+    def flush(self) -> None:
+        """Wait until the results sent so far have left (before the next send, and at the end of a run)."""
+        for work in self._sending:
+            work.wait()
+        self._sending = []
