@@ -13,7 +13,10 @@ AdamW on batches of ``--batch`` rows, one thread per process. Each variant runs 
 * ``spill-disk``: ``SpillingStrategy(spill_dir=...)`` with the budget of one layer per shard: every step reads and
   writes every shard's parameters, gradients and AdamW state through the disk (files written through and dropped
   from the page cache, so reads come from the disk), the next shard read while the current one computes;
-* ``spill-disk-no-prefetch``: the same, each shard read only when it is needed.
+* ``spill-disk-no-prefetch``: the same, each shard read only when it is needed;
+* ``spill-disk-clipped``: the same as spill-disk with ``gradient_clip_val=1.0``: clipping by the norm over all shards
+  needs every shard's gradients first, so the optimizer steps in a pass of its own after backward (the other
+  variants step each shard right after its backward).
 
 The disk's bandwidth is measured first, in the spill store's own pattern (32 files of a shard's parameters and
 gradients, each written with ``fdatasync`` and dropped from the page cache, then read back). The floor of a disk
@@ -49,7 +52,7 @@ from lightning_varuna import CutPoint, SpillingStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "spilling.json"
-VARIANTS = ["in-memory", "spill-host", "spill-disk", "spill-disk-no-prefetch"]
+VARIANTS = ["in-memory", "spill-host", "spill-disk", "spill-disk-no-prefetch", "spill-disk-clipped"]
 
 
 class MLP(L.LightningModule):
@@ -123,6 +126,7 @@ def worker(variant: str, args: argparse.Namespace, out: Path) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[timer],
+        gradient_clip_val=1.0 if variant == "spill-disk-clipped" else None,
     )
     moved: dict[str, int] = {}
     if variant != "in-memory":
@@ -142,6 +146,7 @@ def worker(variant: str, args: argparse.Namespace, out: Path) -> None:
         "variant": variant,
         "step_s": statistics.median(timer.step_s[args.warmup :]),
         "optimizer_s": statistics.median(optimizer_s[args.warmup :]) if optimizer_s else None,
+        "optimizer_in_backward": getattr(strategy, "optimizer_in_backward", None),
         "shards": len(strategy.shards) if variant != "in-memory" else None,
         "state_bytes": state,
         "budget_bytes": budget if variant != "in-memory" else None,

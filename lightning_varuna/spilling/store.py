@@ -32,8 +32,9 @@ class SpillStore:
 
     With ``folder=None`` a part stays in host memory: on a CUDA device as a pinned copy, on the CPU as the tensors
     themselves (host memory is the device's). With a folder, a part is one file, written through and dropped from
-    the page cache, so it takes no memory while spilled. `prefetch` starts reading a part back on a background
-    thread; `get` waits for it.
+    the page cache, so it takes no memory while spilled. Files are written and read on one background thread, in
+    the order asked: `put` returns at once (the tensors are freed once written), `prefetch` starts a read, `get`
+    waits for it. One thread keeps at most one part in flight, so a write finishes before the next read starts.
     """
 
     def __init__(self, device: torch.device, folder: str | os.PathLike | None = None) -> None:
@@ -44,7 +45,8 @@ class SpillStore:
         self._host: dict[str, list[Tensor]] = {}
         self._layouts: dict[str, list[_Slot]] = {}
         self._pending: dict[str, Future[list[Tensor]]] = {}
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="spill-reader")
+        self._writes: dict[str, Future[None]] = {}
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="spill-io")
         self.bytes_written = 0
         self.bytes_read = 0
 
@@ -58,12 +60,13 @@ class SpillStore:
             on_cpu = self.device.type == "cpu"
             self._host[key] = [t.detach() if on_cpu else _pinned_copy(t) for t in tensors]
             return
-        self._layouts[key] = self._write(self.folder / f"{key}.bin", tensors)
+        slots = self._layouts[key] = _layout(tensors)
+        self._writes[key] = self._io.submit(self._write, self.folder / f"{key}.bin", tensors, slots)
 
     def prefetch(self, key: str) -> None:
         """Start bringing ``key`` back to the device (no-op if it is on its way or not spilled)."""
         if key in self._layouts and key not in self._pending:
-            self._pending[key] = self._reader.submit(self._read, key)
+            self._pending[key] = self._io.submit(self._read, key)
 
     def get(self, key: str) -> list[Tensor]:
         """The tensors spilled under ``key``, on the device (still spilled: `put` again after changing them)."""
@@ -72,12 +75,12 @@ class SpillStore:
             return pending.result()
         if key in self._host:
             return [t.to(self.device, non_blocking=True) for t in self._host[key]]
-        return self._read(key)
+        return self._io.submit(self._read, key).result()
 
     def discard(self, key: str) -> None:
-        pending = self._pending.pop(key, None)
-        if pending is not None:
-            pending.result()
+        for pending in (self._pending.pop(key, None), self._writes.pop(key, None)):
+            if pending is not None:
+                pending.result()
         self._host.pop(key, None)
         if self._layouts.pop(key, None) is not None:
             assert self.folder is not None
@@ -86,19 +89,15 @@ class SpillStore:
     def close(self) -> None:
         for key in list(self._host) + list(self._layouts):
             self.discard(key)
-        self._reader.shutdown(wait=True)
+        self._io.shutdown(wait=True)
 
-    def _write(self, path: Path, tensors: list[Tensor]) -> list[_Slot]:
-        slots, offset = [], 0
+    def _write(self, path: Path, tensors: list[Tensor], slots: list[_Slot]) -> None:
+        size = max((s.offset + s.nbytes for s in slots), default=0)
         try:
             with open(path, "wb") as f:
-                for t in tensors:
-                    offset = -(-offset // _ALIGNMENT) * _ALIGNMENT
-                    f.seek(offset)
-                    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                    f.write(data.numpy().data)
-                    slots.append(_Slot(t.shape, t.dtype, offset, data.numel()))
-                    offset += data.numel()
+                for t, slot in zip(tensors, slots):
+                    f.seek(slot.offset)
+                    f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
                 f.flush()
                 os.fdatasync(f.fileno())
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # written through: drop the page cache
@@ -106,15 +105,17 @@ class SpillStore:
             path.unlink(missing_ok=True)
             raise OSError(
                 error.errno,
-                f"Cannot spill {offset} bytes to `{path}` ({error.strerror}). Give SpillingStrategy a `spill_dir` "
+                f"Cannot spill {size} bytes to `{path}` ({error.strerror}). Give SpillingStrategy a `spill_dir` "
                 "with room for the model's parameters, gradients and optimizer state, or `spill_dir=None` to keep "
                 "them in host memory",
             ) from error
-        self.bytes_written += offset
-        return slots
+        self.bytes_written += size
 
     def _read(self, key: str) -> list[Tensor]:
         assert self.folder is not None
+        written = self._writes.get(key)
+        if written is not None:
+            written.result()  # done (one thread, in order); raises if the write failed
         slots = self._layouts[key]
         size = max((s.offset + s.nbytes for s in slots), default=0)
         buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
@@ -131,6 +132,17 @@ class SpillStore:
             buffer = buffer.to(self.device, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
         return [buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in slots]
+
+
+def _layout(tensors: list[Tensor]) -> list[_Slot]:
+    """Where each tensor goes in a part's file: one after another, each aligned."""
+    slots, offset = [], 0
+    for t in tensors:
+        offset = -(-offset // _ALIGNMENT) * _ALIGNMENT
+        nbytes = t.numel() * t.element_size()
+        slots.append(_Slot(t.shape, t.dtype, offset, nbytes))
+        offset += nbytes
+    return slots
 
 
 def _give_freed_memory_back() -> None:
