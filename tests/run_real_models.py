@@ -26,7 +26,9 @@ from lightning_varuna import VarunaStrategy  # noqa: E402
 def train(name: str, out_dir: str, config: dict) -> None:
     model, data = build(name)
     strategy = VarunaStrategy(
-        pipeline_parallel_size=config["pipeline_parallel_size"], micro_batch_size=config["micro_batch_size"]
+        pipeline_parallel_size=config["pipeline_parallel_size"],
+        micro_batch_size=config["micro_batch_size"],
+        schedule=config.get("schedule", "1f1b"),
     )
     record = RecordLosses()
     trainer = L.Trainer(

@@ -4,8 +4,7 @@ stages with asynchronous point-to-point sends and receives."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +13,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
+from lightning_varuna.pipeline.replay import RandomState, scratch_buffers
 from lightning_varuna.pipeline.schedules import Action, Phase, microbatches_of
 from lightning_varuna.pipeline.waiting import Waiter
 
@@ -32,24 +32,6 @@ def _as_tuple(outputs: Any) -> tuple:
 
 def _carries_grad(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
-
-
-class _RandomState:
-    """The random number generators' state before a forward, to replay it (same dropout masks) on recompute."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._devices = [device] if device.type == "cuda" else []
-        self._cpu = torch.get_rng_state()
-        self._device_states = [torch.cuda.get_rng_state(d) for d in self._devices]
-
-    @contextmanager
-    def replayed(self) -> Iterator[None]:
-        """Run the block from this state; the generators continue afterwards as if it had not run."""
-        with torch.random.fork_rng(devices=self._devices):
-            torch.set_rng_state(self._cpu)
-            for device, state in zip(self._devices, self._device_states):
-                torch.cuda.set_rng_state(state, device)
-            yield
 
 
 class StageRuntime:
@@ -91,7 +73,7 @@ class StageRuntime:
         self._recomputed: set[int] = set()
         self.timeline: list[tuple[str, float, float]] | None = None  # when recording: (action, start, end)
         self._compute_start: float | None = None
-        self._stashed: dict[int, tuple[nn.Module, list[Any], _RandomState]] = {}
+        self._stashed: dict[int, tuple[nn.Module, list[Any], RandomState]] = {}
         self.current_microbatch = 0  # the micro-batch whose forward `run` is running (the user's step calls forward)
         self._waiter: Waiter | None = None
         self._on_wait: Callable[[], None] | None = None
@@ -125,7 +107,7 @@ class StageRuntime:
         recompute = training and microbatch in self._recomputed
         if recompute:
             # Keep only the inputs (and the random state); `recompute` rebuilds the activations later.
-            self._stashed[microbatch] = (module, args, _RandomState(self._device))
+            self._stashed[microbatch] = (module, args, RandomState(self._device))
             with torch.no_grad():
                 outputs = _as_tuple(module(*args))
         else:
@@ -149,12 +131,8 @@ class StageRuntime:
         """Run a forward again from its kept inputs and random state, this time keeping its activations."""
         module, args, random_state = self._stashed.pop(microbatch)
         # The forward already updated the buffers (BatchNorm running statistics): the replay must not again.
-        buffers = [(b, b.clone()) for b in module.buffers()]
-        with random_state.replayed():
+        with random_state.replayed(), scratch_buffers([module]):
             outputs = _as_tuple(module(*args))
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
         self._sent[microbatch] = self._wire_values(self._graphs[microbatch], outputs)
 
     def backward(self, microbatch: int, loss: Tensor | None) -> None:

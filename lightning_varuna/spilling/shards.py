@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
+from lightning_varuna.pipeline.replay import RandomState, scratch_buffers
 from lightning_varuna.spilling.segments import Segments
 from lightning_varuna.spilling.store import SpillStore
 
@@ -33,7 +34,7 @@ class Shard:
     segments: list[int]
     params: list[nn.Parameter]
     grad_norm_sq: Tensor | None = None  # the squared norm of its gradients after the last backward
-    _rng: tuple[Tensor, ...] = field(default=(), repr=False)
+    random_state: RandomState | None = field(default=None, repr=False)  # before its forward (dropout on recompute)
 
     def key(self, part: str) -> str:
         return f"shard{self.index}.{part}"
@@ -168,7 +169,7 @@ class ShardedModel:
             self._bring(shard, ("grads",) if with_graph else ())
             self._prefetch(shard.index + 1, ())
             if training:
-                shard._rng = _rng_state(self.store.device)
+                shard.random_state = RandomState(self.store.device)
             with nullcontext() if with_graph else torch.no_grad():
                 produced = self._run(shard)
             for src, value in produced.items():
@@ -233,13 +234,16 @@ class ShardedModel:
         self._boundaries = {}
 
     def _backward_through(self, shard: Shard) -> None:
+        """Run ``shard``'s forward again as it first ran (random numbers, autocast; BatchNorm's running statistics,
+        already updated by the first run, left alone) and backpropagate the gradients of its outputs."""
         enabled, dtype = self._autocast
+        assert shard.random_state is not None
         with (
-            torch.random.fork_rng(devices=_cuda_devices(self.store.device)),
+            shard.random_state.replayed(),
+            scratch_buffers(self._modules[s] for s in shard.segments),
             torch.enable_grad(),
             torch.autocast(self.store.device.type, dtype=dtype, enabled=enabled),
         ):
-            _set_rng_state(shard._rng, self.store.device)
             produced = self._run(shard)
         outputs, grads = [], []
         for src, value in produced.items():
@@ -325,18 +329,3 @@ def _norm_sq(grads: list[Tensor | None]) -> Tensor:
     if not present:
         return torch.zeros(())
     return torch.nn.utils.get_total_norm(present).float().pow(2)
-
-
-def _cuda_devices(device: torch.device) -> list[int]:
-    return [device.index or 0] if device.type == "cuda" else []
-
-
-def _rng_state(device: torch.device) -> tuple[Tensor, ...]:
-    cpu = torch.get_rng_state()
-    return (cpu, torch.cuda.get_rng_state(device)) if device.type == "cuda" else (cpu,)
-
-
-def _set_rng_state(state: tuple[Tensor, ...], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state[1], device)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
-from lightning_varuna.partition.discovery import forward_with_cutpoints
+from lightning_varuna.partition.discovery import buffers_kept, forward_with_cutpoints
 from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
 from lightning_varuna.profiling.memory import SavedTensorMeter
@@ -71,6 +71,8 @@ class SpillingStrategy(SingleDeviceStrategy):
         self._folder: tempfile.TemporaryDirectory | None = None
         self._clip: tuple[str, float] | None = None
         self.shards: list[list[int]] = []  # the segments of each shard, chosen at set-up
+        self.segment_memory: list[SegmentMemory] = []  # what each segment was measured to need on the device
+        self.kept_bytes = 0  # what stays on the device throughout (boundary activations, buffers, tied weights)
         self.optimizer_in_backward = False  # each shard steps right after its backward (decided at set-up)
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer whose step runs the current closure
 
@@ -113,9 +115,8 @@ class SpillingStrategy(SingleDeviceStrategy):
             )
         super().setup(trainer)
         if self._sharded is None:
-            with torch.random.fork_rng(
-                devices=[]
-            ):  # measuring runs the model: training's random numbers stay as they are
+            # Measuring runs the model: training's random numbers and BatchNorm's statistics stay as they are.
+            with torch.random.fork_rng(devices=[]), buffers_kept(self._module):
                 self._sharded = self._shard(trainer)
         self.precision_plugin.clip_grad_by_norm = self._request_clip_by_norm  # type: ignore[method-assign]
         self.precision_plugin.clip_grad_by_value = self._request_clip_by_value  # type: ignore[method-assign]
@@ -151,7 +152,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         memory, kept = self._measure(segment_modules, graph, args, kwargs, cutpoints)
         budget = self.memory_budget if self.memory_budget is not None else _free_bytes(self.root_device)
         shards = pack_shards(memory, budget, kept, self.prefetch)
-        self.shards = shards
+        self.segment_memory, self.kept_bytes, self.shards = memory, kept, shards
         if self.spill_dir is not None:
             try:
                 self.spill_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,61 @@
+"""Models the project did not write (tests/real_models.py) train spilled exactly like on one device."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from models import RecordLosses
+from torch.utils.data import DataLoader
+
+from lightning_varuna import SpillingStrategy
+
+pytest.importorskip("transformers", reason="the real-model tests train Hugging Face models: pip install transformers")
+from real_models import build  # noqa: E402
+
+MODELS = ["bn_mlp", "resnet", "bert", "gpt2", "demo_transformer", "causal_encoder"]
+STEPS, BATCH = 3, 4
+
+
+def fit(model: L.LightningModule, data: object, strategy: object, steps: int = STEPS) -> RecordLosses:
+    record = RecordLosses()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=[record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=BATCH))
+    return record
+
+
+def budget_for_two_or_more_shards(model: L.LightningModule, data: object) -> int:
+    """A budget that fits the largest segment (and the next arriving) but not the whole model in one shard."""
+    probe = SpillingStrategy(memory_budget="64GB")
+    fit(copy.deepcopy(model), data, probe, steps=1)
+    largest = max(s.state_bytes + s.activation_bytes for s in probe.segment_memory)
+    return probe.kept_bytes + 2 * largest
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_real_model_trains_spilled_like_one_device(tmp_path, name):
+    model, data = build(name)
+    reference = copy.deepcopy(model)
+    budget = budget_for_two_or_more_shards(model, data)
+    expected = fit(reference, data, "auto")
+    strategy = SpillingStrategy(memory_budget=budget, spill_dir=tmp_path)
+    spilled = fit(model, data, strategy)
+    assert len(strategy.shards) >= 2, strategy.shards
+    torch.testing.assert_close(torch.tensor(spilled.losses), torch.tensor(expected.losses), rtol=1e-4, atol=1e-5)
+    for (key, value), expected_value in zip(model.state_dict().items(), reference.state_dict().values()):
+        if value.is_floating_point():
+            torch.testing.assert_close(value, expected_value, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+        else:
+            assert torch.equal(value, expected_value), key
