@@ -92,6 +92,19 @@ def test_trains_like_one_device(tmp_path, model_class, num_shards, disk, clip):
     assert not list(tmp_path.glob("spill-*")), "the spilled files are removed after training"
 
 
+def test_bf16_mixed_trains_like_one_device():
+    """The recomputed forwards run under the autocast of their first run."""
+    torch.manual_seed(0)
+    reference = TinyLM(dropout=0.1)
+    model = copy.deepcopy(reference)
+    torch.manual_seed(1)
+    expected = fit(reference, "auto", precision="bf16-mixed")
+    torch.manual_seed(1)
+    trainer = fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), precision="bf16-mixed")
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
 def test_checkpoints_hold_the_model_and_optimizer_state(tmp_path):
     """A checkpoint taken after spilled training holds what plain training's holds; resuming from it spilled
     continues as plain Lightning continues from it (Lightning restarts an interrupted epoch's data)."""

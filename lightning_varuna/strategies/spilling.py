@@ -114,6 +114,11 @@ class SpillingStrategy(SingleDeviceStrategy):
                 "Use `Trainer(accelerator='cpu')`."
             )
         super().setup(trainer)
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "SpillingStrategy does not support `precision='16-mixed'` yet: its grad scaler would need every "
+                "shard's gradients at once. Use `precision='bf16-mixed'` or `'32-true'`."
+            )
         if self._sharded is None:
             # Measuring runs the model: training's random numbers and BatchNorm's statistics stay as they are.
             with torch.random.fork_rng(devices=[]), buffers_kept(self._module):
