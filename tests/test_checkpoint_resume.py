@@ -7,12 +7,17 @@ import json
 import os
 import shutil
 
+import lightning as L
 import pytest
 import torch
 from conftest import fsspec_env, run_job
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import fit_and_report, model_for, token_dataset
 from reference import train_reference
+from torch.utils.data import DataLoader
 from upload_hooks import describe_store, step_of
 
+from lightning_varuna import SpillingStrategy
 from lightning_varuna.checkpoint.layout import COMMIT_MARKER, IncompleteCheckpointError, open_complete
 from lightning_varuna.storage import Storage
 
@@ -106,6 +111,36 @@ def test_single_process_checkpoint_resumes_pipelined(tmp_path, uninterrupted):
     run(tmp_path, "first", shape(1, 1, epochs=1, checkpoint_dir=folder))
     result, weights = run(tmp_path, "resumed", shape(2, 1, epochs=EPOCHS, checkpoint_dir=folder, resume="last"))
     assert_continues(result, weights, uninterrupted, from_step=3)
+
+
+def fit_spilled(config: dict, ckpt_path: str | None = None, **kwargs) -> tuple[dict, dict]:
+    """Train as `run` does, in this process on one device with SpillingStrategy (two or more shards)."""
+    L.seed_everything(config.get("seed", 0))
+    model = model_for(config)
+    strategy = SpillingStrategy(memory_budget="85KB")
+    loader = DataLoader(token_dataset(config["rows"]), batch_size=config["batch_size"], shuffle=True)
+    _, result = fit_and_report(
+        model, loader, config, predict=False, ckpt_path=ckpt_path, devices=1, strategy=strategy, **kwargs
+    )
+    assert len(strategy.shards) >= 2
+    return result, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def test_spilled_checkpoint_resumes_pipelined_and_back(tmp_path, uninterrupted):
+    """A checkpoint SpillingStrategy writes mid-epoch resumes at (2, 2) exactly, and one written at (2, 2) mid-epoch
+    resumes spilled exactly: the same format, the same data order and position."""
+    folder = str(tmp_path / "spilled")
+    saves = ModelCheckpoint(dirpath=folder, every_n_train_steps=4, save_top_k=-1)
+    result, _ = fit_spilled(shape(1, 1, epochs=EPOCHS, max_steps=4), callbacks=[saves])
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(uninterrupted[0][:4]), rtol=1e-5, atol=1e-5)
+    spilled_checkpoint = os.path.join(folder, "epoch=1-step=4.ckpt")
+    result, weights = run(tmp_path, "pipelined", shape(2, 2, epochs=EPOCHS, resume=spilled_checkpoint))
+    assert_continues(result, weights, uninterrupted, from_step=4)
+
+    pipelined_checkpoint = str(tmp_path / "pipelined.ckpt")
+    run(tmp_path, "first", shape(2, 2, epochs=EPOCHS, max_steps=5, save_to=pipelined_checkpoint))
+    result, weights = fit_spilled(shape(1, 1, epochs=EPOCHS), ckpt_path=pipelined_checkpoint)
+    assert_continues(result, weights, uninterrupted, from_step=5)
 
 
 def test_background_upload_to_object_store_resumes_with_another_shape(tmp_path, object_store, uninterrupted):

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from models import TinyLM, token_dataset
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_varuna import CutPoint, SpillingStrategy
+from lightning_varuna.checkpoint.consolidate import consolidate
+from lightning_varuna.checkpoint.layout import find_newest, open_complete
+from lightning_varuna.checkpoint.state import optimizer_state_by_name
+from lightning_varuna.storage import Storage
 
 # Budgets that cut TinyLM with dropout (5 segments, batches of 8) into 1, 2 and 5 shards (one segment each).
 BUDGETS = {1: "1GB", 2: "170KB", 5: "85KB"}
@@ -41,15 +51,16 @@ def fit(model: L.LightningModule, strategy: Any, ckpt_path: str | None = None, *
         "limit_val_batches": 2,
         "val_check_interval": 4,
     }
+    callbacks = [StepLosses(), *kwargs.pop("callbacks", [])]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[StepLosses()],
+        callbacks=callbacks,
         **{**options, **kwargs},
     )
     data = token_dataset(64)
@@ -105,20 +116,47 @@ def test_bf16_mixed_trains_like_one_device():
     assert_same_model(model, reference)
 
 
-def test_checkpoints_hold_the_model_and_optimizer_state(tmp_path):
-    """A checkpoint taken after spilled training holds what plain training's holds; resuming from it spilled
-    continues as plain Lightning continues from it (Lightning restarts an interrupted epoch's data)."""
+def test_checkpoints_are_written_a_shard_at_a_time_and_resume_exactly(tmp_path):
+    """A checkpoint taken mid-epoch while the model is spilled (VarunaStrategy's sharded format, written shard by
+    shard) holds what plain training holds at that step; a run resumed from it at another budget continues the
+    epoch where it stopped, with the losses and weights of an uninterrupted run."""
+    torch.manual_seed(0)
+    reference = TinyLM(scheduler=True)
+    model, resumed = copy.deepcopy(reference), copy.deepcopy(reference)
+    uninterrupted = copy.deepcopy(reference)
+    folder = tmp_path / "checkpoints"
+    saves = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1)
+    plain = fit(reference, "auto", max_steps=2)
+    strategy = SpillingStrategy(memory_budget=BUDGETS[5], spill_dir=tmp_path)
+    fit(model, strategy, max_steps=2, callbacks=[saves])
+    assert sorted(path.name for path in folder.iterdir()) == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]
+    written = open_complete(Storage(), str(folder / "epoch=0-step=2.ckpt")).version_url
+    parts = [name for name in os.listdir(written) if name.endswith(".distcp")]
+    assert len(parts) == len(strategy.shards) + 1, "a part per shard, and one for what stays on the device"
+    saved = consolidate(str(folder / "epoch=0-step=2.ckpt"))
+    torch.testing.assert_close(saved["state_dict"], reference.state_dict())
+    expected_state = optimizer_state_by_name(plain.optimizers[0], reference)
+    torch.testing.assert_close(saved["optimizer_states_by_name"][0]["state"], expected_state["state"])
+    assert saved["global_step"] == 2 and saved["lr_schedulers"] == [
+        plain.lr_scheduler_configs[0].scheduler.state_dict()
+    ]
+
+    expected = fit(uninterrupted, "auto", max_steps=4)
+    path = str(folder / "epoch=0-step=2.ckpt")
+    continued = fit(resumed, SpillingStrategy(memory_budget=BUDGETS[2]), ckpt_path=path, max_steps=4)
+    torch.testing.assert_close(losses(continued), losses(expected)[4:], rtol=1e-5, atol=1e-6)
+    assert_same_model(resumed, uninterrupted)
+
+
+def test_a_plain_lightning_checkpoint_resumes_spilled(tmp_path):
+    """A checkpoint file of plain single-device training loads a shard at a time; the run continues as plain
+    Lightning continues from it (which restarts an interrupted epoch's data)."""
     torch.manual_seed(0)
     reference = TinyLM()
-    model, resumed, resumed_plainly = (copy.deepcopy(reference) for _ in range(3))
+    resumed, resumed_plainly = copy.deepcopy(reference), copy.deepcopy(reference)
     plain = fit(reference, "auto", max_steps=2)
-    spilled = fit(model, SpillingStrategy(memory_budget=BUDGETS[5], spill_dir=tmp_path), max_steps=2)
     plain.save_checkpoint(tmp_path / "plain.ckpt")
-    spilled.save_checkpoint(tmp_path / "spilled.ckpt")
-    a, b = (torch.load(tmp_path / name, weights_only=False) for name in ("plain.ckpt", "spilled.ckpt"))
-    torch.testing.assert_close(b["state_dict"], a["state_dict"])
-    torch.testing.assert_close(b["optimizer_states"], a["optimizer_states"])
-    path = str(tmp_path / "spilled.ckpt")
+    path = str(tmp_path / "plain.ckpt")
     expected = fit(resumed_plainly, "auto", ckpt_path=path, max_steps=4)
     continued = fit(resumed, SpillingStrategy(memory_budget=BUDGETS[2]), ckpt_path=path, max_steps=4)
     torch.testing.assert_close(losses(continued), losses(expected), rtol=1e-5, atol=1e-6)
@@ -170,6 +208,64 @@ def test_a_spill_dir_that_cannot_be_written(tmp_path):
         fit(model, SpillingStrategy(memory_budget=BUDGETS[2], spill_dir=blocker / "spill"))
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, before[name])
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A 256 KiB filesystem (tmpfs) for a `spill_dir`; skips where this process may not mount one (not root)."""
+    path = tmp_path / "small"
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small filesystem: {mounted.stderr.decode().strip()}")
+    yield path
+    subprocess.run(["umount", str(path)], check=True)
+
+
+def fill(disk: Path, leave: int = 0) -> None:
+    """Write a file on ``disk`` until it is full (but for about ``leave`` bytes), as another program could."""
+    with open(disk / "filler", "wb") as f, contextlib.suppress(OSError):
+        while shutil.disk_usage(disk).free > leave:
+            f.write(b"x" * 4096)
+            f.flush()
+
+
+def test_a_spill_dir_without_room_fails_at_set_up(small_disk):
+    fill(small_disk, leave=16 * 1024)
+    with pytest.raises(OSError, match=r"spill_dir=.*small.* has 1[26]\.0 KiB free, but .* need up to 2\d\.\d KiB"):
+        fit(TinyLM(), SpillingStrategy(memory_budget=BUDGETS[5], spill_dir=small_disk), max_steps=1)
+    assert not list(small_disk.rglob("*.bin"))
+
+
+class FillDisk(L.Callback):
+    """Fill ``disk`` after optimizer step ``step``."""
+
+    def __init__(self, disk: Path, step: int) -> None:
+        self.disk, self.step = disk, step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step and not (self.disk / "filler").exists():
+            fill(self.disk)
+
+
+def test_a_spill_dir_that_fills_up_fails_with_the_path_and_loses_nothing(tmp_path, small_disk):
+    """The spill write that finds the disk full fails the fit naming the file and the bytes; the newest
+    checkpoint is complete and training resumes from it exactly (here spilled to host memory)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    resumed, uninterrupted = copy.deepcopy(model), copy.deepcopy(model)
+    folder = tmp_path / "checkpoints"
+    saves = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1)
+    strategy = SpillingStrategy(memory_budget=BUDGETS[5], spill_dir=small_disk)
+    with pytest.raises(OSError, match=r"Cannot spill \d+ bytes to `.*small/spill-.*\.bin` \(No space left on device\)"):
+        fit(model, strategy, max_steps=4, callbacks=[saves, FillDisk(small_disk, step=2)])
+    newest, _ = find_newest(Storage(), [str(folder)])
+    assert newest is not None and newest.global_step in (1, 2)
+    expected = fit(uninterrupted, "auto", max_steps=4)
+    continued = fit(resumed, SpillingStrategy(memory_budget=BUDGETS[5]), ckpt_path=newest.url, max_steps=4)
+    batches = 2 * newest.global_step  # two batches a step
+    torch.testing.assert_close(losses(continued), losses(expected)[batches:], rtol=1e-5, atol=1e-6)
+    assert_same_model(resumed, uninterrupted)
 
 
 # ------------------------------------------------------------------------------------------------- memory

@@ -14,14 +14,14 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.optim import Optimizer
 
@@ -35,11 +35,12 @@ from lightning_varuna.checkpoint.layout import (
     open_complete,
     versions,
 )
+from lightning_varuna.checkpoint.pieces import write_pieces
 from lightning_varuna.checkpoint.state import destination_for, parameter_names
 from lightning_varuna.checkpoint.uploads import BackgroundUploads
 from lightning_varuna.storage import REMOTE_WRITE_THREADS, Storage, join
 
-__all__ = ["ShardedCheckpoints", "read_tensors", "read_training_state"]
+__all__ = ["SavedTensors", "ShardedCheckpoints", "read_tensors", "read_training_state"]
 
 
 class ShardedCheckpoints:
@@ -73,18 +74,7 @@ class ShardedCheckpoints:
         rank = dist.get_rank()
         storage = self.storage.with_options(storage_options)
         _agree(_error_of(lambda: storage.check_writable(url)) if rank == 0 else None)
-        info = _broadcast(
-            CheckpointInfo(
-                url=url,
-                version=new_version(),
-                global_step=int(lightning_state.get("global_step", 0)),
-                epoch=int(lightning_state.get("epoch", 0)),
-                saved_at=time.time(),
-                shape=shape,
-            )
-            if rank == 0
-            else None
-        )
+        info = _broadcast(_new_save(url, lightning_state, shape) if rank == 0 else None)
         if self.tempdir is None:
             dcp.save(tensors, storage_writer=storage.dcp_writer(info.version_url))
             _agree(_error_of(lambda: _commit(storage, info, _to_bytes(lightning_state))) if rank == 0 else None)
@@ -96,6 +86,23 @@ class ShardedCheckpoints:
         _agree(_error_of(lambda: _write_local(local, lightning_state)) if rank == 0 else None)
         store = dist.distributed_c10d._get_default_store()
         self._uploads.submit(self._upload, storage, local, info, store, rank, dist.get_world_size())
+
+    def save_pieces(
+        self,
+        pieces: Iterable[dict[str, Any]],
+        lightning_state: dict[str, Any],
+        url: str,
+        shape: dict[str, Any],
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        """`save` in one process, from ``pieces`` (the nested tensors of ``save``, a part at a time, each part made
+        once the previous one is written): a model that is never whole in memory is written without gathering."""
+        self.wait()
+        storage = self.storage.with_options(storage_options)
+        storage.check_writable(url)
+        info = _new_save(url, lightning_state, shape)
+        write_pieces(storage.dcp_writer(info.version_url), pieces)
+        _commit(storage, info, _to_bytes(lightning_state))
 
     def _upload(
         self, storage: Storage, local: str, info: CheckpointInfo, store: dist.Store, rank: int, world_size: int
@@ -165,35 +172,57 @@ class ShardedCheckpoints:
         return result
 
     def _read(self, url: str, module: nn.Module, optimizers: list[Optimizer]) -> tuple[dict[str, Any], CheckpointInfo]:
-        info = open_complete(self.storage, url)
-        reader = self.storage.dcp_reader(info.version_url)
-        metadata = reader.read_metadata()
-        model, missing = destination_for(metadata, "model", list(module.state_dict()))
+        saved = SavedTensors(self.storage, url)
+        checkpoint = {**saved.training_state(), "state_dict": saved.model(list(module.state_dict()))}
+        if optimizers and saved.has_optimizer_state:
+            names = parameter_names(module)
+            checkpoint["optimizer_states"] = [
+                saved.optimizer(i, [names[id(p)] for group in optimizer.param_groups for p in group["params"]])
+                for i, optimizer in enumerate(optimizers)
+            ]
+        return checkpoint, saved.info
+
+
+class SavedTensors:
+    """The committed checkpoint at ``url``, read a few tensors at a time by parameter name."""
+
+    def __init__(self, storage: Storage, url: str) -> None:
+        self.storage = storage
+        self.info = open_complete(storage, url)
+        self._reader = storage.dcp_reader(self.info.version_url)
+        self._metadata = self._reader.read_metadata()
+
+    @property
+    def has_optimizer_state(self) -> bool:
+        return any(key.startswith("optimizer.") for key in self._metadata.state_dict_metadata)
+
+    def training_state(self) -> dict[str, Any]:
+        """Lightning's training state: loops, LR schedulers, callbacks, precision."""
+        return read_training_state(self.storage, self.info)
+
+    def model(self, names: list[str]) -> dict[str, Tensor]:
+        """The model's tensors (parameters and buffers) called ``names``."""
+        model, missing = destination_for(self._metadata, "model", names)
         if missing:
             raise IncompleteCheckpointError(
-                f"Checkpoint {info.version_url!r} has no values for {len(missing)} tensors of this model, e.g. "
+                f"Checkpoint {self.info.version_url!r} has no values for {len(missing)} tensors of this model, e.g. "
                 f"{missing[:3]}: it was written by a different model."
             )
-        tensors: dict[str, Any] = {"model": model}
-        with_optimizers = optimizers and any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
-        if with_optimizers:
-            names = parameter_names(module)
-            tensors["optimizer"] = {}
-            for i, optimizer in enumerate(optimizers):
-                own = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-                state, _ = destination_for(metadata, f"optimizer.{i}.state", own)
-                groups, missing = destination_for(metadata, f"optimizer.{i}.param_groups", own)
-                if missing:
-                    raise IncompleteCheckpointError(
-                        f"Checkpoint {info.version_url!r} has no state of optimizer {i} for {missing[:3]}: it was "
-                        "written with different optimizers."
-                    )
-                tensors["optimizer"][str(i)] = {"state": state, "param_groups": groups}
-        read_tensors(reader, tensors)
-        checkpoint = {**read_training_state(self.storage, info), "state_dict": tensors["model"]}
-        if with_optimizers:
-            checkpoint["optimizer_states"] = [tensors["optimizer"][str(i)] for i in range(len(optimizers))]
-        return checkpoint, info
+        read_tensors(self._reader, {"model": model})
+        return model
+
+    def optimizer(self, index: int, names: list[str]) -> dict[str, dict[str, Any]]:
+        """Optimizer ``index``'s state and hyper-parameters for the parameters ``names`` (as
+        `optimizer_state_by_name` makes them)."""
+        state, _ = destination_for(self._metadata, f"optimizer.{index}.state", names)
+        groups, missing = destination_for(self._metadata, f"optimizer.{index}.param_groups", names)
+        if missing:
+            raise IncompleteCheckpointError(
+                f"Checkpoint {self.info.version_url!r} has no state of optimizer {index} for {missing[:3]}: it was "
+                "written with different optimizers."
+            )
+        read_tensors(self._reader, {"optimizer": {str(index): {"state": state, "param_groups": groups}}})
+        return {"state": state, "param_groups": groups}
 
 
 def read_tensors(reader: dcp.StorageReader, tensors: dict[str, Any]) -> None:
@@ -207,6 +236,17 @@ def read_training_state(storage: Storage, info: CheckpointInfo) -> dict[str, Any
     """Lightning's training state that rank 0 wrote with the committed save ``info``."""
     data = storage.read_bytes(join(info.version_url, LIGHTNING_STATE))
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def _new_save(url: str, lightning_state: dict[str, Any], shape: dict[str, Any]) -> CheckpointInfo:
+    return CheckpointInfo(
+        url=url,
+        version=new_version(),
+        global_step=int(lightning_state.get("global_step", 0)),
+        epoch=int(lightning_state.get("epoch", 0)),
+        saved_at=time.time(),
+        shape=shape,
+    )
 
 
 def _commit(storage: Storage, info: CheckpointInfo, lightning_state: bytes) -> None:
@@ -240,7 +280,7 @@ def _error_of(fn: Callable[[], Any]) -> BaseException | None:
 
 def _agree(error: BaseException | None) -> None:
     """Collective: raise on every rank if any rank had an error (its own error where it happened)."""
-    world_size = dist.get_world_size()
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
     messages: list[str | None] = [None] * world_size
     if world_size > 1:
         dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")

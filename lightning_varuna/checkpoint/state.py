@@ -15,11 +15,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.optim import Optimizer
 
 __all__ = [
+    "TensorsByName",
     "destination_for",
     "empty_like_entry",
     "load_optimizer_state_by_name",
     "optimizer_state_by_name",
     "parameter_names",
+    "set_optimizer_state",
 ]
 
 
@@ -28,14 +30,20 @@ def parameter_names(module: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}
 
 
-def optimizer_state_by_name(optimizer: Optimizer, module: nn.Module) -> dict[str, dict[str, dict[str, Any]]]:
-    """``{"state": {name: {...}}, "param_groups": {name: {hyper-parameters}}}`` for the parameters of ``optimizer``."""
+def optimizer_state_by_name(
+    optimizer: Optimizer, module: nn.Module, params: list[nn.Parameter] | None = None
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{"state": {name: {...}}, "param_groups": {name: {hyper-parameters}}}`` for the parameters of ``optimizer``
+    (those of them in ``params``, if given)."""
     names = parameter_names(module)
+    only = None if params is None else {id(p) for p in params}
     state: dict[str, dict[str, Any]] = {}
     groups: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         settings = {key: value for key, value in group.items() if key != "params"}
         for p in group["params"]:
+            if only is not None and id(p) not in only:
+                continue
             if id(p) not in names:
                 raise ValueError(
                     f"The optimizer holds a parameter of shape {tuple(p.shape)} that is not a parameter of "
@@ -63,6 +71,65 @@ def load_optimizer_state_by_name(optimizer: Optimizer, module: nn.Module, by_nam
             if name in by_name["state"]:
                 state[index] = by_name["state"][name]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def set_optimizer_state(optimizer: Optimizer, params: dict[str, nn.Parameter], by_name: dict[str, dict]) -> None:
+    """Load what `optimizer_state_by_name` saved for ``params`` (by name) into ``optimizer``, leaving the state of its
+    other parameters as it is; a group whose first parameter is among them gets its saved hyper-parameters."""
+    for name, p in params.items():
+        saved = by_name["state"].get(name)
+        if saved:
+            optimizer.state[p] = {key: _as_state_of(p, key, value) for key, value in saved.items()}
+    for group in optimizer.param_groups:
+        first = next((name for name, p in params.items() if group["params"] and p is group["params"][0]), None)
+        if first is not None:
+            group.update({k: v for k, v in by_name["param_groups"].get(first, {}).items() if k != "params"})
+
+
+def _as_state_of(param: nn.Parameter, key: str, value: Any) -> Any:
+    """A saved optimizer state value on ``param``'s device and, if floating point, in its dtype (as
+    ``Optimizer.load_state_dict`` casts it; the step count stays as saved)."""
+    if key == "step" or not isinstance(value, torch.Tensor):
+        return value
+    floating = param.is_floating_point() and value.is_floating_point()
+    return value.to(device=param.device, dtype=param.dtype if floating else value.dtype)
+
+
+class TensorsByName:
+    """A Lightning checkpoint dict in memory, read like `SavedTensors`: the model's tensors and each optimizer's
+    state by parameter name (a torch ``optimizer.state_dict()`` numbers them by position in ``optimizers``)."""
+
+    def __init__(self, checkpoint: dict[str, Any], module: nn.Module, optimizers: list[Optimizer]) -> None:
+        self._model: dict[str, torch.Tensor] = checkpoint["state_dict"]
+        names = parameter_names(module)
+        self._optimizers = []
+        for optimizer, saved in zip(optimizers, checkpoint.get("optimizer_states", [])):
+            order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+            self._optimizers.append(
+                {
+                    "state": {order[i]: value for i, value in saved["state"].items()},
+                    "param_groups": {
+                        order[i]: {k: v for k, v in group.items() if k != "params"}
+                        for group in saved["param_groups"]
+                        for i in group["params"]
+                    },
+                }
+            )
+
+    @property
+    def has_optimizer_state(self) -> bool:
+        return bool(self._optimizers)
+
+    def model(self, names: list[str]) -> dict[str, torch.Tensor]:
+        missing = [name for name in names if name not in self._model]
+        if missing:
+            raise KeyError(f"The checkpoint has no values for {len(missing)} tensors of this model: {missing[:3]}...")
+        return {name: self._model[name] for name in names}
+
+    def optimizer(self, index: int, names: list[str]) -> dict[str, dict[str, Any]]:
+        saved = self._optimizers[index]
+        wanted = set(names)
+        return {part: {k: v for k, v in saved[part].items() if k in wanted} for part in ("state", "param_groups")}
 
 
 def destination_for(metadata: Metadata, prefix: str, names: list[str]) -> tuple[dict[str, Any], list[str]]:

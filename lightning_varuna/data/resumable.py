@@ -12,15 +12,23 @@ of the epoch when resuming mid-epoch.)
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_varuna._lightning_private import dataloader_init_args, reinstantiate_dataloader
 
-__all__ = ["DataPosition", "ResumableDistributedSampler", "continue_unfinished_epoch", "epoch_rows", "resumable_loader"]
+__all__ = [
+    "DataPosition",
+    "DataProgress",
+    "ResumableDistributedSampler",
+    "continue_unfinished_epoch",
+    "epoch_rows",
+    "resumable_loader",
+]
 
 
 @dataclass(frozen=True)
@@ -116,3 +124,43 @@ def epoch_rows(loader: DataLoader, replicas: int) -> int:
     if batch_sampler.drop_last:
         per_replica -= per_replica % batch_sampler.batch_size
     return per_replica * replicas
+
+
+class DataProgress:
+    """How far a run got into its training data, for its checkpoints; where a resumed run continues from.
+
+    The position is kept as the rows of the epoch they belong to: a checkpoint taken after the epoch ended (Lightning
+    has counted it done) must still say which epoch those rows were of, or a resumed run would skip the next one.
+    """
+
+    def __init__(self) -> None:
+        self.position = DataPosition(0, 0)
+        self.resume_from: DataPosition | None = None
+        self.epoch_rows: int | None = None  # rows of an epoch over all replicas, once the loader is resumable
+
+    def resumable(
+        self, dataloader: DataLoader, sampler: DistributedSampler, batch_size: int, replicas: int
+    ) -> DataLoader:
+        """The training ``dataloader`` made resumable (`resumable_loader`), starting where a checkpoint left off."""
+        # Lightning cannot see that the loader resumes mid-epoch: silence its warning that it does not.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        loader = resumable_loader(dataloader, sampler, batch_size, self.resume_from)
+        self.epoch_rows = epoch_rows(loader, replicas)
+        return loader
+
+    def epoch_started(self, epoch: int) -> None:
+        self.position = DataPosition(epoch, 0)
+
+    def advance(self, rows: int) -> None:
+        """``rows`` more rows trained (over all replicas)."""
+        self.position = self.position.advanced(rows)
+
+    def saved(self) -> dict[str, int]:
+        """The position for a checkpoint: the start of the next epoch once this one is trained."""
+        return asdict(self.position.normalized(self.epoch_rows))
+
+    def restore(self, saved: dict[str, int] | None, loops: dict[str, Any]) -> None:
+        """Continue from a checkpoint's ``saved`` position (None: one without) and its Lightning ``loops`` state."""
+        if saved is not None:
+            self.resume_from = self.position = DataPosition(**saved)
+            continue_unfinished_epoch(loops, self.resume_from)

@@ -293,16 +293,18 @@ class ShardedModel:
             for p in params:
                 p.grad = None
 
-    @contextmanager
-    def all_on_device(self) -> Iterator[None]:
-        """Every shard on the device for the block (to read a whole state dict), spilled again after, unchanged."""
+    def visit(self, parts: tuple[str, ...] = (), write: tuple[str, ...] = ()) -> Iterator[list[nn.Parameter]]:
+        """Each shard's parameters in turn, on the device with its other ``parts`` ("grads", "state"), the next one
+        fetched meanwhile; each spilled again after its turn, storing the ``write`` parts (changed in its turn);
+        last the parameters that stay on the device. To read or write the whole model a shard at a time."""
         for shard in self.shards:
-            self._bring(shard, ("grads", "state"))
-        try:
-            yield
-        finally:
-            for shard in self.shards:
-                self._evict(shard, write=("state",))  # state loaded into the optimizer before its first step
+            self._bring(shard, parts)
+            self._prefetch(shard.index + 1, parts)
+            try:
+                yield shard.params
+            finally:
+                self._evict(shard, write=write)
+        yield self.resident_params
 
     def restore(self) -> None:
         """Put every shard's parameters back into the model for good (after training); drop the store."""

@@ -2,32 +2,48 @@
 
 from __future__ import annotations
 
-import copy
+import errno
 import logging
+import os
+import shutil
 import tempfile
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 from typing_extensions import override
 
+from lightning_varuna.checkpoint.sharded import SavedTensors, ShardedCheckpoints
+from lightning_varuna.checkpoint.state import (
+    TensorsByName,
+    optimizer_state_by_name,
+    parameter_names,
+    set_optimizer_state,
+)
+from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.discovery import buffers_kept, forward_with_cutpoints
 from lightning_varuna.partition.split import PipelineGraph, Source
+from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
 from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.spilling.packing import SegmentMemory, format_bytes, pack_shards, parse_bytes
 from lightning_varuna.spilling.segments import Segments
 from lightning_varuna.spilling.shards import ShardedModel
 from lightning_varuna.spilling.store import SpillStore
+from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 
 __all__ = ["SpillingStrategy"]
@@ -50,6 +66,12 @@ class SpillingStrategy(SingleDeviceStrategy):
         spill_dir: a folder for spilled shards (one file per shard part, read back ahead of use), or None to keep
             them in host memory.
         prefetch: fetch the next shard while the current one computes.
+        storage_options: fsspec options (credentials, ``endpoint_url``...) for every checkpoint URL.
+
+    Checkpoints are written a shard at a time in VarunaStrategy's sharded format (a folder at any fsspec URL), so
+    either strategy resumes the other's, at any pipeline shape. The training DataLoader resumes mid-epoch where a
+    checkpoint left off: its order is that of Lightning's `DistributedSampler` for one replica (with ``shuffle=True``
+    a permutation seeded by ``seed_everything`` and the epoch, as under VarunaStrategy).
     """
 
     strategy_name = "spilling"
@@ -59,6 +81,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         memory_budget: int | str | None = None,
         spill_dir: str | Path | None = None,
         prefetch: bool = True,
+        storage_options: dict[str, Any] | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
@@ -75,6 +98,11 @@ class SpillingStrategy(SingleDeviceStrategy):
         self.kept_bytes = 0  # what stays on the device throughout (boundary activations, buffers, tied weights)
         self.optimizer_in_backward = False  # each shard steps right after its backward (decided at set-up)
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer whose step runs the current closure
+        self.checkpoint_storage = Storage(storage_options)
+        self._checkpoints = ShardedCheckpoints(self.checkpoint_storage)
+        self._loading: SavedTensors | TensorsByName | None = None  # the checkpoint being restored
+        self._data = DataProgress()
+        self._batch_size: int | None = None  # the largest training batch so far
 
     # ------------------------------------------------------------------------------------------- the device
     @property
@@ -99,6 +127,28 @@ class SpillingStrategy(SingleDeviceStrategy):
         module = self.lightning_module
         assert module is not None
         return module
+
+    # ------------------------------------------------------------------------------------------------ data
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make the training DataLoader resumable mid-epoch (a map-style dataset read in order or shuffled)."""
+        if self._module.trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
+            return dataloader
+        sampler, batch_size = dataloader.sampler, dataloader.batch_size
+        if type(sampler) not in (SequentialSampler, RandomSampler) or batch_size is None:
+            return dataloader
+        if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler._num_samples is not None):
+            return dataloader
+        shuffle, seed = isinstance(sampler, RandomSampler), int(os.getenv("PL_GLOBAL_SEED", 0))
+        one_replica: DistributedSampler = DistributedSampler(
+            dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed
+        )
+        return self._data.resumable(dataloader, one_replica, batch_size, replicas=1)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self._data.epoch_started(self._module.trainer.current_epoch)
 
     # ---------------------------------------------------------------------------------------------- set-up
     @override
@@ -167,6 +217,7 @@ class SpillingStrategy(SingleDeviceStrategy):
                     f"`SpillingStrategy(spill_dir={str(self.spill_dir)!r})` is not a folder this process can write "
                     f"to ({error.strerror}). Pass a writable folder, or `spill_dir=None` to spill to host memory."
                 ) from error
+            _check_room(self.spill_dir, sum(segment.state_bytes for segment in memory))
         store = SpillStore(self.root_device, self._folder.name if self._folder is not None else None)
         where = f"`{self._folder.name}`" if self._folder is not None else "host memory"
         rank_zero_info(
@@ -213,6 +264,9 @@ class SpillingStrategy(SingleDeviceStrategy):
     # ----------------------------------------------------------------------------------------------- steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        rows = batch_size_of(args[0])
+        self._batch_size = max(self._batch_size or 0, rows)
+        self._data.advance(rows)
         with self._forward_through_shards():
             return super().training_step(*args, **kwargs)
 
@@ -279,19 +333,108 @@ class SpillingStrategy(SingleDeviceStrategy):
         return self._sharded
 
     # ----------------------------------------------------------------------------------------- checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # A checkpoint is loaded a shard at a time into the spilled model: after sharding.
+        return True
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        with self._all_on_device():
-            return {name: t.clone() for name, t in super().lightning_module_state_dict().items()}
+        """Empty while the model is spilled: `save_checkpoint` writes its tensors a shard at a time."""
+        return {} if self._sharded is not None else super().lightning_module_state_dict()
 
     @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Tensor]:
-        with self._all_on_device():
-            return copy.deepcopy(super().optimizer_state(optimizer))
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Empty: `save_checkpoint` writes the optimizer state a shard at a time, by parameter name."""
+        return {}
 
-    def _all_on_device(self) -> AbstractContextManager[None]:
-        """While training, every shard brought back for the block; after training the model is whole anyway."""
-        return self._sharded.all_on_device() if self._sharded is not None else nullcontext()
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write a sharded checkpoint (VarunaStrategy's format) to the folder ``filepath`` (any fsspec URL), one shard
+        at a time: the model is never gathered."""
+        lightning_state = dict(checkpoint)
+        lightning_state.pop("state_dict", None)
+        with_optimizer = lightning_state.pop("optimizer_states", None) is not None
+        shape = {
+            "pipeline_parallel_size": 1,
+            "data_parallel_size": 1,
+            "micro_batch_size": None,
+            "global_batch_size": self._batch_size,
+            "data_position": self._data.saved(),
+        }
+        pieces = self._checkpoint_pieces(with_optimizer)
+        self._checkpoints.save_pieces(pieces, lightning_state, str(filepath), shape, storage_options)
+
+    def _checkpoint_pieces(self, with_optimizer: bool) -> Iterator[dict[str, Any]]:
+        """The tensors to save, a shard at a time, keyed as VarunaStrategy keys them (``model.<name>``,
+        ``optimizer.0.state.<name>.<field>``); last the parameters that stay on the device, and the buffers."""
+        module = self._module
+        names = _state_dict_names(module)
+        buffers = {name: b for b in names if not isinstance(b, nn.Parameter) for name in names[b]}
+        optimizer = _unwrapped(self.optimizers[0]) if with_optimizer and self.optimizers else None
+        last = len(self._sharded.shards) if self._sharded is not None else 0
+        for i, params in enumerate(self._visit(("state",) if optimizer is not None else ())):
+            piece: dict[str, Any] = {"model": {name: p.data for p in params for name in names.get(p, [])}}
+            if optimizer is not None:
+                piece["optimizer"] = {"0": optimizer_state_by_name(optimizer, module, params)}
+            if i == last:
+                piece["model"].update(buffers)
+            yield piece
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """The training state of a checkpoint of SpillingStrategy or VarunaStrategy (any shape), or of a plain
+        Lightning checkpoint file; its tensors are read a shard at a time by `load_model_state_dict` and
+        `load_optimizer_state_dict`."""
+        url = str(checkpoint_path)
+        fs, path = self.checkpoint_storage.fs(url)
+        optimizers = [_unwrapped(o) for o in self.optimizers]
+        if fs.isfile(path):
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+            self._loading = TensorsByName(checkpoint, self._module, optimizers)
+        else:
+            saved = SavedTensors(self.checkpoint_storage, url)
+            checkpoint = saved.training_state()
+            self._data.restore(saved.info.shape.get("data_position"), checkpoint.get("loops", {}))
+            self._loading = saved
+        checkpoint["state_dict"] = {}
+        if self._loading.has_optimizer_state:
+            checkpoint["optimizer_states"] = [{} for _ in optimizers]
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        module, saved = self._module, self._saved_tensors()
+        names = _state_dict_names(module)
+        for params in self._visit(write=("params",)):
+            named = {names[p][0]: p for p in params if p in names}
+            for name, value in saved.model(list(named)).items():
+                named[name].data.copy_(value)
+        buffers = {names[b][0]: b for b in names if not isinstance(b, nn.Parameter)}
+        for name, value in saved.model(list(buffers)).items():
+            buffers[name].copy_(value)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        module, saved = self._module, self._saved_tensors()
+        names = parameter_names(module)
+        optimizer = _unwrapped(self.optimizers[0])
+        for params in self._visit(("state",), write=("state",)):
+            named = {names[id(p)]: p for p in params}
+            set_optimizer_state(optimizer, named, saved.optimizer(0, list(named)))
+        self._loading = None
+
+    def _saved_tensors(self) -> SavedTensors | TensorsByName:
+        if self._loading is None:
+            raise RuntimeError("SpillingStrategy reads a checkpoint's tensors after `load_checkpoint`.")
+        return self._loading
+
+    def _visit(self, parts: tuple[str, ...] = (), write: tuple[str, ...] = ()) -> Iterator[list[nn.Parameter]]:
+        """The model's parameters a shard at a time (`ShardedModel.visit`); all at once if it is not spilled."""
+        if self._sharded is None:
+            return iter([list(self._module.parameters())])
+        return self._sharded.visit(parts, write)
 
     @override
     def teardown(self) -> None:
@@ -325,6 +468,31 @@ class _ShardwiseOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)
+
+
+def _state_dict_names(module: nn.Module) -> dict[Tensor, list[str]]:
+    """The parameters and persistent buffers of ``module``'s state dict, each with its names there (a tied weight
+    has several)."""
+    names: dict[Tensor, list[str]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        names.setdefault(tensor, []).append(name)
+    return names
+
+
+def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _check_room(folder: Path, needed: int) -> None:
+    """Fail at set-up if ``folder`` cannot hold the spilled state (``needed`` bytes, at most)."""
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"`SpillingStrategy(spill_dir={str(folder)!r})` has {format_bytes(free)} free, but the model's "
+            f"parameters, gradients and optimizer state need up to {format_bytes(needed)} ({needed} bytes) there. "
+            "Free space, pick a `spill_dir` on a larger disk, or pass `spill_dir=None` to spill to host memory.",
+        )
 
 
 def _nbytes(tensor: Tensor) -> int:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 from datetime import timedelta
 from functools import cached_property
 from typing import Any, Literal
@@ -41,7 +39,7 @@ from lightning_varuna._lightning_private import (
 from lightning_varuna._torch_private import NormWithRunningStats
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
-from lightning_varuna.data.resumable import DataPosition, continue_unfinished_epoch, epoch_rows, resumable_loader
+from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.plan import plan_stage
 from lightning_varuna.pipeline.gradients import (
     StepGradients,
@@ -186,11 +184,7 @@ class VarunaStrategy(ParallelStrategy):
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage, tempdir=checkpoint_tempdir)
         self._replica_batch_size: int | None = None
         self._resumed_shape: dict[str, Any] | None = None
-        self._resume_position: DataPosition | None = None
-        # The rows trained of the epoch they belong to: a checkpoint taken after the epoch ended (Lightning has
-        # counted it done) must still say which epoch those rows were of, or a resumed run skips the next one.
-        self._position = DataPosition(0, 0)
-        self._epoch_rows: int | None = None  # rows of an epoch over all replicas, when the loader is resumable
+        self._data = DataProgress()
 
     # ----------------------------------------------------------------------------------------- processes
     @property
@@ -357,16 +351,12 @@ class VarunaStrategy(ParallelStrategy):
         assert batch_size is not None  # a plain BatchSampler
         if self.global_batch_size is not None:
             batch_size = self.global_batch_size // self.topology.data_parallel_size
-        # The loader is resumable, which Lightning cannot see: silence its warning about mid-epoch resumes.
-        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
-        loader = resumable_loader(dataloader, sampler, batch_size, self._resume_position)
-        self._epoch_rows = epoch_rows(loader, self.topology.data_parallel_size)
-        return loader
+        return self._data.resumable(dataloader, sampler, batch_size, self.topology.data_parallel_size)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:
-            self._position = DataPosition(self._module.trainer.current_epoch, 0)
+            self._data.epoch_started(self._module.trainer.current_epoch)
 
     @override
     def model_to_device(self) -> None:
@@ -489,7 +479,7 @@ class VarunaStrategy(ParallelStrategy):
         self._check_micro_batch_size(rows)
         self._check_global_batch(rows)
         assert self.topology is not None
-        self._position = self._position.advanced(rows * self.topology.data_parallel_size)
+        self._data.advance(rows * self.topology.data_parallel_size)
         with (
             self._step_gradients.computing(self._stage_plan().own_parameters()),
             self.precision_plugin.train_step_context(),
@@ -690,7 +680,7 @@ class VarunaStrategy(ParallelStrategy):
             "global_batch_size": None
             if self._replica_batch_size is None
             else self._replica_batch_size * topo.data_parallel_size,
-            "data_position": asdict(self._position.normalized(self._epoch_rows)),
+            "data_position": self._data.saved(),
         }
         self._checkpoints.save(tensors, lightning_state, str(filepath), shape, storage_options)
 
@@ -700,9 +690,7 @@ class VarunaStrategy(ParallelStrategy):
         optimizers = [_unwrapped(o) for o in self.optimizers]
         checkpoint, info = self._checkpoints.load(str(checkpoint_path), self._module, optimizers)
         self._resumed_shape = info.shape
-        if info.shape.get("data_position") is not None:
-            self._resume_position = self._position = DataPosition(**info.shape["data_position"])
-            continue_unfinished_epoch(checkpoint.get("loops", {}), self._resume_position)
+        self._data.restore(info.shape.get("data_position"), checkpoint.get("loops", {}))
         return checkpoint
 
     @override
