@@ -7,6 +7,7 @@ import copy
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from models import RecordLosses
 from torch.utils.data import DataLoader
 
@@ -19,20 +20,27 @@ MODELS = ["bn_mlp", "resnet", "bert", "gpt2", "demo_transformer", "causal_encode
 STEPS, BATCH = 3, 4
 
 
-def fit(model: L.LightningModule, data: object, strategy: object, steps: int = STEPS) -> RecordLosses:
+def fit(
+    model: L.LightningModule,
+    data: object,
+    strategy: object,
+    steps: int = STEPS,
+    callbacks: list[L.Callback] = (),
+    ckpt_path: str | None = None,
+) -> RecordLosses:
     record = RecordLosses()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
         max_steps=steps,
-        callbacks=[record],
+        callbacks=[record, *callbacks],
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, DataLoader(data, batch_size=BATCH))
+    trainer.fit(model, DataLoader(data, batch_size=BATCH), ckpt_path=ckpt_path)
     return record
 
 
@@ -55,6 +63,26 @@ def test_real_model_trains_spilled_like_one_device(tmp_path, name):
     assert len(strategy.shards) >= 2, strategy.shards
     torch.testing.assert_close(torch.tensor(spilled.losses), torch.tensor(expected.losses), rtol=1e-4, atol=1e-5)
     for (key, value), expected_value in zip(model.state_dict().items(), reference.state_dict().values()):
+        if value.is_floating_point():
+            torch.testing.assert_close(value, expected_value, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+        else:
+            assert torch.equal(value, expected_value), key
+
+
+@pytest.mark.parametrize("name", ["bn_mlp", "bert", "gpt2"])
+def test_real_model_resumes_spilled_from_a_mid_epoch_checkpoint(tmp_path, name):
+    """A checkpoint written a shard at a time in the middle of an epoch (BatchNorm's statistics and step count,
+    a tied head, dict batches) resumes at another budget as if training had not stopped."""
+    model, data = build(name)
+    reference, resumed = copy.deepcopy(model), copy.deepcopy(model)
+    budget = budget_for_two_or_more_shards(model, data)
+    expected = fit(reference, data, "auto", steps=4)
+    saves = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=2, save_top_k=-1)
+    fit(model, data, SpillingStrategy(memory_budget=budget, spill_dir=tmp_path), steps=2, callbacks=[saves])
+    path = str(tmp_path / "checkpoints" / "epoch=0-step=2.ckpt")
+    continued = fit(resumed, data, SpillingStrategy(memory_budget=2 * budget), steps=4, ckpt_path=path)
+    torch.testing.assert_close(torch.tensor(continued.losses), torch.tensor(expected.losses[2:]), rtol=1e-4, atol=1e-5)
+    for (key, value), expected_value in zip(resumed.state_dict().items(), reference.state_dict().values()):
         if value.is_floating_point():
             torch.testing.assert_close(value, expected_value, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
         else:
