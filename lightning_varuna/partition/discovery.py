@@ -56,8 +56,8 @@ def observe_cutpoints(module: nn.Module, batch_size: int, on_call: Any = None) -
 def buffers_kept(module: nn.Module) -> Iterator[None]:
     """Put every buffer back as it was after the block: passes that only look at the model (finding the CutPoints,
     timing the segments) must not move BatchNorm's running statistics, or the trained model differs from one
-    device's."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    device's. (Buffers still on the meta device hold nothing to keep.)"""
+    saved = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
     try:
         yield
     finally:

@@ -33,7 +33,9 @@ class SavedTensorMeter:
         class Saved:
             def __init__(self, tensor: Tensor) -> None:
                 storage = tensor.untyped_storage()
-                self.tensor, self.key = tensor, storage.data_ptr()
+                # Detached: a saved output holding its own grad_fn would be a cycle that keeps the graph, and with
+                # it every tensor it saved (the weights too), alive after the graph is dropped.
+                self.tensor, self.key = tensor.detach(), storage.data_ptr()
                 if self.key in meter._excluded:
                     return
                 entry = meter._live.setdefault(self.key, [0, storage.nbytes()])

@@ -3,6 +3,7 @@ modules run the model's own parameters (wherever their data is at the time)."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from lightning_varuna.partition.skeleton import ModelSkeleton
@@ -15,13 +16,13 @@ __all__ = ["Segments"]
 class Segments:
     """``module`` cut before each of ``cutpoints``: the segment modules for given inputs (traced on first use).
 
-    The skeleton is taken now, while every parameter has its data: later traces need only shapes, so they work while
-    the parameters are spilled.
+    The skeleton is taken now: later traces need only shapes, so they work while the parameters are spilled, or
+    still on the meta device (their stand-ins then go to ``device``).
     """
 
-    def __init__(self, module: nn.Module, cutpoints: list[str]) -> None:
+    def __init__(self, module: nn.Module, cutpoints: list[str], device: torch.device | None = None) -> None:
         self.module, self.cutpoints = module, cutpoints
-        self.skeleton = ModelSkeleton(module)
+        self.skeleton = ModelSkeleton(module, meta_to=device)
         self._real: dict[str, Tensor] = {**dict(module.named_parameters()), **dict(module.named_buffers())}
         self._traced: dict[tuple, tuple[PipelineGraph, list[nn.Module]]] = {}
 

@@ -85,10 +85,16 @@ class ShardedModel:
         self._autocast: tuple[bool, torch.dtype] = (False, torch.float32)
 
     # ------------------------------------------------------------------------------------------ residency
-    def spill_all(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Move every shard to the store (at setup); ``optimizer`` is the one whose state moves with them."""
+    def spill_all(
+        self, optimizer: torch.optim.Optimizer | None = None, fill: Callable[[list[int]], None] | None = None
+    ) -> None:
+        """Move every shard to the store (at setup); ``optimizer`` is the one whose state moves with them.
+        ``fill(segments)``, if given, first gives the parameters of a shard's segments their values (a model
+        materialized a segment at a time)."""
         self._optimizer = optimizer
         for shard in self.shards:
+            if fill is not None:
+                fill(shard.segments)
             self._evict(shard, write=("params", "grads", "state"))
 
     def _bring(self, shard: Shard, parts: tuple[str, ...]) -> None:

@@ -77,6 +77,12 @@ class SpillStore:
             return [t.to(self.device, non_blocking=True) for t in self._host[key]]
         return self._io.submit(self._read, key).result()
 
+    def wait_written(self, key: str) -> None:
+        """Wait until what `put` stored under ``key`` is written (and its tensors freed); raise if the write failed."""
+        write = self._writes.get(key)
+        if write is not None:
+            write.result()
+
     def discard(self, key: str) -> None:
         for pending in (self._pending.pop(key, None), self._writes.pop(key, None)):
             if pending is not None:

@@ -7,8 +7,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Generator, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 from typing_extensions import override
 
@@ -39,6 +39,7 @@ from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
 from lightning_varuna.profiling.memory import SavedTensorMeter
+from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
 from lightning_varuna.spilling.packing import SegmentMemory, format_bytes, pack_shards, parse_bytes
 from lightning_varuna.spilling.segments import Segments
 from lightning_varuna.spilling.shards import ShardedModel
@@ -103,6 +104,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         self._loading: SavedTensors | TensorsByName | None = None  # the checkpoint being restored
         self._data = DataProgress()
         self._batch_size: int | None = None  # the largest training batch so far
+        self._parked: ParkedSegments | None = None  # segments of a meta-device model materialized at set-up
 
     # ------------------------------------------------------------------------------------------- the device
     @property
@@ -152,6 +154,13 @@ class SpillingStrategy(SingleDeviceStrategy):
 
     # ---------------------------------------------------------------------------------------------- set-up
     @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds the model on the meta device: set-up gives it memory a segment at a time."""
+        with torch.device("meta"):
+            yield
+
+    @override
     def model_to_device(self) -> None:
         # The model stays where it is built (host memory); shards visit the device when they run.
         pass
@@ -178,7 +187,8 @@ class SpillingStrategy(SingleDeviceStrategy):
         optimizer = self.optimizers[0] if self.optimizers else None
         if len(self.optimizers) > 1:
             raise ValueError("SpillingStrategy trains with one optimizer; `configure_optimizers` returned several.")
-        self._sharded.spill_all(optimizer)
+        self._sharded.spill_all(optimizer, fill=self._parked.unpark if self._parked is not None else None)
+        self._parked = None
         self.optimizer_in_backward = self._can_step_in_backward(trainer)
 
     def _can_step_in_backward(self, trainer: pl.Trainer) -> bool:
@@ -200,25 +210,21 @@ class SpillingStrategy(SingleDeviceStrategy):
         assert module is not None and trainer.state.fn is not None
         batch = self.batch_to_device(first_batch(trainer))
         args, kwargs = capture_forward_inputs(module, STEP_OF_FN[trainer.state.fn], batch)
-        cutpoints, example_output = forward_with_cutpoints(module, args, kwargs)
-        segments = Segments(module, cutpoints)
+        meta = MetaModel(module, self.root_device) if MetaModel.needed(module) else None
+        # A model still on the meta device shows its CutPoints and output structure running on the meta device.
+        probe = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs)) if meta else (args, kwargs)
+        cutpoints, example_output = forward_with_cutpoints(module, *probe)
+        segments = Segments(module, cutpoints, device=self.root_device)
         graph, segment_modules = segments.for_inputs(args, kwargs)
         _, output_spec = tree_flatten(example_output)
-        memory, kept = self._measure(segment_modules, graph, args, kwargs, cutpoints)
+        store = self._spill_store(4 * sum(_nbytes(p) for p in module.parameters()))
+        self._parked = ParkedSegments(store) if meta else None
+        memory, kept = self._measure(segment_modules, graph, args, kwargs, cutpoints, meta)
+        if meta:
+            meta.materialize_rest()
         budget = self.memory_budget if self.memory_budget is not None else _free_bytes(self.root_device)
         shards = pack_shards(memory, budget, kept, self.prefetch)
         self.segment_memory, self.kept_bytes, self.shards = memory, kept, shards
-        if self.spill_dir is not None:
-            try:
-                self.spill_dir.mkdir(parents=True, exist_ok=True)
-                self._folder = tempfile.TemporaryDirectory(prefix="spill-", dir=self.spill_dir)
-            except OSError as error:
-                raise OSError(
-                    f"`SpillingStrategy(spill_dir={str(self.spill_dir)!r})` is not a folder this process can write "
-                    f"to ({error.strerror}). Pass a writable folder, or `spill_dir=None` to spill to host memory."
-                ) from error
-            _check_room(self.spill_dir, sum(segment.state_bytes for segment in memory))
-        store = SpillStore(self.root_device, self._folder.name if self._folder is not None else None)
         where = f"`{self._folder.name}`" if self._folder is not None else "host memory"
         rank_zero_info(
             f"SpillingStrategy: {len(memory)} segment(s) in {len(shards)} shard(s) "
@@ -228,13 +234,36 @@ class SpillingStrategy(SingleDeviceStrategy):
         )
         return ShardedModel(segments, segment_modules, shards, store, output_spec, prefetch=self.prefetch)
 
+    def _spill_store(self, needed: int) -> SpillStore:
+        """The store of spilled shards: host memory, or a fresh folder in ``spill_dir`` with ``needed`` bytes free."""
+        if self.spill_dir is not None:
+            try:
+                self.spill_dir.mkdir(parents=True, exist_ok=True)
+                self._folder = tempfile.TemporaryDirectory(prefix="spill-", dir=self.spill_dir)
+            except OSError as error:
+                raise OSError(
+                    f"`SpillingStrategy(spill_dir={str(self.spill_dir)!r})` is not a folder this process can write "
+                    f"to ({error.strerror}). Pass a writable folder, or `spill_dir=None` to spill to host memory."
+                ) from error
+            _check_room(self.spill_dir, needed)
+        return SpillStore(self.root_device, self._folder.name if self._folder is not None else None)
+
     def _measure(
-        self, segment_modules: list[nn.Module], graph: PipelineGraph, args: tuple, kwargs: dict, cutpoints: list[str]
+        self,
+        segment_modules: list[nn.Module],
+        graph: PipelineGraph,
+        args: tuple,
+        kwargs: dict,
+        cutpoints: list[str],
+        meta: MetaModel | None = None,
     ) -> tuple[list[SegmentMemory], int]:
         """Each segment's parameters with their gradients and optimizer state (up to two tensors per parameter, as
         Adam's moments), and the activations its forward keeps for backward, measured on the first batch; and the
         bytes that stay on the device throughout: the activations at CutPoints and their gradients, the buffers,
-        and parameters used by more than one segment."""
+        and parameters used by more than one segment.
+
+        A model on the meta device (``meta``) is materialized a segment at a time, as it is measured, and each
+        segment's own parameters are parked in the spill store until its shard is spilled."""
         module = self._module
         names = ["the start", *(f"`{name}`" for name in cutpoints), "the end"]
         weights = [*module.parameters(), *module.buffers()]
@@ -249,8 +278,10 @@ class SpillingStrategy(SingleDeviceStrategy):
         for s, segment in enumerate(segment_modules):
             inputs = [leaves[src.index] if src.stage is None else values[src] for src in graph.stage_inputs[s]]
             inputs = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x for x in inputs]
+            if meta is not None:
+                meta.materialize([*segment.parameters(), *segment.buffers()])
             meter = SavedTensorMeter(exclude=weights)
-            with meter.measuring(), torch.enable_grad():
+            with meter.measuring(), torch.enable_grad(), buffers_kept(segment):
                 out = segment(*inputs)
             outs = out if isinstance(out, (tuple, list)) else (out,)
             values.update({Source(s, i): value.detach() for i, value in enumerate(outs)})
@@ -259,6 +290,8 @@ class SpillingStrategy(SingleDeviceStrategy):
             state = sum(4 * _nbytes(p) for p in segment.parameters() if uses[p] == 1)
             segments.append(SegmentMemory(f"between {names[s]} and {names[s + 1]}", state, meter.peak))
             del out, outs
+            if self._parked is not None:
+                self._parked.park(s, [p for p in segment.parameters() if uses[p] == 1])
         return segments, kept
 
     # ----------------------------------------------------------------------------------------------- steps
@@ -445,6 +478,13 @@ class SpillingStrategy(SingleDeviceStrategy):
         if self._folder is not None:
             self._folder.cleanup()
             self._folder = None
+        self._parked = None
+        module = self.lightning_module
+        if module is not None and MetaModel.needed(module):
+            # Set-up failed before the model had memory: it stays on the meta device, which cannot move to the CPU.
+            self.precision_plugin.teardown()
+            self.checkpoint_io.teardown()
+            return
         super().teardown()
 
 
