@@ -46,6 +46,7 @@ class StepLosses(L.Callback):
 
 def fit(model: L.LightningModule, strategy: Any, ckpt_path: str | None = None, **kwargs: Any) -> L.Trainer:
     options: dict[str, Any] = {
+        "accelerator": "cpu",
         "max_steps": 4,
         "gradient_clip_val": 0.5,
         "accumulate_grad_batches": 2,
@@ -54,7 +55,6 @@ def fit(model: L.LightningModule, strategy: Any, ckpt_path: str | None = None, *
     }
     callbacks = [StepLosses(), *kwargs.pop("callbacks", [])]
     trainer = L.Trainer(
-        accelerator="cpu",
         devices=1,
         strategy=strategy,
         logger=False,
@@ -424,6 +424,28 @@ class BuiltLate(DeepMLP):
         if self.layers is None:
             self.layers = nn.ModuleList(nn.Linear(2 * WIDTH, 2 * WIDTH) for _ in range(LAYERS))
             self.cuts = nn.ModuleList(CutPoint() for _ in range(LAYERS - 1))
+
+
+def test_a_model_built_on_the_meta_device_trains():
+    """A model built by the user under `torch.device("meta")` (not in `configure_model`) is materialized the same
+    way: after training its layers hold memory and values."""
+    with torch.device("meta"):
+        model = DeepMLP()
+    data = TensorDataset(torch.randn(64, WIDTH), torch.randn(64, WIDTH))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=SpillingStrategy(memory_budget=12 * 2**20),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=32))
+    assert not any(p.is_meta for p in model.parameters())
+    assert all(p.abs().sum() > 0 for p in model.parameters())
+    assert trainer.global_step == 2
 
 
 class PeakAtStart(L.Callback):

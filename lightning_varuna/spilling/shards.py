@@ -92,6 +92,8 @@ class ShardedModel:
         ``fill(segments)``, if given, first gives the parameters of a shard's segments their values (a model
         materialized a segment at a time)."""
         self._optimizer = optimizer
+        for p in self.resident_params:
+            p.data = p.data.to(self.store.device)
         for shard in self.shards:
             if fill is not None:
                 fill(shard.segments)
@@ -312,10 +314,18 @@ class ShardedModel:
                 self._evict(shard, write=write)
         yield self.resident_params
 
-    def restore(self) -> None:
-        """Put every shard's parameters back into the model for good (after training); drop the store."""
+    def restore(self, device: torch.device) -> None:
+        """Put every shard's parameters, gradients and optimizer state back into the model for good (after
+        training), on ``device``, a shard at a time; drop the store."""
         for shard in self.shards:
             self._bring(shard, ("grads", "state"))
+            for p in shard.params:
+                p.data = p.data.to(device)
+                if p.grad is not None:
+                    p.grad = p.grad.to(device)
+                if self._optimizer is not None:
+                    state = self._optimizer.state.get(p, {})
+                    state.update({k: v.to(device) for k, v in state.items() if isinstance(v, Tensor) and v.numel() > 1})
         self.store.close()
 
 

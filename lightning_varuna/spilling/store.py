@@ -35,6 +35,10 @@ class SpillStore:
     the page cache, so it takes no memory while spilled. Files are written and read on one background thread, in
     the order asked: `put` returns at once (the tensors are freed once written), `prefetch` starts a read, `get`
     waits for it. One thread keeps at most one part in flight, so a write finishes before the next read starts.
+
+    On a CUDA device the copies to the device run on a stream of their own, so that a prefetch overlaps the
+    computation on the current stream; `get` makes the current stream wait for them. (Written for CUDA and not yet
+    run on a GPU: tests/test_spilling_cuda.py checks it where one is.)
     """
 
     def __init__(self, device: torch.device, folder: str | os.PathLike | None = None) -> None:
@@ -43,6 +47,9 @@ class SpillStore:
         if self.folder is not None and device.type == "cpu":
             _give_freed_memory_back()
         self._host: dict[str, list[Tensor]] = {}
+        self._copies = torch.cuda.Stream(device) if device.type == "cuda" else None  # host -> device copies
+        self._stored: dict[str, torch.cuda.Event] = {}  # host copies of device tensors: when they are complete
+        self._arriving: dict[str, tuple[list[Tensor], torch.cuda.Event]] = {}  # host-tier prefetches on their way
         self._layouts: dict[str, list[_Slot]] = {}
         self._pending: dict[str, Future[list[Tensor]]] = {}
         self._writes: dict[str, Future[None]] = {}
@@ -57,8 +64,12 @@ class SpillStore:
         """Spill ``tensors`` under ``key``, replacing what was there."""
         self.discard(key)
         if self.folder is None:
-            on_cpu = self.device.type == "cpu"
-            self._host[key] = [t.detach() if on_cpu else _pinned_copy(t) for t in tensors]
+            if self._copies is None:
+                self._host[key] = [t.detach() for t in tensors]
+                return
+            self._host[key] = [_pinned_copy(t) for t in tensors]
+            self._stored[key] = torch.cuda.Event()
+            self._stored[key].record(torch.cuda.current_stream(self.device))
             return
         slots = self._layouts[key] = _layout(tensors)
         self._writes[key] = self._io.submit(self._write, self.folder / f"{key}.bin", tensors, slots)
@@ -67,15 +78,43 @@ class SpillStore:
         """Start bringing ``key`` back to the device (no-op if it is on its way or not spilled)."""
         if key in self._layouts and key not in self._pending:
             self._pending[key] = self._io.submit(self._read, key)
+        elif key in self._host and self._copies is not None and key not in self._arriving:
+            self._arriving[key] = self._copy_in(key)
 
     def get(self, key: str) -> list[Tensor]:
         """The tensors spilled under ``key``, on the device (still spilled: `put` again after changing them)."""
         pending = self._pending.pop(key, None)
         if pending is not None:
-            return pending.result()
+            return self._arrived(pending.result())
         if key in self._host:
-            return [t.to(self.device, non_blocking=True) for t in self._host[key]]
-        return self._io.submit(self._read, key).result()
+            if self._copies is None:
+                return list(self._host[key])
+            arriving = self._arriving.pop(key, None)
+            tensors, done = arriving if arriving is not None else self._copy_in(key)
+            torch.cuda.current_stream(self.device).wait_event(done)
+            return self._arrived(tensors)
+        return self._arrived(self._io.submit(self._read, key).result())
+
+    def _copy_in(self, key: str) -> tuple[list[Tensor], torch.cuda.Event]:
+        """Copy the pinned host tensors of ``key`` to the device on the copy stream (after their own copy from the
+        device finished); the event marks the end."""
+        assert self._copies is not None
+        stored = self._stored.get(key)
+        if stored is not None:
+            self._copies.wait_event(stored)
+        with torch.cuda.stream(self._copies):
+            tensors = [t.to(self.device, non_blocking=True) for t in self._host[key]]
+            done = torch.cuda.Event()
+            done.record(self._copies)
+        return tensors, done
+
+    def _arrived(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Tensors made on the copy stream, handed to the current stream (the allocator frees them in its order)."""
+        if self._copies is not None:
+            current = torch.cuda.current_stream(self.device)
+            for t in tensors:
+                t.record_stream(current)
+        return tensors
 
     def wait_written(self, key: str) -> None:
         """Wait until what `put` stored under ``key`` is written (and its tensors freed); raise if the write failed."""
@@ -88,6 +127,8 @@ class SpillStore:
             if pending is not None:
                 pending.result()
         self._host.pop(key, None)
+        self._stored.pop(key, None)
+        self._arriving.pop(key, None)
         if self._layouts.pop(key, None) is not None:
             assert self.folder is not None
             (self.folder / f"{key}.bin").unlink(missing_ok=True)
@@ -134,9 +175,10 @@ class SpillStore:
                 done += read
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         self.bytes_read += size
-        if self.device.type != "cpu":
-            buffer = buffer.to(self.device, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
+        if self._copies is not None:
+            with torch.cuda.stream(self._copies):
+                buffer = buffer.to(self.device, non_blocking=True)
+            self._copies.synchronize()  # this thread waits, not the computation
         return [buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in slots]
 
 

@@ -139,8 +139,10 @@ class SpillingStrategy(SingleDeviceStrategy):
         sampler, batch_size = dataloader.sampler, dataloader.batch_size
         if type(sampler) not in (SequentialSampler, RandomSampler) or batch_size is None:
             return dataloader
-        if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler._num_samples is not None):
-            return dataloader
+        if isinstance(sampler, RandomSampler) and (
+            sampler.replacement or sampler.num_samples != len(sampler.data_source) or sampler.generator is not None
+        ):
+            return dataloader  # an order of the user's own making
         shuffle, seed = isinstance(sampler, RandomSampler), int(os.getenv("PL_GLOBAL_SEED", 0))
         one_replica: DistributedSampler = DistributedSampler(
             dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed
@@ -167,10 +169,10 @@ class SpillingStrategy(SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if self.root_device.type != "cpu":
+        if self.root_device.type not in ("cpu", "cuda"):
             raise NotImplementedError(
-                f"SpillingStrategy runs on the CPU so far; `{self.root_device}` is not supported yet. "
-                "Use `Trainer(accelerator='cpu')`."
+                f"SpillingStrategy runs on the CPU or a CUDA GPU; `{self.root_device}` is not supported. "
+                "Use `Trainer(accelerator='cpu')` or `'gpu'`."
             )
         super().setup(trainer)
         if getattr(self.precision_plugin, "scaler", None) is not None:
@@ -217,6 +219,9 @@ class SpillingStrategy(SingleDeviceStrategy):
         segments = Segments(module, cutpoints, device=self.root_device)
         graph, segment_modules = segments.for_inputs(args, kwargs)
         _, output_spec = tree_flatten(example_output)
+        for b in module.buffers():
+            if not b.is_meta:
+                b.data = b.data.to(self.root_device)  # buffers stay on the device throughout
         store = self._spill_store(4 * sum(_nbytes(p) for p in module.parameters()))
         self._parked = ParkedSegments(store) if meta else None
         memory, kept = self._measure(segment_modules, graph, args, kwargs, cutpoints, meta)
@@ -280,7 +285,10 @@ class SpillingStrategy(SingleDeviceStrategy):
             inputs = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x for x in inputs]
             if meta is not None:
                 meta.materialize([*segment.parameters(), *segment.buffers()])
-            meter = SavedTensorMeter(exclude=weights)
+            in_host_memory = [p for p in segment.parameters() if p.device != self.root_device]
+            for p in in_host_memory:  # a GPU: the segment visits it to be measured
+                p.data = p.data.to(self.root_device)
+            meter = SavedTensorMeter(exclude=[*weights, *segment.parameters()])
             with meter.measuring(), torch.enable_grad(), buffers_kept(segment):
                 out = segment(*inputs)
             outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -290,6 +298,8 @@ class SpillingStrategy(SingleDeviceStrategy):
             state = sum(4 * _nbytes(p) for p in segment.parameters() if uses[p] == 1)
             segments.append(SegmentMemory(f"between {names[s]} and {names[s + 1]}", state, meter.peak))
             del out, outs
+            for p in in_host_memory:
+                p.data = p.data.to("cpu")
             if self._parked is not None:
                 self._parked.park(s, [p for p in segment.parameters() if uses[p] == 1])
         return segments, kept
@@ -473,7 +483,7 @@ class SpillingStrategy(SingleDeviceStrategy):
     def teardown(self) -> None:
         """The model gets its parameters back (in host memory) for whatever follows ``fit``."""
         if self._sharded is not None:
-            self._sharded.restore()
+            self._sharded.restore(torch.device("cpu"))  # host memory: the whole model may not fit the device
             self._sharded = None
         if self._folder is not None:
             self._folder.cleanup()

@@ -1,0 +1,127 @@
+"""SpillingStrategy on a CUDA GPU: exact training, device memory within the budget, copies overlapping compute.
+
+Skipped without a GPU (the CUDA path has not run yet: these are its checks for a machine that has one).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from models import TinyLM
+from test_spilling import BUDGETS, LAYERS, WIDTH, DeepMLP, assert_same_model, fit, losses
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_varuna import SpillingStrategy
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def exact_matmuls() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["pinned-host", "disk"])
+def test_trains_like_one_gpu(tmp_path, disk):
+    torch.manual_seed(0)
+    reference = TinyLM(dropout=0.1, scheduler=True)
+    model = copy.deepcopy(reference)
+    torch.manual_seed(1)
+    expected = fit(reference, "auto", accelerator="gpu")
+    torch.manual_seed(1)
+    strategy = SpillingStrategy(memory_budget=BUDGETS[5], spill_dir=tmp_path if disk else None)
+    trainer = fit(model, strategy, accelerator="gpu")
+    assert len(strategy.shards) == 5
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model.cpu(), reference.cpu())
+
+
+class DeviceMemory(L.Callback):
+    """The most device memory allocated over steps 2.., beside what was allocated after step 1."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 1:
+            torch.cuda.synchronize()
+            self.start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.peak = torch.cuda.max_memory_allocated()
+
+
+def test_device_memory_stays_within_the_budget():
+    """A model with 8x the budget of state: the device holds at most the budget plus 8 MiB (CUDA's workspace)."""
+    torch.manual_seed(0)
+    model, budget = DeepMLP(), 12 * 2**20
+    assert sum(4 * p.numel() * p.element_size() for p in model.parameters()) >= 8 * budget
+    memory = DeviceMemory()
+    data = TensorDataset(torch.randn(192, WIDTH), torch.randn(192, WIDTH))
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=SpillingStrategy(memory_budget=budget),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[memory],
+    )
+    trainer.fit(model, DataLoader(data, batch_size=32))
+    assert len(trainer.strategy.shards) == LAYERS  # type: ignore[attr-defined]
+    assert memory.peak <= budget + 8 * 2**20, f"peak {memory.peak / 2**20:.1f} MiB for a budget of 12 MiB"
+
+
+class ProfileStep(L.Callback):
+    """A torch.profiler trace of training step 3, written to ``path`` (open it in Perfetto)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2:
+            self.profiler.start()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 3:
+            torch.cuda.synchronize()
+            self.profiler.stop()
+            self.profiler.export_chrome_trace(self.path)
+
+
+def test_copies_to_the_device_overlap_compute(tmp_path):
+    """In a step's trace, copies from pinned host memory run on a stream of their own while kernels run."""
+    torch.manual_seed(0)
+    path = str(tmp_path / "step.json")
+    data = TensorDataset(torch.randn(192, WIDTH), torch.randn(192, WIDTH))
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=SpillingStrategy(memory_budget=12 * 2**20),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ProfileStep(path)],
+    )
+    trainer.fit(DeepMLP(), DataLoader(data, batch_size=32))
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    copies_in = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
+    assert kernels and copies_in
+    kernel_streams = {e["args"]["stream"] for e in kernels}
+    own_stream = [e for e in copies_in if e["args"]["stream"] not in kernel_streams]
+    assert own_stream, "copies to the device run on the compute stream"
+    overlapping = [
+        c for c in own_stream for k in kernels if c["ts"] < k["ts"] + k["dur"] and k["ts"] < c["ts"] + c["dur"]
+    ]
+    assert overlapping, "no copy to the device overlaps a kernel"
