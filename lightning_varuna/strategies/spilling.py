@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Generator, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -20,30 +18,23 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 from typing_extensions import override
 
 from lightning_varuna.checkpoint.sharded import SavedTensors, ShardedCheckpoints
 from lightning_varuna.checkpoint.state import (
     TensorsByName,
-    optimizer_state_by_name,
-    parameter_names,
-    set_optimizer_state,
 )
 from lightning_varuna.data.resumable import DataProgress
-from lightning_varuna.partition.discovery import buffers_kept, forward_with_cutpoints
-from lightning_varuna.partition.split import PipelineGraph, Source
+from lightning_varuna.partition.discovery import buffers_kept
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
-from lightning_varuna.profiling.memory import SavedTensorMeter
+from lightning_varuna.spilling.checkpoints import checkpoint_pieces, load_model, load_optimizer
 from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
-from lightning_varuna.spilling.packing import SegmentMemory, format_bytes, pack_shards, parse_bytes
-from lightning_varuna.spilling.segments import Segments
+from lightning_varuna.spilling.packing import SegmentMemory, parse_bytes
+from lightning_varuna.spilling.planning import plan_shards
 from lightning_varuna.spilling.shards import ShardedModel
-from lightning_varuna.spilling.store import SpillStore
 from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 
@@ -208,101 +199,15 @@ class SpillingStrategy(SingleDeviceStrategy):
         )
 
     def _shard(self, trainer: pl.Trainer) -> ShardedModel:
-        module = self.lightning_module
-        assert module is not None and trainer.state.fn is not None
+        module = self._module
+        assert trainer.state.fn is not None
         batch = self.batch_to_device(first_batch(trainer))
         args, kwargs = capture_forward_inputs(module, STEP_OF_FN[trainer.state.fn], batch)
-        meta = MetaModel(module, self.root_device) if MetaModel.needed(module) else None
-        # A model still on the meta device shows its CutPoints and output structure running on the meta device.
-        probe = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs)) if meta else (args, kwargs)
-        cutpoints, example_output = forward_with_cutpoints(module, *probe)
-        segments = Segments(module, cutpoints, device=self.root_device)
-        graph, segment_modules = segments.for_inputs(args, kwargs)
-        _, output_spec = tree_flatten(example_output)
-        for b in module.buffers():
-            if not b.is_meta:
-                b.data = b.data.to(self.root_device)  # buffers stay on the device throughout
-        store = self._spill_store(4 * sum(_nbytes(p) for p in module.parameters()))
-        self._parked = ParkedSegments(store) if meta else None
-        memory, kept = self._measure(segment_modules, graph, args, kwargs, cutpoints, meta)
-        if meta:
-            meta.materialize_rest()
-        budget = self.memory_budget if self.memory_budget is not None else _free_bytes(self.root_device)
-        shards = pack_shards(memory, budget, kept, self.prefetch)
-        self.segment_memory, self.kept_bytes, self.shards = memory, kept, shards
-        where = f"`{self._folder.name}`" if self._folder is not None else "host memory"
-        rank_zero_info(
-            f"SpillingStrategy: {len(memory)} segment(s) in {len(shards)} shard(s) "
-            f"(segments {[shard[0] if len(shard) == 1 else (shard[0], shard[-1]) for shard in shards]}) for a budget "
-            f"of {format_bytes(budget)}; "
-            f"spilled to {where}."
-        )
-        return ShardedModel(segments, segment_modules, shards, store, output_spec, prefetch=self.prefetch)
-
-    def _spill_store(self, needed: int) -> SpillStore:
-        """The store of spilled shards: host memory, or a fresh folder in ``spill_dir`` with ``needed`` bytes free."""
-        if self.spill_dir is not None:
-            try:
-                self.spill_dir.mkdir(parents=True, exist_ok=True)
-                self._folder = tempfile.TemporaryDirectory(prefix="spill-", dir=self.spill_dir)
-            except OSError as error:
-                raise OSError(
-                    f"`SpillingStrategy(spill_dir={str(self.spill_dir)!r})` is not a folder this process can write "
-                    f"to ({error.strerror}). Pass a writable folder, or `spill_dir=None` to spill to host memory."
-                ) from error
-            _check_room(self.spill_dir, needed)
-        return SpillStore(self.root_device, self._folder.name if self._folder is not None else None)
-
-    def _measure(
-        self,
-        segment_modules: list[nn.Module],
-        graph: PipelineGraph,
-        args: tuple,
-        kwargs: dict,
-        cutpoints: list[str],
-        meta: MetaModel | None = None,
-    ) -> tuple[list[SegmentMemory], int]:
-        """Each segment's parameters with their gradients and optimizer state (up to two tensors per parameter, as
-        Adam's moments), and the activations its forward keeps for backward, measured on the first batch; and the
-        bytes that stay on the device throughout: the activations at CutPoints and their gradients, the buffers,
-        and parameters used by more than one segment.
-
-        A model on the meta device (``meta``) is materialized a segment at a time, as it is measured, and each
-        segment's own parameters are parked in the spill store until its shard is spilled."""
-        module = self._module
-        names = ["the start", *(f"`{name}`" for name in cutpoints), "the end"]
-        weights = [*module.parameters(), *module.buffers()]
-        uses: dict[nn.Parameter, int] = {}
-        for segment in segment_modules:
-            for p in segment.parameters():
-                uses[p] = uses.get(p, 0) + 1
-        leaves = tree_flatten((args, kwargs))[0]
-        values: dict[Source, Any] = {}
-        segments, kept = [], sum(_nbytes(b) for b in module.buffers())
-        kept += sum(4 * _nbytes(p) for p, n in uses.items() if n > 1)
-        for s, segment in enumerate(segment_modules):
-            inputs = [leaves[src.index] if src.stage is None else values[src] for src in graph.stage_inputs[s]]
-            inputs = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x for x in inputs]
-            if meta is not None:
-                meta.materialize([*segment.parameters(), *segment.buffers()])
-            in_host_memory = [p for p in segment.parameters() if p.device != self.root_device]
-            for p in in_host_memory:  # a GPU: the segment visits it to be measured
-                p.data = p.data.to(self.root_device)
-            meter = SavedTensorMeter(exclude=[*weights, *segment.parameters()])
-            with meter.measuring(), torch.enable_grad(), buffers_kept(segment):
-                out = segment(*inputs)
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            values.update({Source(s, i): value.detach() for i, value in enumerate(outs)})
-            if s < len(segment_modules) - 1:
-                kept += 2 * sum(_nbytes(value) for value in outs if isinstance(value, Tensor))
-            state = sum(4 * _nbytes(p) for p in segment.parameters() if uses[p] == 1)
-            segments.append(SegmentMemory(f"between {names[s]} and {names[s + 1]}", state, meter.peak))
-            del out, outs
-            for p in in_host_memory:
-                p.data = p.data.to("cpu")
-            if self._parked is not None:
-                self._parked.park(s, [p for p in segment.parameters() if uses[p] == 1])
-        return segments, kept
+        plan = plan_shards(module, args, kwargs, self.root_device, self.memory_budget, self.spill_dir, self.prefetch)
+        self.segment_memory, self.kept_bytes = plan.segment_memory, plan.kept_bytes
+        self.shards = [shard.segments for shard in plan.model.shards]
+        self._parked, self._folder = plan.parked, plan.folder
+        return plan.model
 
     # ----------------------------------------------------------------------------------------------- steps
     @override
@@ -406,24 +311,9 @@ class SpillingStrategy(SingleDeviceStrategy):
             "global_batch_size": self._batch_size,
             "data_position": self._data.saved(),
         }
-        pieces = self._checkpoint_pieces(with_optimizer)
-        self._checkpoints.save_pieces(pieces, lightning_state, str(filepath), shape, storage_options)
-
-    def _checkpoint_pieces(self, with_optimizer: bool) -> Iterator[dict[str, Any]]:
-        """The tensors to save, a shard at a time, keyed as VarunaStrategy keys them (``model.<name>``,
-        ``optimizer.0.state.<name>.<field>``); last the parameters that stay on the device, and the buffers."""
-        module = self._module
-        names = _state_dict_names(module)
-        buffers = {name: b for b in names if not isinstance(b, nn.Parameter) for name in names[b]}
         optimizer = _unwrapped(self.optimizers[0]) if with_optimizer and self.optimizers else None
-        last = len(self._sharded.shards) if self._sharded is not None else 0
-        for i, params in enumerate(self._visit(("state",) if optimizer is not None else ())):
-            piece: dict[str, Any] = {"model": {name: p.data for p in params for name in names.get(p, [])}}
-            if optimizer is not None:
-                piece["optimizer"] = {"0": optimizer_state_by_name(optimizer, module, params)}
-            if i == last:
-                piece["model"].update(buffers)
-            yield piece
+        pieces = checkpoint_pieces(self._module, optimizer, self._visit)
+        self._checkpoints.save_pieces(pieces, lightning_state, str(filepath), shape, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -448,24 +338,11 @@ class SpillingStrategy(SingleDeviceStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        module, saved = self._module, self._saved_tensors()
-        names = _state_dict_names(module)
-        for params in self._visit(write=("params",)):
-            named = {names[p][0]: p for p in params if p in names}
-            for name, value in saved.model(list(named)).items():
-                named[name].data.copy_(value)
-        buffers = {names[b][0]: b for b in names if not isinstance(b, nn.Parameter)}
-        for name, value in saved.model(list(buffers)).items():
-            buffers[name].copy_(value)
+        load_model(self._module, self._saved_tensors(), self._visit)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        module, saved = self._module, self._saved_tensors()
-        names = parameter_names(module)
-        optimizer = _unwrapped(self.optimizers[0])
-        for params in self._visit(("state",), write=("state",)):
-            named = {names[id(p)]: p for p in params}
-            set_optimizer_state(optimizer, named, saved.optimizer(0, list(named)))
+        load_optimizer(self._module, _unwrapped(self.optimizers[0]), self._saved_tensors(), self._visit)
         self._loading = None
 
     def _saved_tensors(self) -> SavedTensors | TensorsByName:
@@ -520,41 +397,8 @@ class _ShardwiseOptimizer:
         return getattr(self._optimizer, name)
 
 
-def _state_dict_names(module: nn.Module) -> dict[Tensor, list[str]]:
-    """The parameters and persistent buffers of ``module``'s state dict, each with its names there (a tied weight
-    has several)."""
-    names: dict[Tensor, list[str]] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        names.setdefault(tensor, []).append(name)
-    return names
-
-
 def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def _check_room(folder: Path, needed: int) -> None:
-    """Fail at set-up if ``folder`` cannot hold the spilled state (``needed`` bytes, at most)."""
-    free = shutil.disk_usage(folder).free
-    if free < needed:
-        raise OSError(
-            errno.ENOSPC,
-            f"`SpillingStrategy(spill_dir={str(folder)!r})` has {format_bytes(free)} free, but the model's "
-            f"parameters, gradients and optimizer state need up to {format_bytes(needed)} ({needed} bytes) there. "
-            "Free space, pick a `spill_dir` on a larger disk, or pass `spill_dir=None` to spill to host memory.",
-        )
-
-
-def _nbytes(tensor: Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _free_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) * 1024
 
 
 StrategyRegistry.register(

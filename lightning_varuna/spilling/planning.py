@@ -1,0 +1,175 @@
+"""SpillingStrategy's set-up: cut a model at its CutPoints, measure each segment on a first batch, and pack the
+segments into shards that fit a memory budget; the shards then start spilled."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from lightning_varuna.partition.discovery import buffers_kept, forward_with_cutpoints
+from lightning_varuna.partition.split import PipelineGraph, Source
+from lightning_varuna.profiling.memory import SavedTensorMeter
+from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
+from lightning_varuna.spilling.packing import SegmentMemory, format_bytes, pack_shards
+from lightning_varuna.spilling.segments import Segments
+from lightning_varuna.spilling.shards import ShardedModel
+from lightning_varuna.spilling.store import SpillStore
+
+__all__ = ["ShardPlan", "plan_shards"]
+
+
+@dataclass
+class ShardPlan:
+    """A model cut into shards, ready to be spilled (`ShardedModel.spill_all`, filling parked segments first).
+
+    Attributes:
+        model: runs the model shard by shard.
+        segment_memory: what each segment was measured to need on the device.
+        kept_bytes: what stays on the device throughout (boundary activations, buffers, tied parameters).
+        parked: the segments of a model built on the meta device, materialized and waiting in the store.
+        folder: the spill folder (removed with it), if spilling to disk.
+    """
+
+    model: ShardedModel
+    segment_memory: list[SegmentMemory]
+    kept_bytes: int
+    parked: ParkedSegments | None
+    folder: tempfile.TemporaryDirectory | None
+
+
+def plan_shards(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    device: torch.device,
+    memory_budget: int | None,
+    spill_dir: Path | None,
+    prefetch: bool,
+) -> ShardPlan:
+    """Shards of ``module`` for a budget of ``memory_budget`` bytes on ``device`` (default: what it has free),
+    measured on the forward inputs ``args, kwargs``; spilled to ``spill_dir`` (None: host memory).
+
+    A model on the meta device is materialized a segment at a time as it is measured, each segment parked in the
+    store before the next: it is never whole in memory.
+    """
+    meta = MetaModel(module, device) if MetaModel.needed(module) else None
+    # A model still on the meta device shows its CutPoints and output structure running on the meta device.
+    probe = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs)) if meta else (args, kwargs)
+    cutpoints, example_output = forward_with_cutpoints(module, *probe)
+    segments = Segments(module, cutpoints, device=device)
+    graph, segment_modules = segments.for_inputs(args, kwargs)
+    _, output_spec = tree_flatten(example_output)
+    for b in module.buffers():
+        if not b.is_meta:
+            b.data = b.data.to(device)  # buffers stay on the device throughout
+    folder = _spill_folder(spill_dir, 4 * sum(_nbytes(p) for p in module.parameters()))
+    store = SpillStore(device, folder.name if folder is not None else None)
+    parked = ParkedSegments(store) if meta else None
+    memory, kept = _measure(module, segment_modules, graph, args, kwargs, cutpoints, device, meta, parked)
+    if meta:
+        meta.materialize_rest()
+    budget = memory_budget if memory_budget is not None else _free_bytes(device)
+    shards = pack_shards(memory, budget, kept, prefetch)
+    where = f"`{folder.name}`" if folder is not None else "host memory"
+    rank_zero_info(
+        f"SpillingStrategy: {len(memory)} segment(s) in {len(shards)} shard(s) "
+        f"(segments {[shard[0] if len(shard) == 1 else (shard[0], shard[-1]) for shard in shards]}) for a budget "
+        f"of {format_bytes(budget)}; spilled to {where}."
+    )
+    model = ShardedModel(segments, segment_modules, shards, store, output_spec, prefetch=prefetch)
+    return ShardPlan(model, memory, kept, parked, folder)
+
+
+def _spill_folder(spill_dir: Path | None, needed: int) -> tempfile.TemporaryDirectory | None:
+    """A fresh folder in ``spill_dir`` with ``needed`` bytes free there (None: spill to host memory)."""
+    if spill_dir is None:
+        return None
+    try:
+        spill_dir.mkdir(parents=True, exist_ok=True)
+        folder = tempfile.TemporaryDirectory(prefix="spill-", dir=spill_dir)
+    except OSError as error:
+        raise OSError(
+            f"`SpillingStrategy(spill_dir={str(spill_dir)!r})` is not a folder this process can write "
+            f"to ({error.strerror}). Pass a writable folder, or `spill_dir=None` to spill to host memory."
+        ) from error
+    free = shutil.disk_usage(spill_dir).free
+    if free < needed:
+        folder.cleanup()
+        raise OSError(
+            errno.ENOSPC,
+            f"`SpillingStrategy(spill_dir={str(spill_dir)!r})` has {format_bytes(free)} free, but the model's "
+            f"parameters, gradients and optimizer state need up to {format_bytes(needed)} ({needed} bytes) there. "
+            "Free space, pick a `spill_dir` on a larger disk, or pass `spill_dir=None` to spill to host memory.",
+        )
+    return folder
+
+
+def _measure(
+    module: nn.Module,
+    segment_modules: list[nn.Module],
+    graph: PipelineGraph,
+    args: tuple,
+    kwargs: dict,
+    cutpoints: list[str],
+    device: torch.device,
+    meta: MetaModel | None,
+    parked: ParkedSegments | None,
+) -> tuple[list[SegmentMemory], int]:
+    """Each segment's parameters with their gradients and optimizer state (up to two tensors per parameter, as
+    Adam's moments), and the activations its forward keeps for backward, measured on the first batch; and the
+    bytes that stay on the device throughout: the activations at CutPoints and their gradients, the buffers,
+    and parameters used by more than one segment. Parameters in host memory visit ``device`` to be measured."""
+    names = ["the start", *(f"`{name}`" for name in cutpoints), "the end"]
+    weights = [*module.parameters(), *module.buffers()]
+    uses: dict[nn.Parameter, int] = {}
+    for segment in segment_modules:
+        for p in segment.parameters():
+            uses[p] = uses.get(p, 0) + 1
+    leaves = tree_flatten((args, kwargs))[0]
+    values: dict[Source, Any] = {}
+    segments, kept = [], sum(_nbytes(b) for b in module.buffers())
+    kept += sum(4 * _nbytes(p) for p, n in uses.items() if n > 1)
+    for s, segment in enumerate(segment_modules):
+        inputs = [leaves[src.index] if src.stage is None else values[src] for src in graph.stage_inputs[s]]
+        inputs = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x for x in inputs]
+        if meta is not None:
+            meta.materialize([*segment.parameters(), *segment.buffers()])
+        in_host_memory = [p for p in segment.parameters() if p.device != device]
+        for p in in_host_memory:
+            p.data = p.data.to(device)
+        meter = SavedTensorMeter(exclude=[*weights, *segment.parameters()])
+        with meter.measuring(), torch.enable_grad(), buffers_kept(segment):
+            out = segment(*inputs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        values.update({Source(s, i): value.detach() for i, value in enumerate(outs)})
+        if s < len(segment_modules) - 1:
+            kept += 2 * sum(_nbytes(value) for value in outs if isinstance(value, Tensor))
+        state = sum(4 * _nbytes(p) for p in segment.parameters() if uses[p] == 1)
+        segments.append(SegmentMemory(f"between {names[s]} and {names[s + 1]}", state, meter.peak))
+        del out, outs
+        for p in in_host_memory:
+            p.data = p.data.to("cpu")
+        if parked is not None:
+            parked.park(s, [p for p in segment.parameters() if uses[p] == 1])
+    return segments, kept
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
