@@ -173,7 +173,8 @@ class SpillingStrategy(SingleDeviceStrategy):
             )
         if self._sharded is None:
             # Measuring runs the model: training's random numbers and BatchNorm's statistics stay as they are.
-            with torch.random.fork_rng(devices=[]), buffers_kept(self._module):
+            devices = [self.root_device] if self.root_device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices), buffers_kept(self._module):
                 self._sharded = self._shard(trainer)
         self.precision_plugin.clip_grad_by_norm = self._request_clip_by_norm  # type: ignore[method-assign]
         self.precision_plugin.clip_grad_by_value = self._request_clip_by_value  # type: ignore[method-assign]
