@@ -34,6 +34,7 @@ __all__ = [
     "new_version",
     "newest_commit",
     "open_complete",
+    "run_shape",
     "versions",
 ]
 
@@ -68,6 +69,23 @@ class CheckpointInfo:
     @classmethod
     def from_marker(cls, url: str, version: str, data: bytes) -> CheckpointInfo:
         return cls(url=url, version=version, **json.loads(data))
+
+
+def run_shape(
+    pipeline_parallel_size: int,
+    data_parallel_size: int,
+    micro_batch_size: int | None,
+    global_batch_size: int | None,
+    data_position: dict[str, int],
+) -> dict[str, Any]:
+    """What a save records of the run that wrote it (`CheckpointInfo.shape`), whichever strategy wrote it."""
+    return {
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "data_parallel_size": data_parallel_size,
+        "micro_batch_size": micro_batch_size,
+        "global_batch_size": global_batch_size,
+        "data_position": data_position,
+    }
 
 
 def new_version() -> str:

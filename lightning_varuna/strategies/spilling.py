@@ -13,7 +13,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
@@ -22,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 from typing_extensions import override
 
+from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.checkpoint.sharded import SavedTensors, ShardedCheckpoints
 from lightning_varuna.checkpoint.state import (
     TensorsByName,
@@ -37,6 +37,7 @@ from lightning_varuna.spilling.planning import plan_shards
 from lightning_varuna.spilling.shards import ShardedModel
 from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
+from lightning_varuna.strategies.optimizers import torch_optimizer
 
 __all__ = ["SpillingStrategy"]
 
@@ -305,14 +306,8 @@ class SpillingStrategy(SingleDeviceStrategy):
         lightning_state = dict(checkpoint)
         lightning_state.pop("state_dict", None)
         with_optimizer = lightning_state.pop("optimizer_states", None) is not None
-        shape = {
-            "pipeline_parallel_size": 1,
-            "data_parallel_size": 1,
-            "micro_batch_size": None,
-            "global_batch_size": self._batch_size,
-            "data_position": self._data.saved(),
-        }
-        optimizer = _unwrapped(self.optimizers[0]) if with_optimizer and self.optimizers else None
+        shape = run_shape(1, 1, None, self._batch_size, self._data.saved())
+        optimizer = torch_optimizer(self.optimizers[0]) if with_optimizer and self.optimizers else None
         pieces = checkpoint_pieces(self._module, optimizer, self._visit)
         self._checkpoints.save_pieces(pieces, lightning_state, str(filepath), shape, storage_options)
 
@@ -323,7 +318,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         `load_optimizer_state_dict`."""
         url = str(checkpoint_path)
         fs, path = self.checkpoint_storage.fs(url)
-        optimizers = [_unwrapped(o) for o in self.optimizers]
+        optimizers = [torch_optimizer(o) for o in self.optimizers]
         if fs.isfile(path):
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
             self._loading = TensorsByName(checkpoint, self._module, optimizers)
@@ -343,7 +338,7 @@ class SpillingStrategy(SingleDeviceStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        load_optimizer(self._module, _unwrapped(self.optimizers[0]), self._saved_tensors(), self._visit)
+        load_optimizer(self._module, torch_optimizer(self.optimizers[0]), self._saved_tensors(), self._visit)
         self._loading = None
 
     def _saved_tensors(self) -> SavedTensors | TensorsByName:
@@ -396,10 +391,6 @@ class _ShardwiseOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)
-
-
-def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 StrategyRegistry.register(

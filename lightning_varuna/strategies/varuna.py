@@ -17,7 +17,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
@@ -37,6 +36,7 @@ from lightning_varuna._lightning_private import (
     sync_ddp_if_available,
 )
 from lightning_varuna._torch_private import NormWithRunningStats
+from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
 from lightning_varuna.data.resumable import DataProgress
@@ -68,6 +68,7 @@ from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.failures import Failure, FailureNotice, PeerFailure
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_varuna.strategies.optimizers import torch_optimizer
 from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
 
 __all__ = ["VarunaStrategy"]
@@ -661,7 +662,7 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's state keyed by parameter name (independent of the pipeline shape)."""
-        return optimizer_state_by_name(_unwrapped(optimizer), self._module)
+        return optimizer_state_by_name(torch_optimizer(optimizer), self._module)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -673,21 +674,22 @@ class VarunaStrategy(ParallelStrategy):
             tensors["optimizer"] = {str(i): state for i, state in enumerate(optimizer_states)}
         topo = self.topology
         assert topo is not None
-        shape = {
-            "pipeline_parallel_size": topo.pipeline_parallel_size,
-            "data_parallel_size": topo.data_parallel_size,
-            "micro_batch_size": self.micro_batch_size,
-            "global_batch_size": None
-            if self._replica_batch_size is None
-            else self._replica_batch_size * topo.data_parallel_size,
-            "data_position": self._data.saved(),
-        }
+        global_batch_size = (
+            None if self._replica_batch_size is None else self._replica_batch_size * topo.data_parallel_size
+        )
+        shape = run_shape(
+            topo.pipeline_parallel_size,
+            topo.data_parallel_size,
+            self.micro_batch_size,
+            global_batch_size,
+            self._data.saved(),
+        )
         self._checkpoints.save(tensors, lightning_state, str(filepath), shape, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read this stage's part of a checkpoint written with any pipeline shape."""
-        optimizers = [_unwrapped(o) for o in self.optimizers]
+        optimizers = [torch_optimizer(o) for o in self.optimizers]
         checkpoint, info = self._checkpoints.load(str(checkpoint_path), self._module, optimizers)
         self._resumed_shape = info.shape
         self._data.restore(info.shape.get("data_position"), checkpoint.get("loops", {}))
@@ -696,7 +698,7 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         for optimizer, by_name in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_optimizer_state_by_name(_unwrapped(optimizer), self._module, by_name)
+            load_optimizer_state_by_name(torch_optimizer(optimizer), self._module, by_name)
             optimizer_to_device(optimizer, self.root_device)
 
     def wait_for_checkpoints(self) -> None:
@@ -735,10 +737,6 @@ class VarunaStrategy(ParallelStrategy):
         if self._stages is None:
             raise RuntimeError("VarunaStrategy is not set up: it partitions the model in `Trainer.fit/validate/...`.")
         return self._stages
-
-
-def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 StrategyRegistry.register(
