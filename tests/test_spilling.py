@@ -362,6 +362,32 @@ class DeepMLP(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+def fit_mlp(
+    model: L.LightningModule,
+    strategy: SpillingStrategy,
+    max_steps: int,
+    width: int = WIDTH,
+    rows: int = 192,
+    callbacks: list[L.Callback] | None = None,
+    accelerator: str = "cpu",
+) -> L.Trainer:
+    """Train an MLP of ``width`` on random regression data (batches of 32), with only ``callbacks`` around it."""
+    data = TensorDataset(torch.randn(rows, width), torch.randn(rows, width))
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=32))
+    return trainer
+
+
 def memory_status() -> dict[str, int]:
     """VmRSS, VmHWM (peak resident memory) and RssAnon of this process, in bytes."""
     with open("/proc/self/status") as f:
@@ -395,22 +421,21 @@ def test_disk_tier_keeps_memory_within_the_budget(tmp_path):
     state_bytes = sum(4 * p.numel() * p.element_size() for p in model.parameters())
     assert state_bytes >= 8 * budget
     peak = PeakMemory()
-    data = TensorDataset(torch.randn(192, WIDTH), torch.randn(192, WIDTH))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=SpillingStrategy(memory_budget=budget, spill_dir=tmp_path),
-        max_steps=5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[peak],
-    )
-    trainer.fit(model, DataLoader(data, batch_size=32))
+    trainer = fit_mlp(model, SpillingStrategy(memory_budget=budget, spill_dir=tmp_path), max_steps=5, callbacks=[peak])
     assert len(trainer.strategy.shards) == LAYERS  # type: ignore[attr-defined]
     growth = peak.end["VmHWM"] - peak.start["VmRSS"]
     assert growth <= budget + OVERHEAD, f"grew by {growth / 2**20:.1f} MiB for a budget of {budget / 2**20} MiB"
+
+
+def test_a_model_built_on_the_meta_device_trains():
+    """A model built by the user under `torch.device("meta")` (not in `configure_model`) is materialized the same
+    way: after training its layers hold memory and values."""
+    with torch.device("meta"):
+        model = DeepMLP()
+    trainer = fit_mlp(model, SpillingStrategy(memory_budget=12 * 2**20), max_steps=2, rows=64)
+    assert not any(p.is_meta for p in model.parameters())
+    assert all(p.abs().sum() > 0 for p in model.parameters())
+    assert trainer.global_step == 2
 
 
 class BuiltLate(DeepMLP):
@@ -424,28 +449,6 @@ class BuiltLate(DeepMLP):
         if self.layers is None:
             self.layers = nn.ModuleList(nn.Linear(2 * WIDTH, 2 * WIDTH) for _ in range(LAYERS))
             self.cuts = nn.ModuleList(CutPoint() for _ in range(LAYERS - 1))
-
-
-def test_a_model_built_on_the_meta_device_trains():
-    """A model built by the user under `torch.device("meta")` (not in `configure_model`) is materialized the same
-    way: after training its layers hold memory and values."""
-    with torch.device("meta"):
-        model = DeepMLP()
-    data = TensorDataset(torch.randn(64, WIDTH), torch.randn(64, WIDTH))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=SpillingStrategy(memory_budget=12 * 2**20),
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, DataLoader(data, batch_size=32))
-    assert not any(p.is_meta for p in model.parameters())
-    assert all(p.abs().sum() > 0 for p in model.parameters())
-    assert trainer.global_step == 2
 
 
 class PeakAtStart(L.Callback):
@@ -471,20 +474,9 @@ def test_a_model_built_in_configure_model_is_never_whole_in_memory(tmp_path):
     segment's weights alive)."""
     torch.manual_seed(0)
     model, budget = BuiltLate(), 40 * 2**20
-    data = TensorDataset(torch.randn(64, 2 * WIDTH), torch.randn(64, 2 * WIDTH))
     peak = PeakAtStart()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=SpillingStrategy(memory_budget=budget, spill_dir=tmp_path),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[peak],
-    )
-    trainer.fit(model, DataLoader(data, batch_size=32))
+    strategy = SpillingStrategy(memory_budget=budget, spill_dir=tmp_path)
+    fit_mlp(model, strategy, max_steps=1, width=2 * WIDTH, rows=64, callbacks=[peak])
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert parameter_bytes >= budget + SET_UP_OVERHEAD, "a model that could not be built whole within the bound"
     growth = peak.end["VmHWM"] - peak.start["VmRSS"]

@@ -13,8 +13,7 @@ import lightning as L
 import pytest
 import torch
 from models import TinyLM
-from test_spilling import BUDGETS, LAYERS, WIDTH, DeepMLP, assert_same_model, fit, losses
-from torch.utils.data import DataLoader, TensorDataset
+from test_spilling import BUDGETS, LAYERS, DeepMLP, assert_same_model, fit, fit_mlp, losses
 
 from lightning_varuna import SpillingStrategy
 
@@ -61,19 +60,7 @@ def test_device_memory_stays_within_the_budget():
     model, budget = DeepMLP(), 12 * 2**20
     assert sum(4 * p.numel() * p.element_size() for p in model.parameters()) >= 8 * budget
     memory = DeviceMemory()
-    data = TensorDataset(torch.randn(192, WIDTH), torch.randn(192, WIDTH))
-    trainer = L.Trainer(
-        accelerator="gpu",
-        devices=1,
-        strategy=SpillingStrategy(memory_budget=budget),
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[memory],
-    )
-    trainer.fit(model, DataLoader(data, batch_size=32))
+    trainer = fit_mlp(model, SpillingStrategy(memory_budget=budget), max_steps=4, callbacks=[memory], accelerator="gpu")
     assert len(trainer.strategy.shards) == LAYERS  # type: ignore[attr-defined]
     assert memory.peak <= budget + 8 * 2**20, f"peak {memory.peak / 2**20:.1f} MiB for a budget of 12 MiB"
 
@@ -100,19 +87,8 @@ def test_copies_to_the_device_overlap_compute(tmp_path):
     """In a step's trace, copies from pinned host memory run on a stream of their own while kernels run."""
     torch.manual_seed(0)
     path = str(tmp_path / "step.json")
-    data = TensorDataset(torch.randn(192, WIDTH), torch.randn(192, WIDTH))
-    trainer = L.Trainer(
-        accelerator="gpu",
-        devices=1,
-        strategy=SpillingStrategy(memory_budget=12 * 2**20),
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[ProfileStep(path)],
-    )
-    trainer.fit(DeepMLP(), DataLoader(data, batch_size=32))
+    strategy = SpillingStrategy(memory_budget=12 * 2**20)
+    fit_mlp(DeepMLP(), strategy, max_steps=4, callbacks=[ProfileStep(path)], accelerator="gpu")
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]

@@ -149,7 +149,7 @@ class ShardedModel:
                 (p, name)
                 for p in shard.params
                 for name, value in sorted(self._optimizer.state.get(p, {}).items())
-                if isinstance(value, Tensor) and value.numel() > 1
+                if _spilled_with_shard(value)
             ]
             self._state_slots[shard.index] = slots
             self.store.put(shard.key("state"), [self._optimizer.state[p][name] for p, name in slots])
@@ -325,7 +325,7 @@ class ShardedModel:
                     p.grad = p.grad.to(device)
                 if self._optimizer is not None:
                     state = self._optimizer.state.get(p, {})
-                    state.update({k: v.to(device) for k, v in state.items() if isinstance(v, Tensor) and v.numel() > 1})
+                    state.update({k: v.to(device) for k, v in state.items() if _spilled_with_shard(v)})
         self.store.close()
 
 
@@ -340,6 +340,11 @@ def _only(optimizer: torch.optim.Optimizer, params: set[nn.Parameter]) -> Iterat
     finally:
         for group, original in zip(optimizer.param_groups, groups):
             group["params"] = original
+
+
+def _spilled_with_shard(state_value: object) -> bool:
+    """Whether an optimizer state value moves with its shard (a tensor; a scalar such as the step count stays)."""
+    return isinstance(state_value, Tensor) and state_value.numel() > 1
 
 
 def _norm_sq(grads: list[Tensor | None]) -> Tensor:
