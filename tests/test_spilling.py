@@ -149,6 +149,22 @@ def test_checkpoints_are_written_a_shard_at_a_time_and_resume_exactly(tmp_path):
     assert_same_model(resumed, uninterrupted)
 
 
+def test_a_checkpoint_saved_after_fit_ended_by_max_epochs_resumes_with_the_next_epoch(tmp_path):
+    """`save_checkpoint` after `fit(max_epochs=1)` (the model whole again), then `fit(max_epochs=2)` from it at
+    another budget: the second epoch is trained, as in one uninterrupted two-epoch run."""
+    torch.manual_seed(0)
+    reference = TinyLM(scheduler=True)
+    model, resumed = copy.deepcopy(reference), copy.deepcopy(reference)
+    expected = fit(reference, "auto", max_steps=-1, max_epochs=2)
+    first = fit(model, SpillingStrategy(memory_budget=BUDGETS[2], spill_dir=tmp_path), max_steps=-1, max_epochs=1)
+    first.save_checkpoint(tmp_path / "end.ckpt")
+    path = str(tmp_path / "end.ckpt")
+    continued = fit(resumed, SpillingStrategy(memory_budget=BUDGETS[5]), ckpt_path=path, max_steps=-1, max_epochs=2)
+    assert len(losses(continued)) == len(losses(first)) == 8
+    torch.testing.assert_close(losses(first) + losses(continued), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(resumed, reference)
+
+
 def test_a_plain_lightning_checkpoint_resumes_spilled(tmp_path):
     """A checkpoint file of plain single-device training loads a shard at a time; the run continues as plain
     Lightning continues from it (which restarts an interrupted epoch's data)."""
