@@ -4,9 +4,18 @@ import warnings
 
 from lightning_varuna.callbacks import MorphCallback, PipelineTrace
 from lightning_varuna.cutpoint import CutPoint, cut_after
+from lightning_varuna.multimodel import MultiModelTrainer
 from lightning_varuna.strategies import SpillingStrategy, VarunaStrategy
 
-__all__ = ["CutPoint", "MorphCallback", "PipelineTrace", "SpillingStrategy", "VarunaStrategy", "cut_after"]
+__all__ = [
+    "CutPoint",
+    "MorphCallback",
+    "MultiModelTrainer",
+    "PipelineTrace",
+    "SpillingStrategy",
+    "VarunaStrategy",
+    "cut_after",
+]
 __version__ = "0.1.0"
 
 # torch >= 2.10 deprecates `isinstance(spec, LeafSpec)`, which Lightning 2.6's own pytree helper and the unpickling of

@@ -7,6 +7,7 @@ The result is plain data (`PipelineGraph`: which values flow from which stage to
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,6 +185,18 @@ def split_into_all_stages(
 
 
 def _split(
+    module: nn.Module, skeleton: ModelSkeleton, args: tuple, kwargs: dict, boundaries: Sequence[str]
+) -> tuple[PipelineGraph, list[nn.Module]]:
+    with _TRACING:
+        return _split_traced(module, skeleton, args, kwargs, boundaries)
+
+
+# torch.export keeps its tracing state (dispatch modes) process-wide: one trace at a time (models of a sweep are
+# traced from several threads).
+_TRACING = threading.RLock()
+
+
+def _split_traced(
     module: nn.Module, skeleton: ModelSkeleton, args: tuple, kwargs: dict, boundaries: Sequence[str]
 ) -> tuple[PipelineGraph, list[nn.Module]]:
     cuts = _activate(module, boundaries)

@@ -17,14 +17,14 @@ class RandomState:
 
     def __init__(self, device: torch.device) -> None:
         self._devices = [device] if device.type == "cuda" else []
-        self._cpu = torch.get_rng_state()
+        self.cpu_state = torch.get_rng_state()
         self._device_states = [torch.cuda.get_rng_state(d) for d in self._devices]
 
     @contextmanager
     def replayed(self) -> Iterator[None]:
         """Run the block from this state; the generators continue afterwards as if it had not run."""
         with torch.random.fork_rng(devices=self._devices):
-            torch.set_rng_state(self._cpu)
+            torch.set_rng_state(self.cpu_state)
             for device, state in zip(self._devices, self._device_states):
                 torch.cuda.set_rng_state(state, device)
             yield

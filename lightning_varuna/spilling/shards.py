@@ -10,7 +10,7 @@ Parameters used by more than one shard (tied weights) and all buffers stay on th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ class Shard:
     params: list[nn.Parameter]
     grad_norm_sq: Tensor | None = None  # the squared norm of its gradients after the last backward
     random_state: RandomState | None = field(default=None, repr=False)  # before its forward (dropout on recompute)
+    random_after: Tensor | None = field(default=None, repr=False)  # the CPU generator's state after its forward
 
     def key(self, part: str) -> str:
         return f"shard{self.index}.{part}"
@@ -50,6 +51,11 @@ class ShardedModel:
         store: where spilled shards wait.
         output_spec: the pytree structure of the model's output.
         prefetch: fetch the next shard while the current one computes.
+
+    Each piece of a shard's work (its forward, its backward, its optimizer step) runs inside ``turn(work, shard)``,
+    ``work`` being "forward", "backward" or "step": a sweep of models (`MultiModelTrainer`) waits there for a device.
+    The turn yields whether it holds torch's global generator: only then is a forward's random state kept to be
+    replayed by its recompute (a turn that does not hold it runs a shard found to draw no random numbers).
     """
 
     def __init__(
@@ -83,6 +89,7 @@ class ShardedModel:
         self._boundaries: dict[Source, Any] = {}
         self._last_consumer: dict[Source, int] = {}
         self._autocast: tuple[bool, torch.dtype] = (False, torch.float32)
+        self.turn: Callable[[str, int], AbstractContextManager[bool]] = lambda work, shard: nullcontext(True)
 
     # ------------------------------------------------------------------------------------------ residency
     def spill_all(
@@ -173,23 +180,27 @@ class ShardedModel:
         self._boundaries = {Source(None, i): leaf for i, leaf in enumerate(inputs)}
         last = len(self.shards) - 1
         for shard in self.shards:
-            with_graph = training and shard.index == last
-            self._bring(shard, ("grads",) if with_graph else ())
-            self._prefetch(shard.index + 1, ())
-            if training:
-                shard.random_state = RandomState(self.store.device)
-            with nullcontext() if with_graph else torch.no_grad():
-                produced = self._run(shard)
-            for src, value in produced.items():
-                if self._last_consumer.get(src, -1) > shard.index:
-                    if training and not with_graph and isinstance(value, Tensor) and value.is_floating_point():
-                        value = value.detach().requires_grad_(True)
-                    self._boundaries[src] = value
-            if not with_graph:
-                self._evict(shard)
+            with self.turn("forward", shard.index) as holds_generator:
+                self._forward_shard(shard, training and holds_generator, training, training and shard.index == last)
         assert self._graph is not None
         outputs = [self._boundaries[src] for src in self._graph.output_sources]
         return tree_unflatten(outputs, self.output_spec)
+
+    def _forward_shard(self, shard: Shard, replayable: bool, training: bool, with_graph: bool) -> None:
+        self._bring(shard, ("grads",) if with_graph else ())
+        self._prefetch(shard.index + 1, ())
+        shard.random_state = RandomState(self.store.device) if replayable else None
+        with nullcontext() if with_graph else torch.no_grad():
+            produced = self._run(shard)
+        if replayable:
+            shard.random_after = torch.get_rng_state()
+        for src, value in produced.items():
+            if self._last_consumer.get(src, -1) > shard.index:
+                if training and not with_graph and isinstance(value, Tensor) and value.is_floating_point():
+                    value = value.detach().requires_grad_(True)
+                self._boundaries[src] = value
+        if not with_graph:
+            self._evict(shard)
 
     def _use_trace(self, args: tuple, kwargs: dict) -> None:
         self._graph, self._modules = self.segments.for_inputs(args, kwargs)
@@ -225,34 +236,39 @@ class ShardedModel:
         """
         self._optimizer = optimizer or self._optimizer
         parts = ("grads", "state") if optimizer is not None else ("grads",)
-        backward(loss)
         for shard in reversed(self.shards):
-            self._bring(shard, parts)
-            if shard.index != len(self.shards) - 1:
-                self._prefetch(shard.index - 1, parts)
-                self._backward_through(shard)
-            if optimizer is not None:
-                self._step_shard(optimizer, shard.params)
-                self._evict(shard, write=("params", "grads", "state"))
-            else:
-                shard.grad_norm_sq = _norm_sq([p.grad for p in shard.params])
-                self._evict(shard, write=("grads",))
+            with self.turn("backward", shard.index) as holds_generator:
+                self._bring(shard, parts)
+                if shard.index == len(self.shards) - 1:
+                    backward(loss)
+                else:
+                    self._prefetch(shard.index - 1, parts)
+                    self._backward_through(shard, replay=holds_generator)
+                if optimizer is not None:
+                    self._step_shard(optimizer, shard.params)
+                    self._evict(shard, write=("params", "grads", "state"))
+                else:
+                    shard.grad_norm_sq = _norm_sq([p.grad for p in shard.params])
+                    self._evict(shard, write=("grads",))
         if optimizer is not None and self.resident_params:
-            self._step_shard(optimizer, self.resident_params, keep_grads=True)
+            with self.turn("step", len(self.shards)):
+                self._step_shard(optimizer, self.resident_params, keep_grads=True)
         self._boundaries = {}
 
-    def _backward_through(self, shard: Shard) -> None:
-        """Run ``shard``'s forward again as it first ran (random numbers, autocast; BatchNorm's running statistics,
-        already updated by the first run, left alone) and backpropagate the gradients of its outputs."""
+    def _backward_through(self, shard: Shard, replay: bool) -> None:
+        """Run ``shard``'s forward again as it first ran (random numbers, if ``replay``; autocast; BatchNorm's running
+        statistics, already updated by the first run, left alone) and backpropagate the gradients of its outputs."""
         enabled, dtype = self._autocast
-        assert shard.random_state is not None
+        random_state = shard.random_state if replay else None
         with (
-            shard.random_state.replayed(),
+            random_state.replayed() if random_state is not None else nullcontext(),
             scratch_buffers(self._modules[s] for s in shard.segments),
             torch.enable_grad(),
             torch.autocast(self.store.device.type, dtype=dtype, enabled=enabled),
         ):
             produced = self._run(shard)
+            if random_state is not None:
+                _check_replayed(shard, random_state)
         outputs, grads = [], []
         for src, value in produced.items():
             leaf = self._boundaries.get(src)
@@ -279,16 +295,18 @@ class ShardedModel:
             parts.append(_norm_sq([p.grad for p in self.resident_params]))
             total = torch.stack([t.to(self.store.device) for t in parts]).sum().sqrt()
         for shard in self.shards:
-            self._bring(shard, ("grads", "state"))
-            self._prefetch(shard.index + 1, ("grads", "state"))
-            if clip is not None and total is not None:
-                clip(shard.params, total)
-            self._step_shard(optimizer, shard.params)
-            self._evict(shard, write=("params", "grads", "state"))
+            with self.turn("step", shard.index):
+                self._bring(shard, ("grads", "state"))
+                self._prefetch(shard.index + 1, ("grads", "state"))
+                if clip is not None and total is not None:
+                    clip(shard.params, total)
+                self._step_shard(optimizer, shard.params)
+                self._evict(shard, write=("params", "grads", "state"))
         if self.resident_params:
-            if clip is not None and total is not None:
-                clip(self.resident_params, total)
-            self._step_shard(optimizer, self.resident_params, keep_grads=True)
+            with self.turn("step", len(self.shards)):
+                if clip is not None and total is not None:
+                    clip(self.resident_params, total)
+                self._step_shard(optimizer, self.resident_params, keep_grads=True)
 
     def _step_shard(
         self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], keep_grads: bool = False
@@ -327,6 +345,19 @@ class ShardedModel:
                     state = self._optimizer.state.get(p, {})
                     state.update({k: v.to(device) for k, v in state.items() if _spilled_with_shard(v)})
         self.store.close()
+
+
+def _check_replayed(shard: Shard, random_state: RandomState) -> None:
+    """A recompute that drew random numbers must end where its forward ended, or its dropout masks differ."""
+    replayed = torch.get_rng_state()
+    drew = not torch.equal(replayed, random_state.cpu_state)
+    if drew and not torch.equal(replayed, shard.random_after):  # type: ignore[arg-type]
+        raise RuntimeError(
+            f"Shard {shard.index}'s forward could not be replayed for its backward: its random numbers (dropout) "
+            "differ from the first run's, because something else drew from torch's global generator while that "
+            "shard ran (in a sweep: another model's `training_step`, or a sampler without its own `generator`). "
+            "Draw such random numbers from a `torch.Generator` of your own."
+        )
 
 
 @contextmanager

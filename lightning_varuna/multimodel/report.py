@@ -1,0 +1,121 @@
+"""What a sweep shows: one progress bar per model, a summary table at the end, the device timeline as a trace."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from tqdm.auto import tqdm
+
+from lightning_varuna.multimodel.scheduler import DeviceSpan
+
+__all__ = ["ModelResult", "SweepDisplay", "device_timeline_trace", "summary_table"]
+
+
+@dataclass
+class ModelResult:
+    """How one model of a sweep ended.
+
+    Attributes:
+        name: the model's name in the sweep.
+        trainer: its Lightning Trainer.
+        status: "finished", "failed" (``error`` says why) or "stopped" (SIGTERM, Ctrl-C: resume from its last
+            checkpoint).
+        error: the exception that ended its fit, if any.
+        steps: optimizer steps taken in this sweep.
+        final_loss: the loss of its last training step.
+        seconds: wall time of its fit.
+        device_s: device time of its shards.
+    """
+
+    name: str
+    trainer: pl.Trainer
+    status: str = "pending"
+    error: BaseException | None = None
+    steps: int = 0
+    final_loss: float | None = None
+    seconds: float = 0.0
+    device_s: float = 0.0
+
+
+class SweepDisplay:
+    """One progress bar per model, in the order added, updated in place."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        width = max(len(name) for name in names)
+        self._bars = {
+            name: tqdm(desc=name.ljust(width), total=None, unit="step", position=i, leave=True, mininterval=0.5)
+            for i, name in enumerate(names)
+        }
+
+    def started(self, name: str, total_steps: float, steps_before: int) -> None:
+        bar = self._bars[name]
+        bar.reset(total=None if total_steps == float("inf") else int(total_steps))
+        bar.update(steps_before)
+
+    def stepped(self, name: str, loss: float | None) -> None:
+        bar = self._bars[name]
+        if loss is not None:
+            bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+        bar.update()
+
+    def ended(self, name: str, status: str) -> None:
+        bar = self._bars[name]
+        if status != "finished":
+            bar.set_postfix_str(status)
+        bar.refresh()
+
+    def close(self) -> None:
+        for bar in self._bars.values():
+            bar.close()
+
+
+def summary_table(results: Iterable[ModelResult]) -> str:
+    """A text table: model, status, steps, final loss, time, share of the devices' time."""
+    results = list(results)
+    total_device_s = sum(r.device_s for r in results) or 1.0
+    rows = [("model", "status", "steps", "final loss", "time (s)", "device share")]
+    rows += [
+        (
+            r.name,
+            r.status,
+            str(r.steps),
+            "-" if r.final_loss is None else f"{r.final_loss:.4g}",
+            f"{r.seconds:.1f}",
+            f"{r.device_s / total_device_s:.0%}",
+        )
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def device_timeline_trace(spans: Iterable[DeviceSpan], metadata: dict[str, Any] | None = None) -> str:
+    """A Chrome / Perfetto trace (ui.perfetto.dev, chrome://tracing): one row per device, a slice per shard turn
+    named after its model (so coloured by model), with its work and shard as arguments."""
+    spans = list(spans)
+    origin = min((s.start_s for s in spans), default=0.0)
+    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "sweep"}}]
+    events += [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": device, "args": {"name": f"device {device}"}}
+        for device in sorted({s.device for s in spans})
+    ]
+    events += [
+        {
+            "name": s.model,
+            "cat": s.work,
+            "ph": "X",
+            "pid": 0,
+            "tid": s.device,
+            "ts": (s.start_s - origin) * 1e6,
+            "dur": (s.end_s - s.start_s) * 1e6,
+            "args": {"work": s.work, "shard": s.shard},
+        }
+        for s in spans
+    ]
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata or {}})

@@ -1,0 +1,325 @@
+"""Train the models of a sweep together (Hydra): each model is fitted by its own Lightning Trainer under
+`SpillingStrategy` in its own thread, and its shards take turns on the sweep's devices, longest remaining time first
+(`DeviceScheduler`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_varuna.multimodel.report import ModelResult, SweepDisplay, device_timeline_trace, summary_table
+from lightning_varuna.multimodel.scheduler import DeviceScheduler, DeviceSpan, SweepStopped
+from lightning_varuna.strategies.spilling import SpillingStrategy
+
+__all__ = ["MultiModelTrainer"]
+
+_SET_BY_THE_SWEEP = ("accelerator", "devices", "strategy", "num_nodes")
+
+
+class MultiModelTrainer:
+    """Train several LightningModules at once, their shards interleaved over ``devices``.
+
+    Each model added gets its own `lightning.pytorch.Trainer` (its own ``max_steps``, callbacks, logger,
+    checkpoints...) under `SpillingStrategy`; while it trains, each shard's forward, backward and optimizer step waits
+    for a free device, given to the model with the longest remaining time. On the CPU a device is one core: torch
+    computes with one thread per device.
+
+    Args:
+        accelerator: ``"cpu"`` (CUDA devices are not supported yet).
+        devices: how many devices the models share.
+        memory_budget: each model's `SpillingStrategy` budget (bytes or a string like ``"1GB"``): what one of its
+            shards may hold on a device.
+        spill_dir: a folder for the disk tier (each model gets its own subfolder); ``None`` keeps spilled shards in
+            host memory.
+        prefetch: fetch a model's next shard while its current one computes.
+        storage_options: fsspec options for every checkpoint URL.
+        enable_progress_bar: show one progress bar per model (the models' own Lightning bars are off by default).
+    """
+
+    def __init__(
+        self,
+        accelerator: str = "cpu",
+        devices: int = 1,
+        memory_budget: int | str | None = None,
+        spill_dir: str | Path | None = None,
+        prefetch: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        enable_progress_bar: bool = True,
+    ) -> None:
+        if accelerator != "cpu":
+            raise NotImplementedError(
+                f"MultiModelTrainer runs on the CPU for now (accelerator='cpu'), not {accelerator!r}. To train one "
+                "model on a GPU use `Trainer(strategy=SpillingStrategy(...))`."
+            )
+        if devices < 1:
+            raise ValueError(f"`devices` must be at least 1, got {devices}.")
+        self.devices = devices
+        self.memory_budget, self.spill_dir, self.prefetch = memory_budget, spill_dir, prefetch
+        self.storage_options = storage_options
+        self.enable_progress_bar = enable_progress_bar
+        self.scheduler = DeviceScheduler(devices)
+        self.results: list[ModelResult] = []
+        self._members: list[_Member] = []
+        self._display: SweepDisplay | None = None
+
+    def add(
+        self,
+        model: pl.LightningModule,
+        datamodule: pl.LightningDataModule | None = None,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        ckpt_path: str | None = None,
+        *,
+        name: str | None = None,
+        **trainer_kwargs: Any,
+    ) -> pl.Trainer:
+        """Add ``model`` to the sweep, with what `Trainer(...)` (``trainer_kwargs``) and `Trainer.fit` take for it;
+        ``name`` shows it in the progress display and the summary. Returns its Trainer."""
+        set_here = sorted(set(trainer_kwargs) & set(_SET_BY_THE_SWEEP))
+        if set_here:
+            raise ValueError(
+                f"{set_here} are the sweep's: set `accelerator` and `devices` on MultiModelTrainer, not in `add`."
+            )
+        name = name or f"{len(self._members)}:{type(model).__name__}"
+        if any(member.name == name for member in self._members):
+            raise ValueError(f"A model named {name!r} is in the sweep already; give each a different `name`.")
+        spill_dir = None if self.spill_dir is None else Path(self.spill_dir) / f"model{len(self._members)}"
+        if spill_dir is not None:
+            spill_dir.mkdir(parents=True, exist_ok=True)
+        strategy = _SweepMemberStrategy(
+            self.scheduler,
+            name,
+            memory_budget=self.memory_budget,
+            spill_dir=spill_dir,
+            prefetch=self.prefetch,
+            storage_options=self.storage_options,
+        )
+        member = _Member(
+            name,
+            model,
+            dict(
+                datamodule=datamodule,
+                train_dataloaders=train_dataloaders,
+                val_dataloaders=val_dataloaders,
+                ckpt_path=ckpt_path,
+            ),
+        )
+        trainer_kwargs.setdefault("enable_progress_bar", False)
+        trainer_kwargs.setdefault("enable_model_summary", False)
+        callbacks = list(trainer_kwargs.pop("callbacks", None) or [])
+        with _quiet_lightning_info():
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                devices=1,
+                strategy=strategy,
+                callbacks=[*callbacks, _SweepMemberCallback(self, member)],
+                **trainer_kwargs,
+            )
+        _claim_log_dirs(trainer)
+        member.trainer = trainer
+        self._members.append(member)
+        self.scheduler.add(name, sum(p.numel() * p.element_size() for p in model.parameters()))
+        return trainer
+
+    def fit(self) -> list[pl.Trainer]:
+        """Fit every model added; returns their Trainers in the order added. A model whose fit raised does not stop
+        the others: `results` (and a warning) say which failed and why."""
+        if not self._members:
+            raise ValueError("No model to fit: call `add(model, ...)` first.")
+        if len(self._members) < self.devices:
+            rank_zero_info(
+                f"MultiModelTrainer: {len(self._members)} model(s) for {self.devices} devices; "
+                f"{self.devices - len(self._members)} device(s) will stay idle, since a model's shards run one at a "
+                "time. Add models, or use fewer devices."
+            )
+        self.results = [ModelResult(m.name, m.trainer) for m in self._members]
+        self._display = SweepDisplay([m.name for m in self._members]) if self.enable_progress_bar else None
+        threads = [
+            threading.Thread(target=self._fit_member, args=(m, r), name=f"sweep {m.name}", daemon=True)
+            for m, r in zip(self._members, self.results)
+        ]
+        with _torch_threads(1), _stopped_by_signals(self.scheduler):
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.2)
+        if self._display is not None:
+            self._display.close()
+        rank_zero_info(f"MultiModelTrainer summary:\n{summary_table(self.results)}")
+        failed = [r for r in self.results if r.status == "failed"]
+        if failed:
+            rank_zero_warn(
+                "MultiModelTrainer: "
+                + "; ".join(f"{r.name} failed: {type(r.error).__name__}: {r.error}" for r in failed)
+            )
+        return [m.trainer for m in self._members]
+
+    @property
+    def spans(self) -> list[DeviceSpan]:
+        """Every shard turn so far: which model ran what on which device, and when."""
+        return list(self.scheduler.spans)
+
+    def write_trace(self, path: str | Path) -> None:
+        """Write the devices' timeline as a Chrome / Perfetto trace (one row per device, coloured by model)."""
+        Path(path).write_text(device_timeline_trace(self.spans, {"models": [m.name for m in self._members]}))
+
+    def _fit_member(self, member: _Member, result: ModelResult) -> None:
+        torch.set_num_threads(1)
+        start = time.perf_counter()
+        try:
+            member.trainer.fit(member.model, **member.fit_kwargs)
+            result.status = "finished"
+        except SweepStopped as stopped:
+            result.status, result.error = "stopped", stopped
+        except BaseException as error:  # noqa: BLE001 - one model's failure must not end the sweep
+            result.status, result.error = "failed", error
+        finally:
+            self.scheduler.finished(member.name)
+            clock = self.scheduler.clock(member.name)
+            result.seconds, result.device_s, result.steps = (
+                time.perf_counter() - start,
+                clock.device_s,
+                clock.steps_done,
+            )
+            result.final_loss = member.last_loss
+            if self._display is not None:
+                self._display.ended(member.name, result.status)
+
+
+@dataclass
+class _Member:
+    name: str
+    model: pl.LightningModule
+    fit_kwargs: dict[str, Any]
+    trainer: pl.Trainer = field(init=False)
+    last_loss: float | None = None
+    steps_before: int = 0
+
+
+class _SweepMemberStrategy(SpillingStrategy):
+    """`SpillingStrategy` whose shards wait for the sweep's devices; its set-up (which runs the model to measure it)
+    holds a device and torch's global generator."""
+
+    def __init__(self, scheduler: DeviceScheduler, name: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.scheduler, self.sweep_name = scheduler, name
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        with self.scheduler.turn(self.sweep_name, "set-up", -1, generator=True):
+            super().setup(trainer)
+        self.scheduler.clock(self.sweep_name).size = sum(
+            m.state_bytes + m.activation_bytes for m in self.segment_memory
+        )
+        self._sharded_model().turn = self._turn
+
+    def _turn(self, work: str, shard: int) -> AbstractContextManager[bool]:
+        return self.scheduler.turn(self.sweep_name, work, shard, training=self._module.training)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Each DataLoader draws its workers' base seed from a generator of its own, not from torch's global one
+        while another model's dropout is using it."""
+        dataloader = super().process_dataloader(dataloader)
+        if isinstance(dataloader, DataLoader) and dataloader.generator is None:
+            dataloader.generator = torch.Generator().manual_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
+        return dataloader
+
+
+class _SweepMemberCallback(pl.Callback):
+    """Reports a model's progress to the scheduler (its remaining time) and to the sweep's display."""
+
+    def __init__(self, sweep: MultiModelTrainer, member: _Member) -> None:
+        self.sweep, self.member = sweep, member
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.member.steps_before = trainer.global_step
+        self._report(trainer)
+        if self.sweep._display is not None:
+            self.sweep._display.started(self.member.name, trainer.estimated_stepping_batches, trainer.global_step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.member.last_loss = float(loss.detach())
+        self._report(trainer)
+        if self.sweep._display is not None:
+            self.sweep._display.stepped(self.member.name, self.member.last_loss)
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        self.sweep.scheduler.stepped(
+            self.member.name,
+            trainer.global_step - self.member.steps_before,
+            float(trainer.estimated_stepping_batches),
+            self.member.steps_before,
+        )
+
+
+@contextmanager
+def _torch_threads(count: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextmanager
+def _stopped_by_signals(scheduler: DeviceScheduler) -> Iterator[None]:
+    """SIGTERM and Ctrl-C stop every model at its next shard boundary (each resumes from its last checkpoint)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+
+    def stop(signum: int, frame: Any) -> None:
+        scheduler.stop(signal.Signals(signum).name)
+
+    for sig in signals:
+        signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def _quiet_lightning_info() -> Iterator[None]:
+    """Lightning's start-up lines ("GPU available: ...") once, not once per model."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _claim_log_dirs(trainer: pl.Trainer) -> None:
+    """Create each local logger's folder now, so that the next model's default logger takes the next version."""
+    for logger in trainer.loggers:
+        log_dir = logger.log_dir
+        if log_dir is not None and "://" not in str(log_dir):
+            os.makedirs(log_dir, exist_ok=True)

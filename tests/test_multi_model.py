@@ -1,0 +1,343 @@
+"""MultiModelTrainer trains each model of a sweep as if alone, its shards interleaved over the devices."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import TinyLM, token_dataset
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_varuna import CutPoint, MultiModelTrainer, SpillingStrategy
+from lightning_varuna.multimodel import DeviceScheduler, SweepStopped
+
+
+class MLP(L.LightningModule):
+    """``depth`` tanh layers of ``width`` with a CutPoint between each two; regression with MSE."""
+
+    def __init__(self, width: int, depth: int, optimizer: str = "adamw", lr: float = 1e-2, fail_at: int = -1) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.cuts = nn.ModuleList(CutPoint() for _ in range(depth - 1))
+        self.optimizer, self.lr, self.fail_at = optimizer, lr, fail_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i < len(self.cuts):
+                x = self.cuts[i](x)
+        return x
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.fail_at:
+            raise ValueError(f"bad batch at step {self.global_step}")
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)]
+
+
+def regression_data(width: int, rows: int = 128) -> DataLoader:
+    generator = torch.Generator().manual_seed(width)
+    x, y = torch.randn(rows, width, generator=generator), torch.randn(rows, width, generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=16)
+
+
+class StepLosses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+
+
+def fit_alone(model: L.LightningModule, train: DataLoader, val: DataLoader | None = None, **kwargs: Any) -> list[float]:
+    """Plain single-device Lightning training; its per-step losses."""
+    losses = StepLosses()
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[losses], **{**QUIET, **kwargs})
+    trainer.fit(model, train, val)
+    return losses.losses
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_each_model_of_a_sweep_trains_as_if_alone():
+    """Models of different sizes, lengths and optimizers (AdamW with an LR schedule, SGD with momentum; a token
+    model with a tied head, gradient clipping and accumulation; validation) share two devices: each one's per-step
+    losses, validation loss and final weights equal plain single-device training, and their shards were interleaved
+    over both devices, never two at once on one device."""
+    torch.manual_seed(0)
+    specs: list[tuple[L.LightningModule, DataLoader, DataLoader | None, dict[str, Any]]] = [
+        (MLP(48, 4), regression_data(48), regression_data(48, 32), {"max_steps": 9}),
+        (MLP(96, 3, optimizer="sgd"), regression_data(96), None, {"max_steps": 5}),
+        (
+            TinyLM(),
+            DataLoader(token_dataset(64), batch_size=8),
+            None,
+            {"max_steps": 6, "gradient_clip_val": 0.5, "accumulate_grad_batches": 2},
+        ),
+        (MLP(32, 2), regression_data(32), None, {"max_epochs": 2}),
+    ]
+    references = [copy.deepcopy(model) for model, *_ in specs]
+    sweep = MultiModelTrainer(devices=2, memory_budget="400KB", enable_progress_bar=False)
+    sweep_losses = []
+    for model, train, val, kwargs in specs:
+        sweep_losses.append(StepLosses())
+        sweep.add(
+            model,
+            train_dataloaders=train,
+            val_dataloaders=val,
+            callbacks=[sweep_losses[-1]],
+            logger=False,
+            enable_checkpointing=False,
+            **kwargs,
+        )
+    trainers = sweep.fit()
+
+    assert [r.status for r in sweep.results] == ["finished"] * 4
+    assert [t.lightning_module for t in trainers] == [model for model, *_ in specs]
+    assert any(len(t.strategy.shards) > 1 for t in trainers)  # type: ignore[attr-defined]
+    for (model, train, val, kwargs), reference, losses, trainer in zip(specs, references, sweep_losses, trainers):
+        expected = fit_alone(reference, train, val, **kwargs)
+        torch.testing.assert_close(losses.losses, expected, rtol=1e-5, atol=1e-6)
+        assert_same_weights(model, reference)
+        assert sweep.results[trainers.index(trainer)].steps == trainer.global_step
+    assert "val_loss" in trainers[0].callback_metrics
+
+    spans = sweep.spans
+    for device in (0, 1):
+        on_device = sorted((s for s in spans if s.device == device), key=lambda s: s.start_s)
+        assert on_device, f"device {device} was never used"
+        assert all(a.end_s <= b.start_s for a, b in zip(on_device, on_device[1:])), "two turns at once on a device"
+    assert any(len({s.device for s in spans if s.model == r.name}) == 2 for r in sweep.results)
+    assert any(
+        a.model != b.model and a.device != b.device and a.start_s < b.end_s and b.start_s < a.end_s
+        for a in spans
+        for b in spans
+    ), "no two models ever computed at the same time"
+
+
+def test_the_longest_remaining_model_gets_the_free_device():
+    """LRTF: the waiting models are served in order of remaining time (remaining steps times measured device time
+    per step; a model that has not stepped yet estimated from its size at the measured rate)."""
+    scheduler = DeviceScheduler(devices=1)
+    for name, size in (("short", 10), ("long", 10), ("unmeasured-big", 40), ("unmeasured-small", 1)):
+        scheduler.add(name, size)
+    scheduler.clock("short").device_s = scheduler.clock("long").device_s = 1.0  # 1 s per step over their first step
+    scheduler.stepped("short", steps_done=1, total_steps=3, steps_before=0)  # 2 s left
+    scheduler.stepped("long", steps_done=1, total_steps=9, steps_before=0)  # 8 s left
+    scheduler.stepped("unmeasured-big", steps_done=0, total_steps=3, steps_before=0)  # 40 x 3 x 0.1 s = 12 s
+    scheduler.stepped("unmeasured-small", steps_done=0, total_steps=5, steps_before=0)  # 1 x 5 x 0.1 s = 0.5 s
+    served: list[str] = []
+
+    def take_turn(name: str) -> None:
+        with scheduler.turn(name, "forward", 0):
+            served.append(name)
+
+    with scheduler.turn("long", "step", 0):  # the device is busy while the others queue up
+        threads = [
+            threading.Thread(target=take_turn, args=(n,))
+            for n in ("unmeasured-small", "short", "long", "unmeasured-big")
+        ]
+        for thread in threads:
+            thread.start()
+        while len(scheduler.queue()) < 4:
+            time.sleep(0.01)
+        assert scheduler.queue() == ["unmeasured-big", "long", "short", "unmeasured-small"]
+    for thread in threads:
+        thread.join()
+    assert served == ["unmeasured-big", "long", "short", "unmeasured-small"]
+
+
+def test_a_failing_model_ends_alone_with_its_checkpoints_intact(tmp_path):
+    """An exception in one model's step ends that model's fit with its error; its last checkpoint resumes; the other
+    model trains on exactly as alone."""
+    torch.manual_seed(0)
+    failing, healthy = MLP(32, 3, fail_at=4), MLP(48, 2)
+    reference = copy.deepcopy(healthy)
+    sweep = MultiModelTrainer(devices=2, memory_budget="100KB", enable_progress_bar=False)
+    sweep.add(
+        failing,
+        train_dataloaders=regression_data(32),
+        max_steps=8,
+        logger=False,
+        name="failing",
+        callbacks=[ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)],
+    )
+    sweep.add(
+        healthy,
+        train_dataloaders=regression_data(48),
+        max_steps=8,
+        logger=False,
+        name="healthy",
+        enable_checkpointing=False,
+    )
+    trainers = sweep.fit()
+
+    failed, finished = sweep.results
+    assert (failed.status, finished.status) == ("failed", "finished")
+    assert isinstance(failed.error, ValueError) and "bad batch at step 4" in str(failed.error)
+    assert trainers[0].global_step == 4
+    fit_alone(reference, regression_data(48), max_steps=8)
+    assert_same_weights(healthy, reference)
+
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    assert saved == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    resumed = MLP(32, 3)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, strategy=SpillingStrategy(), **QUIET)
+    trainer.fit(resumed, regression_data(32), ckpt_path=str(tmp_path / "epoch=0-step=4.ckpt"))
+    assert trainer.global_step == 6
+
+
+def test_sigterm_stops_every_model_at_a_shard_boundary_and_each_resumes(tmp_path):
+    """SIGTERM during the sweep stops every model; each resumes from its last checkpoint, in a new sweep, and ends
+    with the weights of an uninterrupted single-device run."""
+    torch.manual_seed(0)
+    models = [MLP(32, 3), MLP(48, 2, optimizer="sgd")]
+    references = [copy.deepcopy(m) for m in models]
+
+    class SigtermAtStep(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def add_all(sweep: MultiModelTrainer, ckpt_paths: list[str | None]) -> None:
+        for i, (model, ckpt_path) in enumerate(zip(models, ckpt_paths)):
+            callbacks: list[L.Callback] = [ModelCheckpoint(tmp_path / f"m{i}", every_n_train_steps=1, save_top_k=-1)]
+            if i == 0 and ckpt_path is None:
+                callbacks.append(SigtermAtStep())
+            sweep.add(
+                model,
+                train_dataloaders=regression_data(32 + 16 * i),
+                max_steps=20,
+                logger=False,
+                callbacks=callbacks,
+                ckpt_path=ckpt_path,
+            )
+
+    previous = signal.getsignal(signal.SIGTERM)
+    sweep = MultiModelTrainer(devices=2, memory_budget="100KB", enable_progress_bar=False)
+    add_all(sweep, [None, None])
+    sweep.fit()
+    assert signal.getsignal(signal.SIGTERM) is previous, "the sweep's handler is removed afterwards"
+    assert [r.status for r in sweep.results] == ["stopped", "stopped"]
+    assert all(isinstance(r.error, SweepStopped) for r in sweep.results)
+    last = [max((tmp_path / f"m{i}").iterdir(), key=lambda p: int(p.stem.split("step=")[1])) for i in range(2)]
+    assert all(int(p.stem.split("step=")[1]) < 20 for p in last)
+
+    models = [MLP(32, 3), MLP(48, 2, optimizer="sgd")]
+    resumed = MultiModelTrainer(devices=2, memory_budget="100KB", enable_progress_bar=False)
+    add_all(resumed, [str(p) for p in last])
+    trainers = resumed.fit()
+    assert [t.global_step for t in trainers] == [20, 20]
+    for i, (model, reference) in enumerate(zip(models, references)):
+        fit_alone(reference, regression_data(32 + 16 * i), max_steps=20)
+        assert_same_weights(model, reference)
+
+
+def test_dropout_models_share_the_generator_one_at_a_time():
+    """Models with dropout take their forward and recompute turns one at a time on torch's global generator (each
+    recompute replays its forward's masks, or the fit fails); a model without dropout runs beside them and trains
+    exactly as alone."""
+    torch.manual_seed(0)
+    dropout_models = [TinyLM(dropout=0.2), TinyLM(dropout=0.1)]
+    plain = MLP(32, 3)
+    reference = copy.deepcopy(plain)
+    sweep = MultiModelTrainer(devices=2, memory_budget="85KB", enable_progress_bar=False)
+    for model in dropout_models:
+        sweep.add(
+            model,
+            train_dataloaders=DataLoader(token_dataset(64), batch_size=8, shuffle=True),
+            max_steps=8,
+            logger=False,
+            enable_checkpointing=False,
+        )
+    sweep.add(plain, train_dataloaders=regression_data(32), max_steps=8, logger=False, enable_checkpointing=False)
+    sweep.fit()
+    assert [r.status for r in sweep.results] == ["finished"] * 3, [r.error for r in sweep.results]
+    names = [r.name for r in sweep.results]
+    for name in names[:2]:
+        assert any(sweep.scheduler.clock(name).draws.values())
+    assert not any(sweep.scheduler.clock(names[2]).draws.values())
+    fit_alone(reference, regression_data(32), max_steps=8)
+    assert_same_weights(plain, reference)
+
+
+def test_progress_summary_and_trace(tmp_path, capsys):
+    """One progress bar per model, a summary table at the end, the device timeline as a Perfetto trace; fewer
+    models than devices is said in one line."""
+    torch.manual_seed(0)
+    sweep = MultiModelTrainer(devices=3, memory_budget="100KB")
+    sweep.add(MLP(32, 2), train_dataloaders=regression_data(32), max_steps=3, logger=False, name="small")
+    sweep.add(MLP(48, 3), train_dataloaders=regression_data(48), max_steps=4, logger=False, name="large")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    lightning_log = logging.getLogger("lightning.pytorch")
+    lightning_log.addHandler(handler)
+    try:
+        sweep.fit()
+    finally:
+        lightning_log.removeHandler(handler)
+    assert any("2 model(s) for 3 devices; 1 device(s) will stay idle" in line for line in lines)
+    table = next(line for line in lines if line.startswith("MultiModelTrainer summary:")).splitlines()[1:]
+    assert table[0].split() == ["model", "status", "steps", "final", "loss", "time", "(s)", "device", "share"]
+    assert table[2].split()[:3] == ["small", "finished", "3"] and table[3].split()[:3] == ["large", "finished", "4"]
+    shown = capsys.readouterr().err
+    assert "small: 100%" in shown and "3/3" in shown and "large: 100%" in shown and "4/4" in shown
+
+    sweep.write_trace(tmp_path / "sweep.json")
+    trace = json.loads((tmp_path / "sweep.json").read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["name"] for e in slices} == {"small", "large"}
+    assert {e["args"]["work"] for e in slices} >= {"forward", "backward", "set-up"}
+    assert len(slices) == len(sweep.spans)
+
+
+def test_bad_input_fails_early():
+    with pytest.raises(NotImplementedError, match="runs on the CPU"):
+        MultiModelTrainer(accelerator="gpu")
+    sweep = MultiModelTrainer(devices=2)
+    with pytest.raises(ValueError, match="set `accelerator` and `devices` on MultiModelTrainer"):
+        sweep.add(MLP(8, 2), devices=2)
+    sweep.add(MLP(8, 2), name="a")
+    with pytest.raises(ValueError, match="named 'a' is in the sweep already"):
+        sweep.add(MLP(8, 2), name="a")
+    with pytest.raises(ValueError, match="No model to fit"):
+        MultiModelTrainer().fit()
+
+
+def test_default_loggers_get_one_version_each(tmp_path):
+    sweep = MultiModelTrainer(devices=2, enable_progress_bar=False)
+    trainers = [sweep.add(MLP(8, 2), default_root_dir=tmp_path, max_steps=1) for _ in range(3)]
+    assert len({t.logger.log_dir for t in trainers}) == 3  # type: ignore[union-attr]
+    assert all(Path(t.logger.log_dir).is_dir() for t in trainers)  # type: ignore[union-attr, arg-type]
