@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_varuna import CutPoint, MultiModelTrainer, SpillingStrategy
 from lightning_varuna.multimodel import DeviceScheduler, SweepStopped
+from lightning_varuna.multimodel.scheduler import HOLD_S
 
 
 class MLP(L.LightningModule):
@@ -176,6 +177,31 @@ def test_the_longest_remaining_model_gets_the_free_device():
     for thread in threads:
         thread.join()
     assert served == ["unmeasured-big", "long", "short", "unmeasured-small"]
+
+
+def test_a_device_given_back_by_the_longest_model_is_held_for_it_briefly():
+    """Between two turns a model runs Lightning's code for a moment: the device it gave back waits up to HOLD_S for
+    it (if it is among the D longest), then goes to the next model."""
+    scheduler = DeviceScheduler(devices=1)
+    scheduler.add("long", 100)
+    scheduler.add("short", 1)
+    scheduler.stepped("long", steps_done=0, total_steps=10, steps_before=0)
+    scheduler.stepped("short", steps_done=0, total_steps=10, steps_before=0)
+    served: list[str] = []
+
+    def take_turn() -> None:
+        with scheduler.turn("short", "forward", 0):
+            served.append("short")
+
+    short = threading.Thread(target=take_turn)
+    with scheduler.turn("long", "forward", 0):
+        short.start()
+        while scheduler.queue() != ["short"]:
+            time.sleep(0.001)
+    with scheduler.turn("long", "forward", 1):  # back at once: served before "short", which waits
+        assert served == []
+    short.join(timeout=100 * HOLD_S)  # "long" does not come back: "short" gets the device
+    assert served == ["short"]
 
 
 def test_a_failing_model_ends_alone_with_its_checkpoints_intact(tmp_path):

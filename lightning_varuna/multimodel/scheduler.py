@@ -7,6 +7,10 @@ steps took so far; until a model has stepped, it is estimated from its size (the
 need) at the rate measured on the
 models that have stepped (or, before any has, models are ranked by size times steps).
 
+Between two turns a model runs Lightning's own code for a moment. So that the D models with the longest remaining
+time keep their devices rather than queue behind shorter models' shards each time, a device they just gave back is
+held for them for up to `HOLD_S`, unless they are all waiting already.
+
 Models whose forward draws random numbers (dropout) take turns one at a time on torch's global generator, so that
 each shard's recompute replays the same numbers; whether a forward draws is found out on its first, exclusive, run.
 """
@@ -21,7 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DeviceScheduler", "DeviceSpan", "ModelClock", "SweepStopped"]
+__all__ = ["HOLD_S", "DeviceScheduler", "DeviceSpan", "ModelClock", "SweepStopped"]
+
+HOLD_S = 0.01  # how long a device given back by one of the D longest models waits for that model's next turn
 
 
 class SweepStopped(Exception):
@@ -51,6 +57,8 @@ class ModelClock:
     steps_before: int = 0  # optimizer steps already taken when the fit started (a resumed run)
     device_s: float = 0.0  # device time of its turns so far
     finished: bool = False
+    turns: int = 0  # turns it holds or waits for now
+    released_s: float = -float("inf")  # when its last turn ended
     draws: dict[tuple[int, bool], bool] = field(default_factory=dict)  # (shard, training) -> its forward draws
 
     @property
@@ -63,11 +71,16 @@ class _Request:
     clock: ModelClock
     needs_generator: bool
     order: int
+    granted: threading.Event = field(default_factory=threading.Event)
     device: int | None = None
 
 
 class DeviceScheduler:
-    """``devices`` device slots shared by the models of a sweep, handed out longest remaining time first."""
+    """``devices`` device slots shared by the models of a sweep, handed out longest remaining time first.
+
+    Whenever a device comes free (or a model starts waiting), the dispatcher gives the free devices to the waiting
+    models in order of remaining time and wakes only those.
+    """
 
     def __init__(self, devices: int) -> None:
         self.devices = devices
@@ -76,9 +89,10 @@ class DeviceScheduler:
         self._generator_busy = False
         self._waiting: list[_Request] = []
         self._clocks: dict[str, ModelClock] = {}
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
         self._arrivals = 0
         self._stopped: str | None = None
+        self._hold_timer: threading.Timer | None = None  # to dispatch again when held devices are held no longer
 
     def add(self, name: str, size: int) -> ModelClock:
         """Register a model by ``name`` (unique) with its size, for estimates until it has stepped."""
@@ -91,40 +105,44 @@ class DeviceScheduler:
     # ------------------------------------------------------------------------------------ remaining time
     def remaining_s(self, clock: ModelClock) -> float:
         """The device time ``clock``'s model still needs: measured, or estimated from its size (see module)."""
+        return self._remaining_s(clock, self._per_byte_step())
+
+    def _per_byte_step(self) -> float:
+        stepped = [c for c in self._clocks.values() if c.steps_done]
+        return sum(c.device_s for c in stepped) / sum(c.size * c.steps_done for c in stepped) if stepped else 1.0
+
+    @staticmethod
+    def _remaining_s(clock: ModelClock, per_byte_step: float) -> float:
         if clock.steps_done:
             return clock.remaining_steps * clock.device_s / clock.steps_done
-        stepped = [c for c in self._clocks.values() if c.steps_done]
-        per_byte_step = (
-            sum(c.device_s for c in stepped) / sum(c.size * c.steps_done for c in stepped) if stepped else 1.0
-        )
         return clock.remaining_steps * clock.size * per_byte_step
 
     def stepped(self, name: str, steps_done: int, total_steps: float, steps_before: int) -> None:
         """Record a model's progress (after each optimizer step)."""
-        with self._changed:
+        with self._lock:
             clock = self._clocks[name]
             clock.steps_done, clock.total_steps, clock.steps_before = steps_done, total_steps, steps_before
-            self._changed.notify_all()
 
     def finished(self, name: str) -> None:
         """The model's fit has ended (done, failed or stopped): it asks for no more turns."""
-        with self._changed:
+        with self._lock:
             self._clocks[name].finished = True
-            self._changed.notify_all()
 
     def stop(self, reason: str) -> None:
         """Stop the sweep: every model raises `SweepStopped` when it next asks for a turn."""
-        with self._changed:
+        with self._lock:
             self._stopped = reason
-            self._changed.notify_all()
+            for request in self._waiting:
+                request.granted.set()
 
     def queue(self) -> list[str]:
         """The models waiting for a device, longest remaining time (next served) first."""
-        with self._changed:
+        with self._lock:
             return [r.clock.name for r in self._by_priority()]
 
     def _by_priority(self) -> list[_Request]:
-        return sorted(self._waiting, key=lambda r: (-self.remaining_s(r.clock), r.order))
+        rate = self._per_byte_step()
+        return sorted(self._waiting, key=lambda r: (-self._remaining_s(r.clock, rate), r.order))
 
     # ------------------------------------------------------------------------------------------------ turns
     @contextmanager
@@ -146,45 +164,71 @@ class DeviceScheduler:
             end = time.perf_counter()
             if before is not None:
                 clock.draws[(shard, training)] = not torch.equal(before, torch.get_rng_state())
-            with self._changed:
+            with self._lock:
                 assert request.device is not None
-                self._free.append(request.device)
-                self._generator_busy &= not request.needs_generator
                 clock.device_s += end - start
+                clock.turns -= 1
+                clock.released_s = end
                 self.spans.append(DeviceSpan(request.device, name, work, shard, start, end))
-                self._changed.notify_all()
+                self._release(request)
+                self._dispatch()
 
     def _wait(self, clock: ModelClock, needs_generator: bool) -> _Request:
-        with self._changed:
+        with self._lock:
+            if self._stopped is not None:
+                raise SweepStopped(f"the sweep was stopped ({self._stopped})")
             self._arrivals += 1
+            clock.turns += 1
             request = _Request(clock, needs_generator, self._arrivals)
             self._waiting.append(request)
-            try:
-                while not self._granted(request):
-                    if self._stopped is not None:
-                        raise SweepStopped(f"the sweep was stopped ({self._stopped})")
-                    self._changed.wait()
-            finally:
+            self._dispatch()
+        request.granted.wait()
+        with self._lock:
+            if self._stopped is None:
+                return request
+            clock.turns -= 1
+            if request in self._waiting:
                 self._waiting.remove(request)
-            if self._stopped is not None:
-                self._free.append(request.device)  # type: ignore[arg-type]
-                self._changed.notify_all()
-                raise SweepStopped(f"the sweep was stopped ({self._stopped})")
-            return request
+            elif request.device is not None:
+                self._release(request)
+                self._dispatch()
+        raise SweepStopped(f"the sweep was stopped ({self._stopped})")
 
-    def _granted(self, request: _Request) -> bool:
-        """Whether ``request`` is among those the free devices go to now, longest remaining time first (earlier
-        arrivals first among equals); if so, take its device (and the generator)."""
-        free, generator_busy = len(self._free), self._generator_busy
-        for waiting in self._by_priority():
-            if free == 0:
-                return False
-            if waiting.needs_generator and generator_busy:
+    def _dispatch_later(self) -> None:
+        """Dispatch again once the devices held now are held no longer (if their models have not come back)."""
+        if self._hold_timer is None:
+            self._hold_timer = threading.Timer(HOLD_S, self._dispatch_after_hold)
+            self._hold_timer.daemon = True
+            self._hold_timer.start()
+
+    def _dispatch_after_hold(self) -> None:
+        with self._lock:
+            self._hold_timer = None
+            self._dispatch()
+
+    def _release(self, request: _Request) -> None:
+        self._free.append(request.device)  # type: ignore[arg-type]
+        self._generator_busy &= not request.needs_generator
+
+    def _dispatch(self) -> None:
+        """Give the free devices to the waiting requests, longest remaining time first (earlier arrivals first among
+        equals; one turn at a time holds the generator), except those held for the D longest models that are between
+        two turns; wake those served."""
+        if self._stopped is not None:
+            return
+        rate, now = self._per_byte_step(), time.perf_counter()
+        running = [c for c in self._clocks.values() if not c.finished]
+        longest = sorted(running, key=lambda c: -self._remaining_s(c, rate))[: self.devices]
+        held = sum(1 for c in longest if c.turns == 0 and now - c.released_s < HOLD_S)
+        for request in self._by_priority():
+            if not self._free:
+                return
+            if request.needs_generator and self._generator_busy:
                 continue
-            if waiting is request:
-                request.device = self._free.pop(0)
-                self._generator_busy |= request.needs_generator
-                return True
-            free -= 1
-            generator_busy |= waiting.needs_generator
-        return False
+            if len(self._free) <= held and not any(request.clock is c for c in longest):
+                self._dispatch_later()
+                continue
+            request.device = self._free.pop(0)
+            self._generator_busy |= request.needs_generator
+            self._waiting.remove(request)
+            request.granted.set()
