@@ -78,12 +78,15 @@ class StepLosses(L.Callback):
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
-def fit_alone(model: L.LightningModule, train: DataLoader, val: DataLoader | None = None, **kwargs: Any) -> list[float]:
-    """Plain single-device Lightning training; its per-step losses."""
-    losses = StepLosses()
-    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[losses], **{**QUIET, **kwargs})
+def fit_alone(model: L.LightningModule, train: DataLoader, val: DataLoader | None = None, **kwargs: Any) -> L.Trainer:
+    """Plain single-device Lightning training."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[StepLosses()], **{**QUIET, **kwargs})
     trainer.fit(model, train, val)
-    return losses.losses
+    return trainer
+
+
+def step_losses(trainer: L.Trainer) -> list[float]:
+    return next(c for c in trainer.callbacks if isinstance(c, StepLosses)).losses  # type: ignore[attr-defined]
 
 
 def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
@@ -128,11 +131,12 @@ def test_each_model_of_a_sweep_trains_as_if_alone():
     assert [t.lightning_module for t in trainers] == [model for model, *_ in specs]
     assert any(len(t.strategy.shards) > 1 for t in trainers)  # type: ignore[attr-defined]
     for (model, train, val, kwargs), reference, losses, trainer in zip(specs, references, sweep_losses, trainers):
-        expected = fit_alone(reference, train, val, **kwargs)
-        torch.testing.assert_close(losses.losses, expected, rtol=1e-5, atol=1e-6)
+        alone = fit_alone(reference, train, val, **kwargs)
+        torch.testing.assert_close(losses.losses, step_losses(alone), rtol=1e-5, atol=1e-6)
         assert_same_weights(model, reference)
-        assert sweep.results[trainers.index(trainer)].steps == trainer.global_step
-    assert "val_loss" in trainers[0].callback_metrics
+        assert sweep.results[trainers.index(trainer)].steps == trainer.global_step == alone.global_step
+        if val is not None:
+            torch.testing.assert_close(trainer.callback_metrics["val_loss"], alone.callback_metrics["val_loss"])
 
     spans = sweep.spans
     for device in (0, 1):

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from models import RecordLosses
 from torch.utils.data import DataLoader
 
-from lightning_varuna import SpillingStrategy
+from lightning_varuna import MultiModelTrainer, SpillingStrategy
 
 pytest.importorskip("transformers", reason="the real-model tests train Hugging Face models: pip install transformers")
 from real_models import build  # noqa: E402
@@ -87,3 +87,37 @@ def test_real_model_resumes_spilled_from_a_mid_epoch_checkpoint(tmp_path, name):
             torch.testing.assert_close(value, expected_value, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
         else:
             assert torch.equal(value, expected_value), key
+
+
+def test_real_models_trained_together_each_as_if_alone():
+    """MultiModelTrainer on the models the project did not write, two devices: each model's losses and weights
+    equal its plain single-device training."""
+    built = {name: build(name) for name in MODELS}
+    budget = max(budget_for_two_or_more_shards(model, data) for model, data in built.values())
+    references = {name: copy.deepcopy(model) for name, (model, _) in built.items()}
+    sweep = MultiModelTrainer(devices=2, memory_budget=budget, enable_progress_bar=False)
+    records = {}
+    for name, (model, data) in built.items():
+        records[name] = RecordLosses()
+        sweep.add(
+            model,
+            train_dataloaders=DataLoader(data, batch_size=BATCH),
+            max_steps=STEPS,
+            name=name,
+            callbacks=[records[name]],
+            logger=False,
+            enable_checkpointing=False,
+        )
+    trainers = sweep.fit()
+    assert [r.status for r in sweep.results] == ["finished"] * len(MODELS), [r.error for r in sweep.results]
+    assert any(len(t.strategy.shards) >= 2 for t in trainers)  # type: ignore[attr-defined]
+    for name, (model, data) in built.items():
+        expected = fit(references[name], data, "auto")
+        torch.testing.assert_close(
+            torch.tensor(records[name].losses), torch.tensor(expected.losses), rtol=1e-4, atol=1e-5, msg=name
+        )
+        for (key, value), expected_value in zip(model.state_dict().items(), references[name].state_dict().values()):
+            if value.is_floating_point():
+                torch.testing.assert_close(value, expected_value, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
+            else:
+                assert torch.equal(value, expected_value), f"{name} {key}"
