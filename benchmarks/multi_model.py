@@ -20,7 +20,8 @@ shortest first. Three ways to train it:
   shard's forward recomputed for its backward, as when the models do not fit the device.
 
 Writes ``benchmarks/results/multi_model.json`` and the spilled sweep's device timeline as a Perfetto trace,
-``benchmarks/results/traces/multi_model.json`` (open it in ui.perfetto.dev).
+``benchmarks/results/traces/multi_model.json`` (open it in ui.perfetto.dev); with another ``--batch``,
+``multi_model_batch<batch>.json`` in both places.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import argparse
 import json
 import multiprocessing
 import platform
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,9 +45,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_varuna import CutPoint, MultiModelTrainer
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "multi_model.json"
-TRACE = ROOT / "benchmarks" / "results" / "traces" / "multi_model.json"
-# (width, layers, steps) of each model, in the order added: unequal sizes and lengths, the longest last.
+RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_BATCH = 256
+# (width, layers, steps at DEFAULT_BATCH) of each model, in the order added: unequal sizes and lengths, the longest
+# last. At another ``--batch`` the steps are scaled so that each model trains on as many rows.
 SWEEP = [(512, 4, 80), (768, 4, 60), (512, 6, 120), (1024, 4, 80), (768, 6, 100), (1024, 6, 120)]
 
 
@@ -73,6 +77,7 @@ class MLP(L.LightningModule):
 
 def model_and_data(index: int, batch: int) -> tuple[MLP, DataLoader, int]:
     width, layers, steps = SWEEP[index]
+    steps = max(1, round(steps * DEFAULT_BATCH / batch))
     torch.manual_seed(index)
     data = TensorDataset(torch.randn(batch * 8, width), torch.randn(batch * 8, width))
     return MLP(width, layers), DataLoader(data, batch_size=batch), steps
@@ -127,11 +132,12 @@ def multi_model(devices: int, batch: int, budget: str | None) -> tuple[float, Mu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows per batch (steps scaled to match)")
     parser.add_argument("--budget", default="64MB", help="each model's memory budget (a shard's)")
     args = parser.parse_args()
 
-    print(f"sweep of {len(SWEEP)} models (width, layers, steps): {SWEEP}; {args.devices} devices")
+    print(f"sweep of {len(SWEEP)} models (width, layers, steps at batch {DEFAULT_BATCH}): {SWEEP}")
+    print(f"{args.devices} devices, batches of {args.batch}")
     alone = sequential(args.batch)
     print("sequential: " + ", ".join(f"{t:.1f}s" for t in alone))
     queue_s = task_queue(args.devices, args.batch)
@@ -141,6 +147,8 @@ def main() -> None:
     spilled_s, spilled = multi_model(args.devices, args.batch, args.budget)
     print(f"multi-model-spilled: {spilled_s:.1f}s")
 
+    name = "multi_model.json" if args.batch == DEFAULT_BATCH else f"multi_model_batch{args.batch}.json"
+    results_path, trace_path = RESULTS / name, RESULTS / "traces" / name
     lower_bound = max(sum(alone) / args.devices, max(alone))
     rows = {
         "sequential": sum(alone),
@@ -153,32 +161,31 @@ def main() -> None:
         for name, run, makespan in (("multi-model", sweep, sweep_s), ("multi-model-spilled", spilled, spilled_s))
     }
     results = {
-        "command": "python benchmarks/multi_model.py",
+        "command": shlex.join(["python", "benchmarks/multi_model.py", *sys.argv[1:]]),
         "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
         "devices": args.devices,
         "batch": args.batch,
         "memory_budget": args.budget,
         "models": [
-            {"width": w, "layers": n, "steps": s, "alone_s": t, "shards_spilled": len(trainer.strategy.shards)}
-            for (w, n, s), t, trainer in zip(SWEEP, alone, (r.trainer for r in spilled.results))
+            {"width": w, "layers": n, "steps": r.steps, "alone_s": t, "shards_spilled": len(r.trainer.strategy.shards)}
+            for (w, n, _), t, r in zip(SWEEP, alone, spilled.results)
         ],
         "lower_bound_s": lower_bound,
         "makespan_s": rows,
         "speedup_over_sequential": {k: sum(alone) / v for k, v in rows.items()},
         "vs_lower_bound": {k: v / lower_bound for k, v in rows.items()},
         "device_busy": busy,
-        "trace": str(TRACE.relative_to(ROOT)),
+        "trace": str(trace_path.relative_to(ROOT)),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    TRACE.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    spilled.write_trace(TRACE)
+    trace_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    spilled.write_trace(trace_path)
     print(f"\nlower bound max(sum t / D, max t) = {lower_bound:.1f}s")
     print(f"{'':20} {'makespan s':>10} {'speed-up':>9} {'vs bound':>9} {'devices busy':>13}")
     for name, makespan in rows.items():
         shown = f"{busy[name]:.0%}" if name in busy else "-"
         print(f"{name:20} {makespan:10.1f} {sum(alone) / makespan:8.2f}x {makespan / lower_bound:8.2f}x {shown:>13}")
-    print(f"wrote {RESULTS.relative_to(ROOT)} and {TRACE.relative_to(ROOT)}")
+    print(f"wrote {results_path.relative_to(ROOT)} and {trace_path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
