@@ -33,7 +33,8 @@ what each rank holds. Before each variant the launcher waits (up to ``--max-wait
 the CPUs idle, and it reports how many cores they kept busy while the variant ran ("other load").
 
 Writes the figures to ``benchmarks/results/pipeline_step.json``. Options: ``--steps``, ``--warmup``,
-``--variants NAME ...`` (see ``--help``).
+``--variants NAME ...``, ``--rounds N`` (run the variants N times in turn, so that a slow spell of the machine
+touches all of them; each ratio is then also given per round) (see ``--help``).
 """
 
 from __future__ import annotations
@@ -521,13 +522,26 @@ COMPARISONS = [
 
 
 def comparisons(rows: list[dict[str, Any]]) -> list[str]:
-    """The ratios the table is run for, as lines of text."""
-    by_name = {row["variant"]: row["step_ms"] for row in rows}
-    return [
-        f"{what}: {by_name[a]:.1f} / {by_name[b]:.1f} ms = {by_name[a] / by_name[b]:.3f}x"
-        for what, a, b in COMPARISONS
-        if a in by_name and b in by_name
-    ]
+    """The ratios the table is run for, as lines of text; with several rounds, also each round's ratio."""
+    by_name = {row["variant"]: row for row in rows}
+    lines = []
+    for what, a, b in COMPARISONS:
+        if a not in by_name or b not in by_name:
+            continue
+        line = f"{what}: {by_name[a]['step_ms']:.1f} / {by_name[b]['step_ms']:.1f} ms = "
+        line += f"{by_name[a]['step_ms'] / by_name[b]['step_ms']:.3f}x"
+        per_round = [x / y for x, y in zip(by_name[a]["step_ms_rounds"], by_name[b]["step_ms_rounds"])]
+        if len(per_round) > 1:
+            shown = ", ".join(f"{r:.3f}" for r in per_round)
+            line += f"; per round {shown} (median {statistics.median(per_round):.3f}x)"
+        lines.append(line)
+    return lines
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for a variant run in several rounds: the round with the median step time, with every round's."""
+    ordered = sorted(rounds, key=lambda row: row["step_ms"])
+    return {**ordered[(len(ordered) - 1) // 2], "step_ms_rounds": [row["step_ms"] for row in rounds]}
 
 
 def measure(variant: Variant, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
@@ -554,6 +568,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=Config.steps, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=Config.warmup, help="untimed steps first")
     parser.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS], default=[v.name for v in VARIANTS])
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the variants this many times, in turn; report each one's median run"
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per variant")
     parser.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine per run")
     parser.add_argument("--retries", type=int, default=2, help="runs again of a variant that other processes disturbed")
@@ -575,9 +592,14 @@ def main() -> None:
         f"{cfg.warmup} warm-up + {cfg.steps} timed steps; step = fwd + bwd + AdamW",
         flush=True,
     )
-    rows = []
-    for variant in (v for v in VARIANTS if v.name in args.variants):
-        rows.append(measure(variant, cfg, args))
+    chosen = [v for v in VARIANTS if v.name in args.variants]
+    rounds: dict[str, list[dict[str, Any]]] = {v.name: [] for v in chosen}
+    for round_index in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {round_index + 1} of {args.rounds}", flush=True)
+        for variant in chosen:
+            rounds[variant.name].append(measure(variant, cfg, args))
+    rows = [median_round(rounds[v.name]) for v in chosen]
     add_ratios(rows)
     boundaries = {r["variant"]: r["boundary"] for r in rows if r["boundary"]}
     print(f"\nstage boundary: bare variants {cfg.boundary}; VarunaStrategy chose {boundaries or '-'}\n")
