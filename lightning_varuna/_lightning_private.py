@@ -36,6 +36,8 @@ from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwarg
 # - `trainer._checkpoint_connector` (its class is swapped for the extended connector): strategies/launchers.py.
 # - `loop._data_source.dataloader()`: the first batch of the running loop, to trace the model at start-up.
 # - the checkpoint's `loops["fit_loop"]["epoch_progress"]` counters: `data.resumable.continue_unfinished_epoch`.
+# - the precision plugin's `clip_grad_by_norm` / `clip_grad_by_value`, replaced on the instance:
+#   strategies/clipping.py. tests/test_parity.py (gradient_clip_val), tests/test_spilling.py.
 
 __all__ = [
     "CheckpointConnector",

@@ -36,6 +36,7 @@ from lightning_varuna.spilling.packing import SegmentMemory, parse_bytes
 from lightning_varuna.spilling.planning import plan_shards
 from lightning_varuna.spilling.shards import ShardedModel
 from lightning_varuna.storage import Storage
+from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.optimizers import torch_optimizer
 
@@ -177,8 +178,7 @@ class SpillingStrategy(SingleDeviceStrategy):
             devices = [self.root_device] if self.root_device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices), buffers_kept(self._module):
                 self._sharded = self._shard(trainer)
-        self.precision_plugin.clip_grad_by_norm = self._request_clip_by_norm  # type: ignore[method-assign]
-        self.precision_plugin.clip_grad_by_value = self._request_clip_by_value  # type: ignore[method-assign]
+        route_gradient_clipping(self.precision_plugin, self._request_clip_by_norm, self._request_clip_by_value)
         optimizer = self.optimizers[0] if self.optimizers else None
         if len(self.optimizers) > 1:
             raise ValueError("SpillingStrategy trains with one optimizer; `configure_optimizers` returned several.")

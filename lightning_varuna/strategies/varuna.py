@@ -65,6 +65,7 @@ from lightning_varuna.profiling.profile import ModelProfile, segment_costs
 from lightning_varuna.profiling.segments import measure_segments
 from lightning_varuna.profiling.simulator import Config
 from lightning_varuna.storage import Storage
+from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.failures import Failure, FailureNotice, PeerFailure
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
@@ -392,7 +393,7 @@ class VarunaStrategy(ParallelStrategy):
         if scaler is not None and not self.topology.is_last_stage:
             # Only the last stage scales a loss; scaling nothing gives the others' scalers the scale unscale_ needs.
             scaler.scale(torch.zeros((), device=self.root_device))
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        route_gradient_clipping(self.precision_plugin, self._clip_grad_by_global_norm)
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
