@@ -6,10 +6,13 @@ exercise each are named below.
 
 from __future__ import annotations
 
+import torch
+
 # The module of nn.Transformer and its encoder and decoder, whose `_detect_is_causal_mask` compares a mask's values
 # (a data-dependent guard torch.export cannot trace): `partition.tracing` replaces it while a model is traced.
 # tests/test_real_models.py.
 import torch.nn.modules.transformer as transformer_module
+from torch import Tensor
 
 # One flat buffer from many gradients and views of it back: the gradient all-reduce of each step.
 # tests/test_parity.py.
@@ -42,6 +45,14 @@ from torch.nn.modules.batchnorm import _NormBase as NormWithRunningStats
 
 rename_node = Node._rename
 
+
+def storage_users(tensor: Tensor) -> int:
+    """How many tensors share ``tensor``'s memory, ``tensor`` and its views included (the count of references to
+    its storage). The disk tier reads into a buffer again once nothing else uses it. tests/test_spilling.py."""
+    storage = tensor.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata) - 1  # not counting `storage` itself
+
+
 __all__ = [
     "FsspecReader",
     "NormWithRunningStats",
@@ -51,6 +62,7 @@ __all__ = [
     "generated_code_modules",
     "narrow_tensor_by_index",
     "rename_node",
+    "storage_users",
     "transformer_module",
     "unflatten_dense_tensors",
 ]
