@@ -6,6 +6,8 @@ exercise each are named below.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 # The module of nn.Transformer and its encoder and decoder, whose `_detect_is_causal_mask` compares a mask's values
@@ -47,10 +49,16 @@ rename_node = Node._rename
 
 
 def storage_users(tensor: Tensor) -> int:
-    """How many tensors share ``tensor``'s memory, ``tensor`` and its views included (the count of references to
-    its storage). The disk tier reads into a buffer again once nothing else uses it. tests/test_spilling.py."""
+    """How many hold ``tensor``'s memory, ``tensor`` included: tensors and views of it (the C++ references to its
+    storage) and its Python storage object where someone keeps one (``t.untyped_storage()``). Counted against a new
+    tensor's, which has one. The disk tier reads into a buffer again once nothing else holds it.
+    tests/test_spill_store.py."""
+    return _storage_references(tensor) - _storage_references(torch.empty(1)) + 1
+
+
+def _storage_references(tensor: Tensor) -> int:
     storage = tensor.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata) - 1  # not counting `storage` itself
+    return torch._C._storage_Use_Count(storage._cdata) + sys.getrefcount(storage)
 
 
 __all__ = [

@@ -170,6 +170,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         cluster.stop()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``-n``) the tests of the one SLURM cluster run in one worker (``--dist loadgroup``)."""
     for item in items:

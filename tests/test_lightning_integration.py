@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import lightning as L
@@ -46,7 +47,8 @@ def test_lightning_cli_yaml_trains_pipelined(tmp_path, strategy_args):
     ]
     proc = run_job(cmd, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "VarunaStrategy: 2 stage(s), cut at CutPoints ['cuts.0']" in proc.stderr + proc.stdout
+    # Where it cuts follows the segments' measured times, which a busy machine can tip to the other CutPoint.
+    assert re.search(r"VarunaStrategy: 2 stage\(s\), cut at CutPoints \['cuts\.[01]'\]", proc.stderr + proc.stdout)
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in proc.stderr + proc.stdout
 
 

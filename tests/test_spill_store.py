@@ -30,6 +30,20 @@ def test_a_part_still_in_use_is_never_read_over(tmp_path):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     store.put("c", parts(ord("a"))[1:])  # shorter than the file it overwrites
     torch.testing.assert_close(store.get("c")[0], parts(ord("a"))[1], rtol=0, atol=0)
+    assert (tmp_path / "c.bin").stat().st_size == 64 * 4  # the longer part's tail is cut off
+    store.close()
+
+
+def test_a_part_whose_storage_object_alone_is_kept_is_never_read_over(tmp_path):
+    """Holding only a part's storage (as serializers such as `torch.save` do) keeps its buffer from being reused."""
+    store = SpillStore(torch.device("cpu"), tmp_path)
+    for key in "ab":
+        store.put(key, parts(ord(key)))
+    storage = store.get("a")[0].untyped_storage()
+    before = storage.tolist()
+    for _ in range(3):
+        store.get("b")
+    assert storage.tolist() == before
     store.close()
 
 

@@ -161,8 +161,10 @@ class SpillStore:
                 f.flush()
                 os.fdatasync(f.fileno())
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # written through: drop the page cache
-        except OSError as error:
-            path.unlink(missing_ok=True)
+        except BaseException as error:
+            path.unlink(missing_ok=True)  # partly rewritten: nothing may read it
+            if not isinstance(error, OSError):
+                raise
             raise OSError(
                 error.errno,
                 f"Cannot spill {size} bytes to `{path}` ({error.strerror}). Give SpillingStrategy a `spill_dir` "
@@ -196,12 +198,14 @@ class SpillStore:
 
 
 class ReadBuffers:
-    """The buffers the disk tier reads into, each used again once nothing else uses it (the tensors of the part
-    read into it were dropped or stored again): a new buffer costs a page fault per page on the first read into
-    it (reads about 25% slower here) or, pinned, a slow allocation. At most ``spare`` unused buffers are kept."""
+    """The buffers the disk tier reads into, each used again once nothing else holds it (the tensors of the part read
+    into it were dropped or stored again): a new buffer costs a page fault per page on the first read into it (reads
+    about 25% slower here) or, pinned, a slow allocation. Unused buffers are kept only while they fit the parts
+    asked for: before a new buffer is made, every unused one is freed, so memory never holds more than the buffers
+    in use and the one being read into."""
 
-    def __init__(self, pinned: bool, spare: int = 2) -> None:
-        self.pinned, self.spare = pinned, spare
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
         self._buffers: list[Tensor] = []
 
     def take(self, size: int) -> Tensor:
@@ -209,11 +213,9 @@ class ReadBuffers:
         unused = [b for b in self._buffers if storage_users(b) == 1]
         buffer = next((b for b in unused if b.numel() == size), None)
         if buffer is None:
+            self._buffers = [b for b in self._buffers if not any(b is u for u in unused)]
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
             self._buffers.append(buffer)
-        spares = [b for b in unused if b is not buffer]
-        dropped = {id(b) for b in spares[: max(len(spares) - self.spare, 0)]}  # the oldest
-        self._buffers = [b for b in self._buffers if id(b) not in dropped]
         return buffer
 
 
