@@ -200,22 +200,31 @@ class SpillStore:
 class ReadBuffers:
     """The buffers the disk tier reads into, each used again once nothing else holds it (the tensors of the part read
     into it were dropped or stored again): a new buffer costs a page fault per page on the first read into it (reads
-    about 25% slower here) or, pinned, a slow allocation. Unused buffers are kept only while they fit the parts
-    asked for: before a new buffer is made, every unused one is freed, so memory never holds more than the buffers
-    in use and the one being read into."""
+    about 25% slower here) or, pinned, a slow allocation. Unused buffers are kept while all the buffers together take
+    no more memory than was ever in use at once (which the memory budget bounds), the oldest freed first."""
 
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
         self._buffers: list[Tensor] = []
+        self._most_in_use = 0  # bytes
 
     def take(self, size: int) -> Tensor:
         """An unused buffer of ``size`` bytes."""
         unused = [b for b in self._buffers if storage_users(b) == 1]
         buffer = next((b for b in unused if b.numel() == size), None)
         if buffer is None:
-            self._buffers = [b for b in self._buffers if not any(b is u for u in unused)]
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
             self._buffers.append(buffer)
+        spares = [b for b in unused if b is not buffer]
+        held = sum(b.numel() for b in self._buffers)
+        self._most_in_use = max(self._most_in_use, held - sum(b.numel() for b in spares))
+        freed: set[int] = set()
+        for spare in spares:
+            if held <= self._most_in_use:
+                break
+            freed.add(id(spare))
+            held -= spare.numel()
+        self._buffers = [b for b in self._buffers if id(b) not in freed]
         return buffer
 
 
