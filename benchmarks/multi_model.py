@@ -147,8 +147,8 @@ def main() -> None:
     spilled_s, spilled = multi_model(args.devices, args.batch, args.budget)
     print(f"multi-model-spilled: {spilled_s:.1f}s")
 
-    name = "multi_model.json" if args.batch == DEFAULT_BATCH else f"multi_model_batch{args.batch}.json"
-    results_path, trace_path = RESULTS / name, RESULTS / "traces" / name
+    file_name = "multi_model.json" if args.batch == DEFAULT_BATCH else f"multi_model_batch{args.batch}.json"
+    results_path, trace_path = RESULTS / file_name, RESULTS / "traces" / file_name
     lower_bound = max(sum(alone) / args.devices, max(alone))
     rows = {
         "sequential": sum(alone),
