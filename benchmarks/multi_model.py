@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import platform
 import shlex
 import sys
@@ -162,7 +163,7 @@ def main() -> None:
     }
     results = {
         "command": shlex.join(["python", "benchmarks/multi_model.py", *sys.argv[1:]]),
-        "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "devices": args.devices,
         "batch": args.batch,
         "memory_budget": args.budget,

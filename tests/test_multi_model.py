@@ -322,6 +322,45 @@ def test_dropout_models_share_the_generator_one_at_a_time():
     assert_same_weights(plain, reference)
 
 
+class DrawsKnownAtTrainStart(L.Callback):
+    """What the scheduler knows, when training starts, of whether the model's forward draws random numbers."""
+
+    def __init__(self, sweep: MultiModelTrainer, name: str) -> None:
+        self.sweep, self.name = sweep, name
+        self.draws: dict[tuple[int, bool], bool] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.draws = dict(self.sweep.scheduler.clock(self.name).draws)
+
+
+def test_set_up_finds_out_which_models_draw_no_random_numbers():
+    """Set-up measures each model holding the generator: a model whose forward draws nothing needs the generator
+    for none of its turns, not even its first, so it can train while other models are being set up; a model with
+    dropout is left to its first forward, run holding the generator."""
+    torch.manual_seed(0)
+    sweep = MultiModelTrainer(devices=2, memory_budget="85KB", enable_progress_bar=False)
+    known = {name: DrawsKnownAtTrainStart(sweep, name) for name in ("dropout", "plain")}
+    sweep.add(
+        TinyLM(dropout=0.2),
+        train_dataloaders=DataLoader(token_dataset(32), batch_size=8),
+        max_steps=2,
+        name="dropout",
+        callbacks=[known["dropout"]],
+        **QUIET,
+    )
+    plain = MLP(32, 3)
+    sweep.add(
+        plain, train_dataloaders=regression_data(32), max_steps=2, name="plain", callbacks=[known["plain"]], **QUIET
+    )
+    sweep.fit()
+    assert [r.status for r in sweep.results] == ["finished"] * 2, [r.error for r in sweep.results]
+    plain_shards = len(sweep.results[1].trainer.strategy.shards)
+    assert plain_shards > 1
+    assert known["plain"].draws == {(shard, True): False for shard in range(plain_shards)}
+    assert known["dropout"].draws == {}
+    assert any(sweep.scheduler.clock("dropout").draws.values())
+
+
 def test_progress_summary_and_trace(tmp_path, capsys):
     """One progress bar per model, a summary table at the end, the device timeline as a Perfetto trace; fewer
     models than devices is said in one line."""

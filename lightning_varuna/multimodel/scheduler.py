@@ -4,15 +4,17 @@ Every model trains in its own thread; before each piece of shard work (a forward
 asks for a turn on a device and gives the device back afterwards. When a device is free, the waiting model with the
 longest remaining time gets it. A model's remaining time is its remaining optimizer steps times the device time its
 steps took so far; until a model has stepped, it is estimated from its size (the bytes its segments were measured to
-need) at the rate measured on the
-models that have stepped (or, before any has, models are ranked by size times steps).
+need) at the rate measured on the models that have stepped (or, before any has, models are ranked by size times
+steps).
 
 Between two turns a model runs Lightning's own code for a moment. So that the D models with the longest remaining
 time keep their devices rather than queue behind shorter models' shards each time, a device they just gave back is
 held for them for up to `HOLD_S`, unless they are all waiting already.
 
 Models whose forward draws random numbers (dropout) take turns one at a time on torch's global generator, so that
-each shard's recompute replays the same numbers; whether a forward draws is found out on its first, exclusive, run.
+each shard's recompute replays the same numbers. Whether a forward draws is found out at set-up, which runs the
+model holding the generator (or else on the forward's first, exclusive, run), so that models that draw none can
+train on one device while the others are still being set up on another.
 """
 
 from __future__ import annotations

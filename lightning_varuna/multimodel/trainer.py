@@ -223,9 +223,10 @@ class _SweepMemberStrategy(SpillingStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         with self.scheduler.turn(self.sweep_name, "set-up", -1, generator=True):
             super().setup(trainer)
-        self.scheduler.clock(self.sweep_name).size = sum(
-            m.state_bytes + m.activation_bytes for m in self.segment_memory
-        )
+        clock = self.scheduler.clock(self.sweep_name)
+        clock.size = sum(m.state_bytes + m.activation_bytes for m in self.segment_memory)
+        if not self.forward_draws:  # measured holding the generator: none of its turns needs it, not even its first
+            clock.draws.update({(i, self._module.training): False for i in range(len(self.shards))})
         self._sharded_model().turn = self._turn
 
     def _turn(self, work: str, shard: int) -> AbstractContextManager[bool]:

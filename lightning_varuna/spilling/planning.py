@@ -37,6 +37,8 @@ class ShardPlan:
         kept_bytes: what stays on the device throughout (boundary activations, buffers, tied parameters).
         parked: the segments of a model built on the meta device, materialized and waiting in the store.
         folder: the spill folder (removed with it), if spilling to disk.
+        forward_draws: whether measuring drew from torch's CPU generator (the model's forward, or materializing a
+            model built on the meta device).
     """
 
     model: ShardedModel
@@ -44,6 +46,7 @@ class ShardPlan:
     kept_bytes: int
     parked: ParkedSegments | None
     folder: tempfile.TemporaryDirectory | None
+    forward_draws: bool
 
 
 def plan_shards(
@@ -62,6 +65,7 @@ def plan_shards(
     store before the next: it is never whole in memory.
     """
     meta = MetaModel(module, device) if MetaModel.needed(module) else None
+    random_state = torch.get_rng_state()
     # A model still on the meta device shows its CutPoints and output structure running on the meta device.
     probe = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs)) if meta else (args, kwargs)
     cutpoints, example_output = forward_with_cutpoints(module, *probe)
@@ -77,6 +81,7 @@ def plan_shards(
     memory, kept = _measure(module, segment_modules, graph, args, kwargs, cutpoints, device, meta, parked)
     if meta:
         meta.materialize_rest()
+    forward_draws = not torch.equal(random_state, torch.get_rng_state())
     budget = memory_budget if memory_budget is not None else _free_bytes(device)
     shards = pack_shards(memory, budget, kept, prefetch)
     where = f"`{folder.name}`" if folder is not None else "host memory"
@@ -86,7 +91,7 @@ def plan_shards(
         f"of {format_bytes(budget)}; spilled to {where}."
     )
     model = ShardedModel(segments, segment_modules, shards, store, output_spec, prefetch=prefetch)
-    return ShardPlan(model, memory, kept, parked, folder)
+    return ShardPlan(model, memory, kept, parked, folder, forward_draws)
 
 
 def _spill_folder(spill_dir: Path | None, needed: int) -> tempfile.TemporaryDirectory | None:

@@ -91,6 +91,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         self.segment_memory: list[SegmentMemory] = []  # what each segment was measured to need on the device
         self.kept_bytes = 0  # what stays on the device throughout (boundary activations, buffers, tied weights)
         self.optimizer_in_backward = False  # each shard steps right after its backward (decided at set-up)
+        self.forward_draws = True  # whether the forward drew from torch's CPU generator when measured at set-up
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer whose step runs the current closure
         self.checkpoint_storage = Storage(storage_options)
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage)
@@ -209,6 +210,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         self.segment_memory, self.kept_bytes = plan.segment_memory, plan.kept_bytes
         self.shards = [shard.segments for shard in plan.model.shards]
         self._parked, self._folder = plan.parked, plan.folder
+        self.forward_draws = plan.forward_draws
         return plan.model
 
     # ----------------------------------------------------------------------------------------------- steps
