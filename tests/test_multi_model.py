@@ -208,6 +208,37 @@ def test_a_device_given_back_by_the_longest_model_is_held_for_it_briefly():
     assert served == ["short"]
 
 
+def test_a_model_is_ranked_again_as_its_step_ends():
+    """A model's remaining time drops by a step once the step's turns have taken more than half a step's device
+    time, before Lightning reports the step: the device it gives back at the end of a step goes at once to a model
+    that now has longer to go, instead of being held for it."""
+    scheduler = DeviceScheduler(devices=1)
+    for name in ("a", "b"):
+        scheduler.add(name, 10)
+        scheduler.clock(name).device_s = 0.02  # 20 ms per step over their first step
+    scheduler.stepped("a", steps_done=1, total_steps=4, steps_before=0)  # 3 steps, 60 ms left
+    scheduler.stepped("b", steps_done=1, total_steps=3.5, steps_before=0)  # 50 ms left
+    a = scheduler.clock("a")
+    a.device_s += 0.006  # a third of a step: still 3 steps left
+    assert scheduler.remaining_s(a) == pytest.approx(0.06)
+    a.device_s -= 0.006
+    served: list[str] = []
+
+    def take_turn(name: str) -> None:
+        with scheduler.turn(name, "forward", 0):
+            served.append(name)
+
+    b = threading.Thread(target=take_turn, args=("b",))
+    with scheduler.turn("a", "backward", 0):  # most of a step: a has 2 steps (40 ms) left when it gives the device back
+        b.start()
+        while scheduler.queue() != ["b"]:
+            time.sleep(0.001)
+        time.sleep(0.015)
+    take_turn("a")  # back at once, but b goes first
+    b.join()
+    assert served == ["b", "a"]
+
+
 def test_a_failing_model_ends_alone_with_its_checkpoints_intact(tmp_path):
     """An exception in one model's step ends that model's fit with its error; its last checkpoint resumes; the other
     model trains on exactly as alone."""

@@ -3,9 +3,11 @@
 Every model trains in its own thread; before each piece of shard work (a forward, a backward, an optimizer step) it
 asks for a turn on a device and gives the device back afterwards. When a device is free, the waiting model with the
 longest remaining time gets it. A model's remaining time is its remaining optimizer steps times the device time its
-steps took so far; until a model has stepped, it is estimated from its size (the bytes its segments were measured to
-need) at the rate measured on the models that have stepped (or, before any has, models are ranked by size times
-steps).
+steps took so far. A step counts as done once its turns have taken more than half a step's device time: a model is
+ranked again as its step ends, before Lightning's code between steps reports it, so no device is held for a model
+that has just stopped being among the longest (nor is a model ranked again in the middle of a step). Until a model
+has stepped, its remaining time is estimated from its size (the bytes its segments were measured to need) at the rate
+measured on the models that have stepped (or, before any has, models are ranked by size times steps).
 
 Between two turns a model runs Lightning's own code for a moment. So that the D models with the longest remaining
 time keep their devices rather than queue behind shorter models' shards each time, a device they just gave back is
@@ -58,6 +60,8 @@ class ModelClock:
     steps_done: int = 0  # optimizer steps taken in this sweep
     steps_before: int = 0  # optimizer steps already taken when the fit started (a resumed run)
     device_s: float = 0.0  # device time of its turns so far
+    setup_s: float = 0.0  # of which its set-up's
+    stepped_s: float = 0.0  # the device time its training had taken at its last optimizer step
     finished: bool = False
     turns: int = 0  # turns it holds or waits for now
     released_s: float = -float("inf")  # when its last turn ended
@@ -111,19 +115,20 @@ class DeviceScheduler:
 
     def _per_byte_step(self) -> float:
         stepped = [c for c in self._clocks.values() if c.steps_done]
-        return sum(c.device_s for c in stepped) / sum(c.size * c.steps_done for c in stepped) if stepped else 1.0
+        return sum(c.stepped_s for c in stepped) / sum(c.size * c.steps_done for c in stepped) if stepped else 1.0
 
     @staticmethod
     def _remaining_s(clock: ModelClock, per_byte_step: float) -> float:
-        if clock.steps_done:
-            return clock.remaining_steps * clock.device_s / clock.steps_done
-        return clock.remaining_steps * clock.size * per_byte_step
+        per_step = clock.stepped_s / clock.steps_done if clock.steps_done else clock.size * per_byte_step
+        under_way = round((clock.device_s - clock.setup_s - clock.stepped_s) / per_step) if per_step > 0 else 0
+        return max(clock.remaining_steps - under_way, 0) * per_step
 
     def stepped(self, name: str, steps_done: int, total_steps: float, steps_before: int) -> None:
         """Record a model's progress (after each optimizer step)."""
         with self._lock:
             clock = self._clocks[name]
             clock.steps_done, clock.total_steps, clock.steps_before = steps_done, total_steps, steps_before
+            clock.stepped_s = clock.device_s - clock.setup_s
 
     def finished(self, name: str) -> None:
         """The model's fit has ended (done, failed or stopped): it asks for no more turns."""
@@ -169,6 +174,7 @@ class DeviceScheduler:
             with self._lock:
                 assert request.device is not None
                 clock.device_s += end - start
+                clock.setup_s += end - start if work == "set-up" else 0.0
                 clock.turns -= 1
                 clock.released_s = end
                 self.spans.append(DeviceSpan(request.device, name, work, shard, start, end))
