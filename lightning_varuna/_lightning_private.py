@@ -38,6 +38,10 @@ from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwarg
 # - the checkpoint's `loops["fit_loop"]["epoch_progress"]` counters: `data.resumable.continue_unfinished_epoch`.
 # - the precision plugin's `clip_grad_by_norm` / `clip_grad_by_value`, replaced on the instance:
 #   strategies/clipping.py. tests/test_parity.py (gradient_clip_val), tests/test_spilling.py.
+# - `Trainer._run_stage` calls `strategy.barrier("run-stage")` just before the sanity check, which runs inside
+#   `isolate_rng()` (restoring torch's generator when it ends), and the strategy's `on_train_start` after it:
+#   a sweep's model holds the generator in between (multimodel/trainer.py).
+#   tests/test_multi_model.py::test_models_with_dropout_and_a_sanity_check_all_finish.
 
 __all__ = [
     "CheckpointConnector",

@@ -16,7 +16,9 @@ held for them for up to `HOLD_S`, unless they are all waiting already.
 Models whose forward draws random numbers (dropout) take turns one at a time on torch's global generator, so that
 each shard's recompute replays the same numbers. Whether a forward draws is found out at set-up, which runs the
 model holding the generator (or else on the forward's first, exclusive, run), so that models that draw none can
-train on one device while the others are still being set up on another.
+train on one device while the others are still being set up on another. A model can also hold the generator
+without a device (`hold_generator`), while its own turns go on: Lightning restores the generator's state after its
+sanity check, outside any turn, which must not land in the middle of another model's forward.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class _Request:
     clock: ModelClock
     needs_generator: bool
     order: int
+    needs_device: bool = True
     granted: threading.Event = field(default_factory=threading.Event)
     device: int | None = None
 
@@ -92,7 +95,9 @@ class DeviceScheduler:
         self.devices = devices
         self.spans: list[DeviceSpan] = []
         self._free = list(range(devices))
-        self._generator_busy = False
+        self._generator_holder: str | None = None  # the model whose requests hold torch's global generator
+        self._generator_holds = 0  # how many of its requests hold it
+        self._generator_kept: dict[str, _Request] = {}  # generator holds without a device (`hold_generator`)
         self._waiting: list[_Request] = []
         self._clocks: dict[str, ModelClock] = {}
         self._lock = threading.Lock()
@@ -181,23 +186,38 @@ class DeviceScheduler:
                 self._release(request)
                 self._dispatch()
 
-    def _wait(self, clock: ModelClock, needs_generator: bool) -> _Request:
+    def hold_generator(self, name: str) -> None:
+        """Wait until no other model holds torch's global generator, then hold it for ``name``'s model, without a
+        device, until `release_generator`; the model's own turns go on meanwhile."""
+        request = self._wait(self._clocks[name], needs_generator=True, needs_device=False)
+        with self._lock:
+            self._generator_kept[name] = request
+
+    def release_generator(self, name: str) -> None:
+        """End ``name``'s `hold_generator`, if it holds the generator."""
+        with self._lock:
+            request = self._generator_kept.pop(name, None)
+            if request is not None:
+                self._release(request)
+                self._dispatch()
+
+    def _wait(self, clock: ModelClock, needs_generator: bool, needs_device: bool = True) -> _Request:
         with self._lock:
             if self._stopped is not None:
                 raise SweepStopped(f"the sweep was stopped ({self._stopped})")
             self._arrivals += 1
-            clock.turns += 1
-            request = _Request(clock, needs_generator, self._arrivals)
+            clock.turns += int(needs_device)
+            request = _Request(clock, needs_generator, self._arrivals, needs_device)
             self._waiting.append(request)
             self._dispatch()
         request.granted.wait()
         with self._lock:
             if self._stopped is None:
                 return request
-            clock.turns -= 1
+            clock.turns -= int(needs_device)
             if request in self._waiting:
                 self._waiting.remove(request)
-            elif request.device is not None:
+            else:
                 self._release(request)
                 self._dispatch()
         raise SweepStopped(f"the sweep was stopped ({self._stopped})")
@@ -215,13 +235,17 @@ class DeviceScheduler:
             self._dispatch()
 
     def _release(self, request: _Request) -> None:
-        self._free.append(request.device)  # type: ignore[arg-type]
-        self._generator_busy &= not request.needs_generator
+        if request.device is not None:
+            self._free.append(request.device)
+        if request.needs_generator:
+            self._generator_holds -= 1
+            if not self._generator_holds:
+                self._generator_holder = None
 
     def _dispatch(self) -> None:
         """Give the free devices to the waiting requests, longest remaining time first (earlier arrivals first among
-        equals; one turn at a time holds the generator), except those held for the D longest models that are between
-        two turns; wake those served."""
+        equals; one model at a time holds the generator), except those held for the D longest models that are
+        between two turns; wake those served."""
         if self._stopped is not None:
             return
         rate, now = self._per_byte_step(), time.perf_counter()
@@ -229,14 +253,17 @@ class DeviceScheduler:
         longest = sorted(running, key=lambda c: -self._remaining_s(c, rate))[: self.devices]
         held = sum(1 for c in longest if c.turns == 0 and now - c.released_s < HOLD_S)
         for request in self._by_priority():
-            if not self._free:
-                return
-            if request.needs_generator and self._generator_busy:
+            if request.needs_generator and self._generator_holder not in (None, request.clock.name):
                 continue
-            if len(self._free) <= held and not any(request.clock is c for c in longest):
-                self._dispatch_later()
-                continue
-            request.device = self._free.pop(0)
-            self._generator_busy |= request.needs_generator
+            if request.needs_device:
+                if not self._free:
+                    continue
+                if len(self._free) <= held and not any(request.clock is c for c in longest):
+                    self._dispatch_later()
+                    continue
+                request.device = self._free.pop(0)
+            if request.needs_generator:
+                self._generator_holder = request.clock.name
+                self._generator_holds += 1
             self._waiting.remove(request)
             request.granted.set()

@@ -17,6 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -228,6 +229,25 @@ class _SweepMemberStrategy(SpillingStrategy):
         if not self.forward_draws:  # measured holding the generator: none of its turns needs it, not even its first
             clock.draws.update({(i, self._module.training): False for i in range(len(self.shards))})
         self._sharded_model().turn = self._turn
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Hold torch's global generator from the start of a fit's run (``"run-stage"``) until training starts:
+        Lightning's sanity check restores the generator's state when it ends, outside any turn, which must not land
+        in the middle of another model's forward."""
+        super().barrier(name)
+        if name == "run-stage" and self._module.trainer.state.fn == TrainerFn.FITTING:
+            self.scheduler.hold_generator(self.sweep_name)
+
+    @override
+    def on_train_start(self) -> None:
+        self.scheduler.release_generator(self.sweep_name)
+        super().on_train_start()
+
+    @override
+    def teardown(self) -> None:
+        self.scheduler.release_generator(self.sweep_name)
+        super().teardown()
 
     def _turn(self, work: str, shard: int) -> AbstractContextManager[bool]:
         return self.scheduler.turn(self.sweep_name, work, shard, training=self._module.training)
