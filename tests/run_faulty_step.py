@@ -4,7 +4,8 @@
 
 ``FAULT`` happens on the global ranks in ``RANKS`` (comma-separated): ``twice`` calls ``self(...)`` twice, ``skip``
 returns a loss without calling it, ``die`` SIGKILLs the process, ``stall`` creates the file ``MARKER`` and waits in
-the step, before its forward, until the process received SIGTERM (a slow stage, while the other waits for it).
+the step, before its forward, until the process received SIGTERM (a slow stage, while the other waits for it),
+``slow`` does as ``stall`` and then takes 1 s more before each forward (the other stage gives up waiting meanwhile).
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ class FaultyLM(TinyLM):
             return self.head.weight.sum() * 0
         if faulty and self.fault == "die":
             os.kill(os.getpid(), signal.SIGKILL)
-        if faulty and self.fault == "stall":
+        if faulty and self.fault in ("stall", "slow"):
             Path(self.marker).touch()
             while not self.trainer.received_sigterm:
                 time.sleep(0.05)
+            if self.fault == "slow":
+                time.sleep(1)
         logits = self(idx)
         if faulty and self.fault == "twice":
             logits = logits + self(idx)

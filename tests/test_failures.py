@@ -115,12 +115,14 @@ def test_a_failing_rank_ends_the_job_with_its_error_last(tmp_path, fault, ranks,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stalled_rank", [0, 1])
-def test_sigterm_ends_ranks_that_wait_for_a_pipeline_message(tmp_path, stalled_rank):
+@pytest.mark.parametrize(("fault", "stalled_rank"), [("stall", 0), ("stall", 1), ("slow", 1)])
+def test_sigterm_ends_ranks_that_wait_for_a_pipeline_message(tmp_path, fault, stalled_rank):
+    # ``slow``: the last stage goes on with its step after the signal while the first gives up waiting for it, so
+    # the last stage's gradient collectives (the tied weight's sum) must give up too.
     marker = tmp_path / "stalled"
     with open(tmp_path / "output.txt", "w") as output:
         job = subprocess.Popen(
-            [sys.executable, RUNNER, "stall", str(stalled_rank), str(marker)],
+            [sys.executable, RUNNER, fault, str(stalled_rank), str(marker)],
             cwd=tmp_path,
             env=clean_env(),
             stdout=output,

@@ -38,7 +38,7 @@ class StepResults:
         if len(self._ranks) == 1:
             return results
         if self._is_last:
-            self.flush()
+            self.flush(on_wait)
             data = torch.frombuffer(bytearray(pickle.dumps(results)), dtype=torch.uint8)
             size = torch.tensor([data.numel()], dtype=torch.int64)
             for rank in self._ranks[:-1]:
@@ -51,8 +51,8 @@ class StepResults:
         self._waiter.call(lambda: dist.recv(data, source, self._group), on_wait)
         return pickle.loads(data.numpy().tobytes())
 
-    def flush(self) -> None:
+    def flush(self, on_wait: Callable[[], None]) -> None:
         """Wait until the results sent so far have left (before the next send, and at the end of a run)."""
-        for work in self._sending:
-            work.wait()
-        self._sending = []
+        sending, self._sending = self._sending, []
+        if sending:
+            self._waiter.call(lambda: [work.wait() for work in sending], on_wait)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -75,6 +75,8 @@ from lightning_varuna.strategies.process_groups import init_process_group, torch
 __all__ = ["VarunaStrategy"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class VarunaStrategy(ParallelStrategy):
@@ -620,8 +622,9 @@ class VarunaStrategy(ParallelStrategy):
         # The gradients of earlier accumulated batches are not reduced yet: reduce them all at once.
         grads = self._step_gradients.gradients_with(params)
         start = time.time()
-        grads = reduce_gradients(
-            params, grads, self._groups.replicas, topo.data_parallel_size, self._stage_plan().shared
+        shared = self._stage_plan().shared
+        grads = self._wait_for_peers(
+            lambda: reduce_gradients(params, grads, self._groups.replicas, topo.data_parallel_size, shared)
         )
         timeline = self._stage_plan().runtime.timeline
         if timeline is not None:
@@ -629,10 +632,19 @@ class VarunaStrategy(ParallelStrategy):
         for p, g in zip(params, grads):
             p.grad = g
         statistics = self._running_statistics()
-        broadcast_buffers(statistics, self._groups.replicas, topo.replica_ranks()[0], topo.data_parallel_size)
+        self._wait_for_peers(
+            lambda: broadcast_buffers(
+                statistics, self._groups.replicas, topo.replica_ranks()[0], topo.data_parallel_size
+            )
+        )
         if getattr(self.precision_plugin, "scaler", None) is not None:
-            agree_on_overflow(params, self.root_device)
+            self._wait_for_peers(lambda: agree_on_overflow(params, self.root_device))
         return closure_loss
+
+    def _wait_for_peers(self, collectives: Callable[[], T]) -> T:
+        """Return ``collectives()``, given up on SIGTERM or when another rank failed, as a pipeline message is: a
+        peer that gave up its step never joins them."""
+        return self._stage_plan().runtime.waiter.call(collectives, self._stop_if_job_ended)
 
     def _running_statistics(self) -> list[Tensor]:
         """The buffers of this stage that training updates: the running statistics of its normalization layers
@@ -651,7 +663,10 @@ class VarunaStrategy(ParallelStrategy):
         params = stage.own_parameters()
         assert self.topology is not None
         stages = self.topology.pipeline_parallel_size
-        clip_grad_norm_across_stages(params, stage.shared.counted_once(params), clip_val, self._groups.stages, stages)
+        counted = stage.shared.counted_once(params)
+        self._wait_for_peers(
+            lambda: clip_grad_norm_across_stages(params, counted, clip_val, self._groups.stages, stages)
+        )
 
     # ----------------------------------------------------------------------------------- checkpoints
     @property
@@ -728,8 +743,8 @@ class VarunaStrategy(ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         normal_end = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         try:
-            if self._step_results is not None:
-                self._step_results.flush()
+            if self._step_results is not None and normal_end:  # after an error, a peer may never receive them
+                self._step_results.flush(self._stop_if_job_ended)
             self._checkpoints.wait(collective=normal_end and distributed_is_initialized())
         finally:
             super().teardown()
