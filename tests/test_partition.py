@@ -501,3 +501,13 @@ def test_causal_mask_check_is_traceable_and_named_without_the_patch(monkeypatch)
     assert f"line {line_of(CausalEncoder.forward, 'self.encoder(')} of {__file__}" in message
     assert f"inside line {line_of(detect_is_causal_mask, 'make_causal = bool(')} of " in message
     assert "as `is_causal=` does for an attention mask" in message
+
+
+def test_forward_hooks_run_in_the_stages_and_backward_hooks_are_named_in_a_warning(model, idx):
+    model.blocks[0].register_forward_hook(lambda module, args, out: out * 2)
+    model.blocks[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    expected = model(idx)
+    with pytest.warns(UserWarning, match=r"The backward hooks of blocks\.2 will not run"):
+        graphs, stages = split_all(model, idx)
+    actual, _ = run_by_hand(graphs[0], stages, [idx])
+    torch.testing.assert_close(actual[0], expected, rtol=0, atol=0)

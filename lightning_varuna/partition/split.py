@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, fx, nn
 from torch.distributed.pipelining import pipeline
 from torch.utils._pytree import tree_leaves
@@ -199,6 +200,7 @@ _TRACING = threading.RLock()
 def _split_traced(
     module: nn.Module, skeleton: ModelSkeleton, args: tuple, kwargs: dict, boundaries: Sequence[str]
 ) -> tuple[PipelineGraph, list[nn.Module]]:
+    _warn_of_backward_hooks(module)
     cuts = _activate(module, boundaries)
     try:
         # `generated_code_modules`: the stage's submodules run their generated Python code instead of stepping
@@ -244,6 +246,17 @@ def _split_traced(
             f"{len(boundaries) + 1}: some stage has no computation. Put work between consecutive CutPoints."
         )
     return pipeline_graph, stage_modules
+
+
+def _warn_of_backward_hooks(module: nn.Module) -> None:
+    """The stages keep the tensor operations of the forward as traced: its modules' forward hooks run into them,
+    but backward hooks are lost."""
+    hooked = [name or "the model" for name, m in module.named_modules() if m._backward_hooks or m._backward_pre_hooks]
+    if hooked:
+        rank_zero_warn(
+            f"The backward hooks of {', '.join(hooked)} will not run: the model trains as traced stages, which keep "
+            "only the forward's tensor operations. Read gradients in `on_before_optimizer_step` instead."
+        )
 
 
 def _bound(stage_module: nn.Module, skeleton: ModelSkeleton, real_tensors: dict[str, Tensor]) -> nn.Module:
