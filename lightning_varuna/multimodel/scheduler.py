@@ -19,6 +19,11 @@ model holding the generator (or else on the forward's first, exclusive, run), so
 train on one device while the others are still being set up on another. A model can also hold the generator
 without a device (`hold_generator`), while its own turns go on: Lightning restores the generator's state after its
 sanity check, outside any turn, which must not land in the middle of another model's forward.
+
+A model traces its forward (at set-up, and for inputs of a new shape) `alone`: while no other model is in a turn.
+torch.export marks the whole process as compiling while it traces (`torch.compiler.is_compiling()`), and optimizers
+and modules take other code paths then, which round differently: a model stepping meanwhile would not train exactly
+as alone.
 """
 
 from __future__ import annotations
@@ -104,6 +109,10 @@ class DeviceScheduler:
         self._arrivals = 0
         self._stopped: str | None = None
         self._hold_timer: threading.Timer | None = None  # to dispatch again when held devices are held no longer
+        self._holders: dict[int, str] = {}  # device -> the model whose turn it runs
+        self._alone: str | None = None  # the model running alone (`alone`): no other model starts a turn
+        self._waiting_alone: set[str] = set()  # models waiting to run alone (they compute nothing meanwhile)
+        self._changed = threading.Condition(self._lock)  # a turn ended, or a model stopped running alone
 
     def add(self, name: str, size: int) -> ModelClock:
         """Register a model by ``name`` (unique) with its size, for estimates until it has stepped."""
@@ -184,7 +193,28 @@ class DeviceScheduler:
                 clock.released_s = end
                 self.spans.append(DeviceSpan(request.device, name, work, shard, start, end))
                 self._release(request)
+                self._changed.notify_all()
                 self._dispatch()
+
+    @contextmanager
+    def alone(self, name: str) -> Iterator[None]:
+        """Run the block while no other model is in a turn (see module); ``name``'s own turn may go on."""
+        with self._changed:
+            self._waiting_alone.add(name)
+            self._changed.wait_for(lambda: self._alone is None or self._stopped is not None)
+            self._alone = name
+            self._waiting_alone.discard(name)
+            self._changed.wait_for(lambda: not self._others_computing(name) or self._stopped is not None)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._alone = None
+                self._changed.notify_all()
+                self._dispatch()
+
+    def _others_computing(self, name: str) -> bool:
+        return any(model != name and model not in self._waiting_alone for model in self._holders.values())
 
     def hold_generator(self, name: str) -> None:
         """Wait until no other model holds torch's global generator, then hold it for ``name``'s model, without a
@@ -237,6 +267,7 @@ class DeviceScheduler:
     def _release(self, request: _Request) -> None:
         if request.device is not None:
             self._free.append(request.device)
+            del self._holders[request.device]
         if request.needs_generator:
             self._generator_holds -= 1
             if not self._generator_holds:
@@ -244,8 +275,8 @@ class DeviceScheduler:
 
     def _dispatch(self) -> None:
         """Give the free devices to the waiting requests, longest remaining time first (earlier arrivals first among
-        equals; one model at a time holds the generator), except those held for the D longest models that are
-        between two turns; wake those served."""
+        equals; one model at a time holds the generator; while a model runs `alone`, to none but it), except those
+        held for the D longest models that are between two turns; wake those served."""
         if self._stopped is not None:
             return
         rate, now = self._per_byte_step(), time.perf_counter()
@@ -256,12 +287,13 @@ class DeviceScheduler:
             if request.needs_generator and self._generator_holder not in (None, request.clock.name):
                 continue
             if request.needs_device:
-                if not self._free:
+                if not self._free or self._alone not in (None, request.clock.name):
                     continue
                 if len(self._free) <= held and not any(request.clock is c for c in longest):
                     self._dispatch_later()
                     continue
                 request.device = self._free.pop(0)
+                self._holders[request.device] = request.clock.name
             if request.needs_generator:
                 self._generator_holder = request.clock.name
                 self._generator_holds += 1

@@ -214,7 +214,7 @@ class _Member:
 
 class _SweepMemberStrategy(SpillingStrategy):
     """`SpillingStrategy` whose shards wait for the sweep's devices; its set-up (which runs the model to measure it)
-    holds a device and torch's global generator."""
+    holds a device and torch's global generator, and it traces its forward while the other models wait."""
 
     def __init__(self, scheduler: DeviceScheduler, name: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -248,6 +248,10 @@ class _SweepMemberStrategy(SpillingStrategy):
     def teardown(self) -> None:
         self.scheduler.release_generator(self.sweep_name)
         super().teardown()
+
+    @override
+    def _tracing(self) -> AbstractContextManager[None]:
+        return self.scheduler.alone(self.sweep_name)
 
     def _turn(self, work: str, shard: int) -> AbstractContextManager[bool]:
         return self.scheduler.turn(self.sweep_name, work, shard, training=self._module.training)

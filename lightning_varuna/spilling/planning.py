@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import shutil
 import tempfile
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,9 +59,11 @@ def plan_shards(
     memory_budget: int | None,
     spill_dir: Path | None,
     prefetch: bool,
+    tracing: Callable[[], AbstractContextManager[None]] = nullcontext,
 ) -> ShardPlan:
     """Shards of ``module`` for a budget of ``memory_budget`` bytes on ``device`` (default: what it has free),
-    measured on the forward inputs ``args, kwargs``; spilled to ``spill_dir`` (None: host memory).
+    measured on the forward inputs ``args, kwargs``; spilled to ``spill_dir`` (None: host memory). Each trace of the
+    forward (now, and for inputs of a new shape) runs inside ``tracing()``.
 
     A model on the meta device is materialized a segment at a time as it is measured, each segment parked in the
     store before the next: it is never whole in memory.
@@ -69,7 +73,7 @@ def plan_shards(
     # A model still on the meta device shows its CutPoints and output structure running on the meta device.
     probe = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs)) if meta else (args, kwargs)
     cutpoints, example_output = forward_with_cutpoints(module, *probe)
-    segments = Segments(module, cutpoints, device=device)
+    segments = Segments(module, cutpoints, device=device, tracing=tracing)
     graph, segment_modules = segments.for_inputs(args, kwargs)
     _, output_spec = tree_flatten(example_output)
     for b in module.buffers():

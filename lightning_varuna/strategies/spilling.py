@@ -6,7 +6,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Generator, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +206,9 @@ class SpillingStrategy(SingleDeviceStrategy):
         assert trainer.state.fn is not None
         batch = self.batch_to_device(first_batch(trainer))
         args, kwargs = capture_forward_inputs(module, STEP_OF_FN[trainer.state.fn], batch)
-        plan = plan_shards(module, args, kwargs, self.root_device, self.memory_budget, self.spill_dir, self.prefetch)
+        plan = plan_shards(
+            module, args, kwargs, self.root_device, self.memory_budget, self.spill_dir, self.prefetch, self._tracing
+        )
         self.segment_memory, self.kept_bytes = plan.segment_memory, plan.kept_bytes
         self.shards = [shard.segments for shard in plan.model.shards]
         self._parked, self._folder = plan.parked, plan.folder
@@ -278,6 +280,10 @@ class SpillingStrategy(SingleDeviceStrategy):
                 torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], value)
 
         self._sharded_model().step(optimizer, clip_fn)
+
+    def _tracing(self) -> AbstractContextManager[None]:
+        """Where each trace of the model's forward runs (a sweep's model traces while the others wait)."""
+        return nullcontext()
 
     def _sharded_model(self) -> ShardedModel:
         if self._sharded is None:
