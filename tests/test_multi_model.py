@@ -378,6 +378,43 @@ def test_a_model_holding_the_generator_keeps_other_models_drawing_turns_out():
     assert served == ["holder holds=True", "other holds=True"]
 
 
+def test_a_hold_of_the_generator_is_served_before_a_longer_models_set_up():
+    """A model just set up holds the generator until its training starts; it gets it before the next set-up (which
+    would hold it for much longer), even when the model being set up has the longer remaining time."""
+    scheduler = DeviceScheduler(devices=2)
+    for name, size in (("drawing", 1), ("setting-up", 1000), ("set-up", 1)):
+        scheduler.add(name, size)
+    drawing_started, drawing_may_end = threading.Event(), threading.Event()
+    served: list[str] = []
+
+    def drawing() -> None:
+        with scheduler.turn("drawing", "forward", 0, generator=True):
+            drawing_started.set()
+            drawing_may_end.wait()
+
+    def setting_up() -> None:
+        with scheduler.turn("setting-up", "set-up", -1, generator=True):
+            served.append("setting-up")
+
+    def holding() -> None:
+        scheduler.hold_generator("set-up")
+        served.append("set-up")
+
+    threads = [threading.Thread(target=f) for f in (drawing, setting_up, holding)]
+    threads[0].start()
+    drawing_started.wait()
+    for thread in threads[1:]:
+        thread.start()
+    while len(scheduler.queue()) < 2:
+        time.sleep(0.001)
+    drawing_may_end.set()
+    threads[2].join(timeout=100 * HOLD_S)
+    assert served == ["set-up"] and scheduler.queue() == ["setting-up"]
+    scheduler.release_generator("set-up")
+    threads[1].join(timeout=100 * HOLD_S)
+    assert served == ["set-up", "setting-up"]
+
+
 def test_a_model_runs_alone_once_other_turns_end_and_no_turn_starts_meanwhile():
     """`alone` (a model tracing its forward) waits for the turn another model has under way, and keeps every other
     model's next turn waiting until it ends; the caller's own turn goes on."""

@@ -18,7 +18,8 @@ each shard's recompute replays the same numbers. Whether a forward draws is foun
 model holding the generator (or else on the forward's first, exclusive, run), so that models that draw none can
 train on one device while the others are still being set up on another. A model can also hold the generator
 without a device (`hold_generator`), while its own turns go on: Lightning restores the generator's state after its
-sanity check, outside any turn, which must not land in the middle of another model's forward.
+sanity check, outside any turn, which must not land in the middle of another model's forward. Such holds are served
+first, so that a model just set up starts training before the next set-up takes the generator.
 
 A model traces its forward (at set-up, and for inputs of a new shape) `alone`: while no other model is in a turn.
 torch.export marks the whole process as compiling while it traces (`torch.compiler.is_compiling()`), and optimizers
@@ -163,7 +164,8 @@ class DeviceScheduler:
 
     def _by_priority(self) -> list[_Request]:
         rate = self._per_byte_step()
-        return sorted(self._waiting, key=lambda r: (-self._remaining_s(r.clock, rate), r.order))
+        # Holds without a device first (see module), then longest remaining time, then earliest arrival.
+        return sorted(self._waiting, key=lambda r: (r.needs_device, -self._remaining_s(r.clock, rate), r.order))
 
     # ------------------------------------------------------------------------------------------------ turns
     @contextmanager
