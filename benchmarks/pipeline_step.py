@@ -32,15 +32,16 @@ the imports is shown too (it includes the whole model each rank builds before it
 what each rank holds. Before each variant the launcher waits (up to ``--max-wait`` s) for other processes to leave
 the CPUs idle, and it reports how many cores they kept busy while the variant ran ("other load").
 
-Writes the figures to ``benchmarks/results/pipeline_step.json``. Options: ``--steps``, ``--warmup``,
-``--variants NAME ...``, ``--rounds N`` (run the variants N times in turn, so that a slow spell of the machine
-touches all of them; each ratio is then also given per round) (see ``--help``).
+Writes the figures to ``benchmarks/results/pipeline_step.json`` (``--output`` elsewhere). Options: ``--steps``,
+``--warmup``, ``--variants NAME ...``, ``--rounds N`` (run the variants N times in turn, so that a slow spell of the
+machine touches all of them; each ratio is then also given per round) (see ``--help``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -156,9 +157,11 @@ def make_model(cfg: Config, vocab_size: int) -> GPT:
 
 
 def global_batches(cfg: Config, data: CharDataset) -> list[tuple[Tensor, Tensor]]:
-    """The first ``warmup + steps`` global batches, in DataLoader order (what the Lightning variants see)."""
-    loader = iter(DataLoader(data, batch_size=cfg.batch_size))
-    return [next(loader) for _ in range(cfg.warmup + cfg.steps)]
+    """The first ``warmup + steps`` global batches, in DataLoader order epoch after epoch (what the Lightning
+    variants see); every batch is whole."""
+    loader = DataLoader(data, batch_size=cfg.batch_size, drop_last=True)
+    epochs = itertools.chain.from_iterable(itertools.repeat(loader))
+    return list(itertools.islice(epochs, cfg.warmup + cfg.steps))
 
 
 def lm_loss(logits: Tensor, target: Tensor) -> Tensor:
@@ -243,7 +246,7 @@ def run_lightning(cfg: Config, variant: Variant) -> dict[str, Any]:
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    trainer.fit(model, DataLoader(data, batch_size=loader_batch))
+    trainer.fit(model, DataLoader(data, batch_size=loader_batch, drop_last=True))
     stages = getattr(trainer.strategy, "_stages", None)  # VarunaStrategy's plan: where it cut (read only)
     return {
         "rank": trainer.global_rank,
@@ -574,6 +577,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per variant")
     parser.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine per run")
     parser.add_argument("--retries", type=int, default=2, help="runs again of a variant that other processes disturbed")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where to write the figures (JSON)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -606,9 +610,9 @@ def main() -> None:
     print(format_table(rows))
     for line in comparisons(rows):
         print(line)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
-    print(f"\nwrote {RESULTS.relative_to(ROOT)}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
+    print(f"\nwrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,10 @@ from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwarg
 #   `isolate_rng()` (restoring torch's generator when it ends), and the strategy's `on_train_start` after it:
 #   a sweep's model holds the generator in between (multimodel/trainer.py).
 #   tests/test_multi_model.py::test_models_with_dropout_and_a_sanity_check_all_finish.
+# - `trainer._signal_connector._sigterm_notifier_fn` (read when `Trainer._run` registers the signal handlers, after
+#   the strategy's `setup`) and `trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor`, replaced on the instances
+#   to drop Lightning's per-batch SIGTERM broadcast: strategies/sigterm.py.
+#   tests/test_failures.py::test_sigterm_ends_ranks_that_wait_for_a_pipeline_message.
 
 __all__ = [
     "CheckpointConnector",

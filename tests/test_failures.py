@@ -115,10 +115,14 @@ def test_a_failing_rank_ends_the_job_with_its_error_last(tmp_path, fault, ranks,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("fault", "stalled_rank"), [("stall", 0), ("stall", 1), ("slow", 1)])
-def test_sigterm_ends_ranks_that_wait_for_a_pipeline_message(tmp_path, fault, stalled_rank):
+@pytest.mark.parametrize(
+    ("fault", "stalled_rank", "signalled"),
+    [("stall", 0, "job"), ("stall", 1, "job"), ("slow", 1, "job"), ("stall", 1, "rank 1")],
+)
+def test_sigterm_ends_ranks_that_wait_for_a_pipeline_message(tmp_path, fault, stalled_rank, signalled):
     # ``slow``: the last stage goes on with its step after the signal while the first gives up waiting for it, so
-    # the last stage's gradient collectives (the tied weight's sum) must give up too.
+    # the last stage's gradient collectives (the tied weight's sum) must give up too. ``rank 1``: the signal reaches
+    # rank 1 alone (not through Lightning's launcher); rank 0 learns of it from the job's notice.
     marker = tmp_path / "stalled"
     with open(tmp_path / "output.txt", "w") as output:
         job = subprocess.Popen(
@@ -133,13 +137,18 @@ def test_sigterm_ends_ranks_that_wait_for_a_pipeline_message(tmp_path, fault, st
         _wait_for_file(marker, job, timeout_s=120)
         children = _children(job.pid)
         time.sleep(1)  # the other stage now waits for the stalled one
-        job.send_signal(signal.SIGTERM)  # Lightning's launcher passes it on to the other process
+        if signalled == "job":
+            job.send_signal(signal.SIGTERM)  # Lightning's launcher passes it on to the other process
+        else:
+            os.kill(children[0], signal.SIGTERM)
         job.wait(timeout=15)  # raises if the job did not end
         assert not any(Path(f"/proc/{pid}").exists() for pid in children)
     finally:
         for pid in [job.pid, *children]:
             _kill(pid)
-    assert "Received SIGTERM" in (tmp_path / "output.txt").read_text()
+    output_text = (tmp_path / "output.txt").read_text()
+    assert "Received SIGTERM" in output_text
+    assert "PeerFailure" not in output_text, output_text[-4000:]  # every rank stops as on SIGTERM, none as failed
 
 
 def _wait_for_file(path: Path, job: subprocess.Popen, timeout_s: float) -> None:

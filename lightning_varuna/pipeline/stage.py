@@ -50,6 +50,7 @@ class Stage:
         self._traced: dict[tuple, tuple[PipelineGraph, nn.Module]] = {}
         self.runtime = StageRuntime(topology.pp_rank, topology.stage_ranks(), output_spec, device, message_groups)
         self.shared: SharedParameters
+        self._own_parameters: list[Tensor] | None = None
 
     def stage_for(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, nn.Module]:
         """The traced stage for inputs of this shape and the module's train/eval mode (traced once each)."""
@@ -69,9 +70,13 @@ class Stage:
         }
         self.skeleton.release(self.module, keep)
         self._real = {name: t for name, t in self._real.items() if name in keep}
+        self._own_parameters = None
 
     def own_parameters(self) -> list[Tensor]:
-        return list(self.module.parameters())
+        """The parameters this rank holds (after `release_other_stages`: its stage's)."""
+        if self._own_parameters is None:
+            self._own_parameters = list(self.module.parameters())
+        return self._own_parameters
 
 
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:

@@ -44,12 +44,15 @@ class StepResults:
             for rank in self._ranks[:-1]:
                 self._sending += [dist.isend(size, rank, self._group), dist.isend(data, rank, self._group)]
             return results
+        return pickle.loads(self._waiter.call(self._receive, on_wait))
+
+    def _receive(self) -> bytes:
         source = self._ranks[-1]
         size = torch.empty(1, dtype=torch.int64)
-        self._waiter.call(lambda: dist.recv(size, source, self._group), on_wait)
+        dist.recv(size, source, self._group)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._waiter.call(lambda: dist.recv(data, source, self._group), on_wait)
-        return pickle.loads(data.numpy().tobytes())
+        dist.recv(data, source, self._group)
+        return data.numpy().tobytes()
 
     def flush(self, on_wait: Callable[[], None]) -> None:
         """Wait until the results sent so far have left (before the next send, and at the end of a run)."""

@@ -32,6 +32,11 @@ class Waiter:
         self._in_thread = backend != dist.Backend.NCCL
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], threading.Event, list]] | None = None
 
+    @property
+    def polls(self) -> bool:
+        """Whether a wait runs ``on_wait`` twice a second (not over NCCL)."""
+        return self._in_thread
+
     def call(self, blocking: Callable[[], T], on_wait: Callable[[], None] | None = None) -> T:
         """Return ``blocking()``; while it blocks, run ``on_wait`` every half second.
 

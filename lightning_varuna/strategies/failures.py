@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_varuna._lightning_private import set_num_threads_if_needed
 from lightning_varuna._torch_private import default_store
@@ -40,14 +41,21 @@ _CHILDREN_GRACE_S = 20.0
 
 @dataclass(frozen=True)
 class Failure:
-    """The first failure of a job: which rank, where in the pipeline it ran, and its error."""
+    """The first failure of a job: which rank, where in the pipeline it ran, and its error; ``sigterm``: the rank
+    stopped because it received SIGTERM."""
 
     rank: int
     where: str
     error: str
+    sigterm: bool = False
 
     def __str__(self) -> str:
         return f"{self.where} failed: {self.error}"
+
+    def stop(self, own_error: BaseException | None = None) -> BaseException:
+        """What another rank raises when it learns of this failure: `SIGTERMException` after a SIGTERM (every rank
+        stops as the signalled one did), else `PeerFailure`."""
+        return SIGTERMException() if self.sigterm else PeerFailure(self, own_error)
 
 
 class PeerFailure(RuntimeError):
@@ -77,7 +85,8 @@ class FailureNotice:
         store = _store()
         if store is None:
             return None
-        notice = json.dumps(asdict(Failure(dist.get_rank(), where, _describe(error))))
+        failure = Failure(dist.get_rank(), where, _describe(error), isinstance(error, SIGTERMException))
+        notice = json.dumps(asdict(failure))
         try:
             return _parse(store.compare_set(self._key, "", notice))
         except Exception:  # noqa: BLE001 - the store's host may be gone: then there is nothing to report to
@@ -139,7 +148,7 @@ class ReportFirstFailure:
 
     def _first_failure_of_others(
         self, error: BaseException, notice: FailureNotice | None, killed: dict[int, int]
-    ) -> PeerFailure | None:
+    ) -> BaseException | None:
         """The error to end with when another process failed first (``None``: this process's own ``error``)."""
         if isinstance(error, PeerFailure):  # without the frames of the wait it gave up
             return error.with_traceback(None)
@@ -147,7 +156,7 @@ class ReportFirstFailure:
             return None
         first = notice.first() if notice is not None else None
         if first is not None and first.rank != dist.get_rank():
-            return PeerFailure(first, error)
+            return first.stop(error)
         if not killed:
             return None
         # A process that a signal killed (the kernel's out-of-memory killer...) could not leave a notice.

@@ -71,6 +71,7 @@ from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_varuna.strategies.optimizers import torch_optimizer
 from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
+from lightning_varuna.strategies.sigterm import stop_on_sigterm_without_broadcasts
 
 __all__ = ["VarunaStrategy"]
 
@@ -396,6 +397,8 @@ class VarunaStrategy(ParallelStrategy):
             # Only the last stage scales a loss; scaling nothing gives the others' scalers the scale unscale_ needs.
             scaler.scale(torch.zeros((), device=self.root_device))
         route_gradient_clipping(self.precision_plugin, self._clip_grad_by_global_norm)
+        if self._stage_plan().runtime.waiter.polls:
+            stop_on_sigterm_without_broadcasts(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
@@ -542,16 +545,17 @@ class VarunaStrategy(ParallelStrategy):
         except Exception as error:
             first = self._report_failure(error)
             if first is not None and first.rank != self.global_rank:
-                raise PeerFailure(first, error) from None
+                raise first.stop(error) from None
             raise
 
     def _stop_if_job_ended(self) -> None:
-        """Stop waiting for a pipeline message on SIGTERM, or when another rank failed."""
+        """Stop waiting for a peer on SIGTERM (this rank's, or another's that it left in the notice), or when another
+        rank failed."""
         if self._module.trainer.received_sigterm:
             raise SIGTERMException
         first = self._failures.first() if self._failures is not None else None
         if first is not None and first.rank != self.global_rank:
-            raise PeerFailure(first)
+            raise first.stop()
 
     def _report_failure(self, error: BaseException) -> Failure | None:
         """Leave ``error`` for the other ranks unless another rank failed first; return the first failure."""
@@ -631,12 +635,13 @@ class VarunaStrategy(ParallelStrategy):
             timeline.append(("all-reduce", start, time.time()))
         for p, g in zip(params, grads):
             p.grad = g
-        statistics = self._running_statistics()
-        self._wait_for_peers(
-            lambda: broadcast_buffers(
-                statistics, self._groups.replicas, topo.replica_ranks()[0], topo.data_parallel_size
+        statistics = self._running_statistics() if topo.data_parallel_size > 1 else []
+        if statistics:
+            self._wait_for_peers(
+                lambda: broadcast_buffers(
+                    statistics, self._groups.replicas, topo.replica_ranks()[0], topo.data_parallel_size
+                )
             )
-        )
         if getattr(self.precision_plugin, "scaler", None) is not None:
             self._wait_for_peers(lambda: agree_on_overflow(params, self.root_device))
         return closure_loss
