@@ -104,6 +104,31 @@ def test_trains_like_one_device(tmp_path, model_class, num_shards, disk, clip):
     assert not list(tmp_path.glob("spill-*")), "the spilled files are removed after training"
 
 
+class RowBiasLM(TinyLM):
+    """A model with its batch size built in: a learned bias per row of a batch of 8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.row_bias = nn.Parameter(torch.randn(8, 1, VOCAB))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx) + self.row_bias
+
+
+def test_a_model_with_its_batch_size_built_in_trains_like_one_device():
+    """Set-up finds the CutPoints on two rows of the first batch; a model that cannot run two rows is probed with
+    the whole batch."""
+    torch.manual_seed(0)
+    reference = RowBiasLM()
+    model = copy.deepcopy(reference)
+    expected = fit(reference, "auto")
+    strategy = SpillingStrategy(memory_budget=BUDGETS[2])
+    trainer = fit(model, strategy)
+    assert len(strategy.shards) == 2
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
 def test_bf16_mixed_trains_like_one_device():
     """The recomputed forwards run under the autocast of their first run."""
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_varuna.partition.discovery import buffers_kept, forward_with_cutpoints
 from lightning_varuna.partition.split import PipelineGraph, Source
+from lightning_varuna.pipeline.microbatch import split_microbatches
 from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
 from lightning_varuna.spilling.packing import SegmentMemory, format_bytes, pack_shards
@@ -70,9 +71,7 @@ def plan_shards(
     """
     meta = MetaModel(module, device) if MetaModel.needed(module) else None
     random_state = torch.get_rng_state()
-    # A model still on the meta device shows its CutPoints and output structure running on the meta device.
-    probe = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs)) if meta else (args, kwargs)
-    cutpoints, example_output = forward_with_cutpoints(module, *probe)
+    cutpoints, example_output = _discover(module, args, kwargs, on_meta=meta is not None)
     segments = Segments(module, cutpoints, device=device, tracing=tracing)
     graph, segment_modules = segments.for_inputs(args, kwargs)
     _, output_spec = tree_flatten(example_output)
@@ -96,6 +95,19 @@ def plan_shards(
     )
     model = ShardedModel(segments, segment_modules, shards, store, output_spec, prefetch=prefetch)
     return ShardPlan(model, memory, kept, parked, folder, forward_draws)
+
+
+def _discover(module: nn.Module, args: tuple, kwargs: dict, on_meta: bool) -> tuple[list[str], Any]:
+    """The CutPoints a forward goes through and its output (for its structure), from a forward on the first two
+    rows of the batch (the measuring forward runs the whole batch next); on the whole batch if the model cannot run
+    two rows, and on the meta device if the model is still there."""
+    if on_meta:
+        return forward_with_cutpoints(module, *tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs)))
+    few_args, few_kwargs = split_microbatches((args, kwargs), 2)[0]
+    try:
+        return forward_with_cutpoints(module, few_args, few_kwargs)
+    except Exception:  # noqa: BLE001 - e.g. a batch size built into the model: the whole batch says what is wrong
+        return forward_with_cutpoints(module, args, kwargs)
 
 
 def _spill_folder(spill_dir: Path | None, needed: int) -> tempfile.TemporaryDirectory | None:
