@@ -8,6 +8,7 @@ import torch
 from lightning_varuna.pipeline.microbatch import (
     batch_size_of,
     default_micro_batch_size,
+    first_rows,
     merge_microbatches,
     microbatch_sizes,
     split_microbatches,
@@ -68,6 +69,17 @@ def test_split_dict_keeps_non_batch_leaves_whole():
         assert chunk["extra"]["table"] is table
         assert chunk["scale"] is scale
         assert chunk["tag"] == "train"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 10, 20])
+def test_first_rows_is_the_first_micro_batch(rows):
+    x, mask, table = torch.randn(10, 3), torch.randn(10), torch.randn(4, 2)
+    batch = {"x": x, "extra": {"mask": mask, "table": table}, "tag": "train"}
+    first, expected = first_rows(batch, rows), split_microbatches(batch, rows)[0]
+    torch.testing.assert_close(first["x"], expected["x"])
+    torch.testing.assert_close(first["extra"]["mask"], expected["extra"]["mask"])
+    assert first["x"].shape[0] == min(rows, 10)
+    assert first["extra"]["table"] is table and first["tag"] == "train"
 
 
 def test_split_with_micro_batch_larger_than_batch_gives_one_chunk():

@@ -13,6 +13,7 @@ __all__ = [
     "MICROBATCHES_PER_STAGE",
     "batch_size_of",
     "default_micro_batch_size",
+    "first_rows",
     "merge_microbatches",
     "microbatch_sizes",
     "split_microbatches",
@@ -57,13 +58,24 @@ def split_microbatches(batch: Any, micro_batch_size: int) -> list[Any]:
     chunks = []
     start = 0
     for n in microbatch_sizes(size, micro_batch_size):
-        chunk = [
-            leaf[start : start + n] if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == size else leaf
-            for leaf in leaves
-        ]
-        chunks.append(tree_unflatten(chunk, spec))
+        chunks.append(tree_unflatten(_rows(leaves, size, start, n), spec))
         start += n
     return chunks
+
+
+def first_rows(batch: Any, rows: int) -> Any:
+    """The first micro-batch of ``rows`` rows of ``batch`` (without slicing the others)."""
+    size = batch_size_of(batch)
+    leaves, spec = tree_flatten(batch)
+    return tree_unflatten(_rows(leaves, size, 0, min(rows, size)), spec)
+
+
+def _rows(leaves: list[Any], size: int, start: int, count: int) -> list[Any]:
+    """Rows ``start:start + count`` of the tensor leaves whose dim 0 is the batch (``size``); other leaves as is."""
+    return [
+        leaf[start : start + count] if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == size else leaf
+        for leaf in leaves
+    ]
 
 
 def merge_microbatches(outputs: list[Any], weights: list[float]) -> Any:

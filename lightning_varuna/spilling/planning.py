@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_varuna.partition.discovery import buffers_kept, forward_with_cutpoints
 from lightning_varuna.partition.split import PipelineGraph, Source
-from lightning_varuna.pipeline.microbatch import split_microbatches
+from lightning_varuna.pipeline.microbatch import first_rows
 from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
 from lightning_varuna.spilling.packing import SegmentMemory, format_bytes, pack_shards
@@ -103,7 +103,7 @@ def _discover(module: nn.Module, args: tuple, kwargs: dict, on_meta: bool) -> tu
     two rows, and on the meta device if the model is still there."""
     if on_meta:
         return forward_with_cutpoints(module, *tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs)))
-    few_args, few_kwargs = split_microbatches((args, kwargs), 2)[0]
+    few_args, few_kwargs = first_rows((args, kwargs), 2)
     try:
         return forward_with_cutpoints(module, few_args, few_kwargs)
     except Exception:  # noqa: BLE001 - e.g. a batch size built into the model: the whole batch says what is wrong
