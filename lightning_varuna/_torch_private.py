@@ -14,7 +14,7 @@ import torch
 # (a data-dependent guard torch.export cannot trace): `partition.tracing` replaces it while a model is traced.
 # tests/test_real_models.py.
 import torch.nn.modules.transformer as transformer_module
-from torch import Tensor
+from torch import Tensor, nn
 
 # One flat buffer from many gradients and views of it back: the gradient all-reduce of each step.
 # tests/test_parity.py.
@@ -48,6 +48,12 @@ from torch.nn.modules.batchnorm import _NormBase as NormWithRunningStats
 rename_node = Node._rename
 
 
+def has_backward_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` itself has backward (or backward pre-) hooks, which a traced stage does not run; torch has
+    no public way to ask. tests/test_partition.py."""
+    return bool(module._backward_hooks or module._backward_pre_hooks)
+
+
 def storage_users(tensor: Tensor) -> int:
     """How many hold ``tensor``'s memory, ``tensor`` included: tensors and views of it (the C++ references to its
     storage) and its Python storage object where someone keeps one (``t.untyped_storage()``). Counted against a new
@@ -68,6 +74,7 @@ __all__ = [
     "default_store",
     "flatten_dense_tensors",
     "generated_code_modules",
+    "has_backward_hooks",
     "narrow_tensor_by_index",
     "rename_node",
     "storage_users",

@@ -18,7 +18,7 @@ from torch import Tensor, fx, nn
 from torch.distributed.pipelining import pipeline
 from torch.utils._pytree import tree_leaves
 
-from lightning_varuna._torch_private import generated_code_modules, rename_node
+from lightning_varuna._torch_private import generated_code_modules, has_backward_hooks, rename_node
 from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.tracing import traceable_torch_modules, untraceable_forward_error
@@ -251,7 +251,7 @@ def _split_traced(
 def _warn_of_backward_hooks(module: nn.Module) -> None:
     """The stages keep the tensor operations of the forward as traced: its modules' forward hooks run into them,
     but backward hooks are lost."""
-    hooked = [name or "the model" for name, m in module.named_modules() if m._backward_hooks or m._backward_pre_hooks]
+    hooked = [name or "the model" for name, m in module.named_modules() if has_backward_hooks(m)]
     if hooked:
         rank_zero_warn(
             f"The backward hooks of {', '.join(hooked)} will not run: the model trains as traced stages, which keep "
