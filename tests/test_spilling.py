@@ -7,6 +7,7 @@ import copy
 import os
 import shutil
 import subprocess
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,26 @@ def test_a_model_with_its_batch_size_built_in_trains_like_one_device():
     strategy = SpillingStrategy(memory_budget=BUDGETS[2])
     trainer = fit(model, strategy)
     assert len(strategy.shards) == 2
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
+def test_a_model_that_fits_in_one_shard_runs_whole():
+    """Not cut into traced segments: the model's own modules run, so a module's backward hook runs too (a traced
+    segment keeps only the forward's tensor operations), and it trains like one device."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    hooked: dict[str, int] = {"reference": 0, "model": 0}
+    for name, m in (("reference", reference), ("model", model)):
+        m.blocks[2].register_full_backward_hook(lambda *_, name=name: hooked.update({name: hooked[name] + 1}))
+    expected = fit(reference, "auto")
+    strategy = SpillingStrategy(memory_budget=BUDGETS[1])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*backward hooks.*")
+        trainer = fit(model, strategy)
+    assert strategy.shards == [[0, 1, 2, 3, 4]] and len(strategy.segment_memory) == 1
+    assert hooked["model"] == hooked["reference"] == 8  # 4 steps of 2 accumulated batches
     torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
     assert_same_model(model, reference)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["SegmentMemory", "format_bytes", "pack_shards", "parse_bytes"]
+__all__ = ["SegmentMemory", "format_bytes", "pack_shards", "parse_bytes", "shard_share"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -54,7 +54,7 @@ def pack_shards(segments: list[SegmentMemory], budget: int, kept: int, prefetch:
             "throughout (activations at CutPoints, buffers, parameters used in several places). Raise the budget."
         )
     left = budget - kept
-    share = left // 2 if prefetch else left  # a shard and the next one, arriving
+    share = shard_share(budget, kept, prefetch)
     shards: list[list[int]] = []
     used = 0
     for index, segment in enumerate(segments):
@@ -75,6 +75,13 @@ def pack_shards(segments: list[SegmentMemory], budget: int, kept: int, prefetch:
             shards.append([index])
             used = need
     return shards
+
+
+def shard_share(budget: int, kept: int, prefetch: bool) -> int:
+    """What one shard may use of ``budget`` next to the ``kept`` bytes: half of the rest with ``prefetch`` (the next
+    shard arrives meanwhile)."""
+    left = budget - kept
+    return left // 2 if prefetch else left
 
 
 def format_bytes(nbytes: float) -> str:

@@ -17,13 +17,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from lightning_varuna.partition.discovery import buffers_kept, forward_with_cutpoints
+from lightning_varuna.partition.discovery import buffers_kept, forward_with_cutpoints, observe_cutpoints
 from lightning_varuna.partition.split import PipelineGraph, Source
-from lightning_varuna.pipeline.microbatch import first_rows
+from lightning_varuna.pipeline.microbatch import batch_size_of, first_rows
 from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
-from lightning_varuna.spilling.packing import SegmentMemory, format_bytes, pack_shards
-from lightning_varuna.spilling.segments import Segments
+from lightning_varuna.spilling.packing import SegmentMemory, format_bytes, pack_shards, shard_share
+from lightning_varuna.spilling.segments import Segments, WholeModel
 from lightning_varuna.spilling.shards import ShardedModel
 from lightning_varuna.spilling.store import SpillStore
 
@@ -36,7 +36,9 @@ class ShardPlan:
 
     Attributes:
         model: runs the model shard by shard.
-        segment_memory: what each segment was measured to need on the device.
+        shards: the segments (between the model's CutPoints) of each shard.
+        segment_memory: what each segment was measured to need on the device; one entry for the whole model if it
+            fits in one shard (it is then not cut).
         kept_bytes: what stays on the device throughout (boundary activations, buffers, tied parameters).
         parked: the segments of a model built on the meta device, materialized and waiting in the store.
         folder: the spill folder (removed with it), if spilling to disk.
@@ -45,6 +47,7 @@ class ShardPlan:
     """
 
     model: ShardedModel
+    shards: list[list[int]]
     segment_memory: list[SegmentMemory]
     kept_bytes: int
     parked: ParkedSegments | None
@@ -66,35 +69,45 @@ def plan_shards(
     measured on the forward inputs ``args, kwargs``; spilled to ``spill_dir`` (None: host memory). Each trace of the
     forward (now, and for inputs of a new shape) runs inside ``tracing()``.
 
-    A model on the meta device is materialized a segment at a time as it is measured, each segment parked in the
-    store before the next: it is never whole in memory.
+    A model that fits in one shard runs whole, by its own forward: it is not traced. A model on the meta device is
+    cut, and materialized a segment at a time as it is measured, each segment parked in the store before the next:
+    it is never whole in memory.
     """
     meta = MetaModel(module, device) if MetaModel.needed(module) else None
     random_state = torch.get_rng_state()
     cutpoints, example_output = _discover(module, args, kwargs, on_meta=meta is not None)
-    segments = Segments(module, cutpoints, device=device, tracing=tracing)
-    graph, segment_modules = segments.for_inputs(args, kwargs)
     _, output_spec = tree_flatten(example_output)
     for b in module.buffers():
         if not b.is_meta:
             b.data = b.data.to(device)  # buffers stay on the device throughout
     folder = _spill_folder(spill_dir, 4 * sum(_nbytes(p) for p in module.parameters()))
     store = SpillStore(device, folder.name if folder is not None else None)
-    parked = ParkedSegments(store) if meta else None
-    memory, kept = _measure(module, segment_modules, graph, args, kwargs, cutpoints, device, meta, parked)
-    if meta:
-        meta.materialize_rest()
-    forward_draws = not torch.equal(random_state, torch.get_rng_state())
     budget = memory_budget if memory_budget is not None else _free_bytes(device)
-    shards = pack_shards(memory, budget, kept, prefetch)
+    buffer_bytes = sum(_nbytes(b) for b in module.buffers())
+    whole = None if meta else _measure_if_one_shard(module, args, kwargs, device, budget, buffer_bytes, prefetch)
+    if whole is not None:
+        segments: Segments | WholeModel = WholeModel(module, output_spec)
+        (whole_memory, kept), parked = whole, None
+        memory = [whole_memory]
+        segment_modules, shards = segments.for_inputs(args, kwargs)[1], [[0]]
+    else:
+        segments = Segments(module, cutpoints, device=device, tracing=tracing)
+        graph, segment_modules = segments.for_inputs(args, kwargs)
+        parked = ParkedSegments(store) if meta else None
+        memory, kept = _measure(module, segment_modules, graph, args, kwargs, cutpoints, device, meta, parked)
+        if meta:
+            meta.materialize_rest()
+        shards = pack_shards(memory, budget, kept, prefetch)
+    forward_draws = not torch.equal(random_state, torch.get_rng_state())
+    in_segments = shards if whole is None else [list(range(len(cutpoints) + 1))]
     where = f"`{folder.name}`" if folder is not None else "host memory"
     rank_zero_info(
-        f"SpillingStrategy: {len(memory)} segment(s) in {len(shards)} shard(s) "
-        f"(segments {[shard[0] if len(shard) == 1 else (shard[0], shard[-1]) for shard in shards]}) for a budget "
-        f"of {format_bytes(budget)}; spilled to {where}."
+        f"SpillingStrategy: {len(cutpoints) + 1} segment(s) in {len(shards)} shard(s) "
+        f"(segments {[shard[0] if len(shard) == 1 else (shard[0], shard[-1]) for shard in in_segments]}) for a "
+        f"budget of {format_bytes(budget)}{'' if whole is None else ', run whole (not cut)'}; spilled to {where}."
     )
     model = ShardedModel(segments, segment_modules, shards, store, output_spec, prefetch=prefetch)
-    return ShardPlan(model, memory, kept, parked, folder, forward_draws)
+    return ShardPlan(model, in_segments, memory, kept, parked, folder, forward_draws)
 
 
 def _discover(module: nn.Module, args: tuple, kwargs: dict, on_meta: bool) -> tuple[list[str], Any]:
@@ -182,6 +195,38 @@ def _measure(
         if parked is not None:
             parked.park(s, [p for p in segment.parameters() if uses[p] == 1])
     return segments, kept
+
+
+def _measure_if_one_shard(
+    module: nn.Module, args: tuple, kwargs: dict, device: torch.device, budget: int, buffer_bytes: int, prefetch: bool
+) -> tuple[SegmentMemory, int] | None:
+    """The whole model's memory on the device and the bytes kept throughout, counted as `_measure` counts them for
+    one shard of all segments, from a forward on the first batch; None if they do not fit in one shard (the forward
+    is skipped when the parameters alone do not fit)."""
+    params = list(module.parameters())
+    state = sum(4 * _nbytes(p) for p in params)
+    if state >= shard_share(budget, buffer_bytes, prefetch):
+        return None
+    in_host_memory = [p for p in params if p.device != device]
+    for p in in_host_memory:
+        p.data = p.data.to(device)
+    at_cutpoints: list[int] = []
+    meter = SavedTensorMeter(exclude=[*params, *module.buffers()])
+    try:
+        with (
+            meter.measuring(),
+            torch.enable_grad(),
+            buffers_kept(module),
+            observe_cutpoints(module, batch_size_of((args, kwargs)), lambda x: at_cutpoints.append(_nbytes(x))),
+        ):
+            module(*args, **kwargs)
+    finally:
+        for p in in_host_memory:
+            p.data = p.data.to("cpu")
+    kept = buffer_bytes + 2 * sum(at_cutpoints)  # each activation at a CutPoint and its gradient, as when cut
+    if state + meter.peak > shard_share(budget, kept, prefetch):
+        return None
+    return SegmentMemory("the whole model", state, meter.peak), kept
 
 
 def _nbytes(tensor: Tensor) -> int:

@@ -1,5 +1,6 @@
-"""A model cut at every CutPoint into segments, traced once per input shape and train/eval mode, whose segment
-modules run the model's own parameters (wherever their data is at the time)."""
+"""The segments a spilled model runs shard by shard: the model cut at every CutPoint (traced once per input shape and
+train/eval mode), or, when it fits the device in one shard, the whole model run by its own forward, uncut. Either
+way the segment modules run the model's own parameters (wherever their data is at the time)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
 from lightning_varuna.partition.skeleton import ModelSkeleton
-from lightning_varuna.partition.split import PipelineGraph, split_into_all_stages
+from lightning_varuna.partition.split import PipelineGraph, Source, split_into_all_stages
 from lightning_varuna.partition.trace_cache import trace_key, tracing_own_forward
 
-__all__ = ["Segments"]
+__all__ = ["Segments", "WholeModel"]
 
 
 class Segments:
@@ -47,3 +49,37 @@ class Segments:
                 segment.train(self.module.training)
             self._traced[key] = (graph, modules)
         return self._traced[key]
+
+
+class WholeModel:
+    """``module`` as one segment that runs its own forward (no trace): the `Segments` of a model that fits the
+    device in one shard. Its output has the structure ``output_spec``."""
+
+    def __init__(self, module: nn.Module, output_spec: TreeSpec) -> None:
+        self.module, self._forward = module, module.forward  # its own forward, not one a step patches on later
+        self._outputs = [Source(0, i) for i in range(output_spec.num_leaves)]
+        self._params = {name for name, _ in module.named_parameters()}
+        self._by_inputs: dict[TreeSpec, tuple[PipelineGraph, list[nn.Module]]] = {}
+
+    def for_inputs(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, list[nn.Module]]:
+        """The one-segment graph and its module for inputs of this structure."""
+        leaves, spec = tree_flatten((args, kwargs))
+        if spec not in self._by_inputs:
+            inputs = [Source(None, i) for i in range(len(leaves))]
+            # The outputs' shapes are what running the model gives: nothing is sent between stages here.
+            graph = PipelineGraph([inputs], [[]], self._outputs, [self._params])
+            self._by_inputs[spec] = (graph, [_OwnForward(self.module, self._forward, spec)])
+        return self._by_inputs[spec]
+
+
+class _OwnForward(nn.Module):
+    """Run ``forward`` (``model``'s own) on the leaves of inputs of structure ``input_spec``; return its output's
+    leaves."""
+
+    def __init__(self, model: nn.Module, forward: Callable[..., object], input_spec: TreeSpec) -> None:
+        super().__init__()
+        self.model, self._model_forward, self._input_spec = model, forward, input_spec
+
+    def forward(self, *leaves: object) -> tuple:
+        args, kwargs = tree_unflatten(list(leaves), self._input_spec)
+        return tuple(tree_leaves(self._model_forward(*args, **kwargs)))

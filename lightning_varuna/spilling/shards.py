@@ -20,7 +20,7 @@ from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.replay import RandomState, scratch_buffers
-from lightning_varuna.spilling.segments import Segments
+from lightning_varuna.spilling.segments import Segments, WholeModel
 from lightning_varuna.spilling.store import SpillStore
 
 __all__ = ["Shard", "ShardedModel"]
@@ -45,7 +45,7 @@ class ShardedModel:
     """Run a model's segments shard by shard on ``store.device``.
 
     Args:
-        segments: the model cut at every CutPoint (traced per input shape and mode).
+        segments: the model cut at every CutPoint (traced per input shape and mode), or whole.
         segment_modules: the segment modules of one trace (all traces bind the same parameters).
         shards: the segment indices of each shard, in order.
         store: where spilled shards wait.
@@ -60,7 +60,7 @@ class ShardedModel:
 
     def __init__(
         self,
-        segments: Segments,
+        segments: Segments | WholeModel,
         segment_modules: list[nn.Module],
         shards: list[list[int]],
         store: SpillStore,

@@ -52,7 +52,8 @@ class SpillingStrategy(SingleDeviceStrategy):
     shard's training plus the next shard, fetched meanwhile, fit ``memory_budget``. Forward runs shard by shard
     keeping only the activations at shard boundaries; backward runs in reverse, recomputing each shard's forward
     (same random numbers); the optimizer steps shard by shard, each shard's parameters, gradients and optimizer
-    state on the device together.
+    state on the device together. A model that fits the budget in one shard is not cut: it trains as on one device,
+    by its own forward and backward.
 
     Args:
         memory_budget: bytes (or a size such as ``"512MB"``, ``"2GiB"``) the strategy may hold on the device;
@@ -88,7 +89,8 @@ class SpillingStrategy(SingleDeviceStrategy):
         self._folder: tempfile.TemporaryDirectory | None = None
         self._clip: tuple[str, float] | None = None
         self.shards: list[list[int]] = []  # the segments of each shard, chosen at set-up
-        self.segment_memory: list[SegmentMemory] = []  # what each segment was measured to need on the device
+        # What each segment was measured to need on the device (one entry for a model that fits in one shard).
+        self.segment_memory: list[SegmentMemory] = []
         self.kept_bytes = 0  # what stays on the device throughout (boundary activations, buffers, tied weights)
         self.optimizer_in_backward = False  # each shard steps right after its backward (decided at set-up)
         self.forward_draws = True  # whether the forward drew from torch's CPU generator when measured at set-up
@@ -210,7 +212,7 @@ class SpillingStrategy(SingleDeviceStrategy):
             module, args, kwargs, self.root_device, self.memory_budget, self.spill_dir, self.prefetch, self._tracing
         )
         self.segment_memory, self.kept_bytes = plan.segment_memory, plan.kept_bytes
-        self.shards = [shard.segments for shard in plan.model.shards]
+        self.shards = plan.shards
         self._parked, self._folder = plan.parked, plan.folder
         self.forward_draws = plan.forward_draws
         return plan.model
