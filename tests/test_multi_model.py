@@ -239,6 +239,41 @@ def test_a_model_is_ranked_again_as_its_step_ends():
     assert served == ["b", "a"]
 
 
+class WhereItRuns(MLP):
+    """Records the cores its thread may run on, in its forward (a turn) and in its training step (between turns)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, 2)
+        self.in_forward: list[set[int]] = []
+        self.in_step: list[set[int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.in_forward.append(os.sched_getaffinity(0))
+        return super().forward(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.in_step.append(os.sched_getaffinity(0))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="threads are pinned to cores on Linux")
+def test_on_the_cpu_a_turn_runs_pinned_to_its_devices_core():
+    """A device is a core: a shard's forward runs on its device's core alone; between turns the model's thread may
+    run on any of the process's cores again."""
+    cores = sorted(os.sched_getaffinity(0))
+    devices = min(2, len(cores))
+    models = [WhereItRuns(16), WhereItRuns(24)]
+    sweep = MultiModelTrainer(devices=devices, enable_progress_bar=False)
+    for model in models:
+        sweep.add(model, train_dataloaders=regression_data(model.layers[0].in_features), max_steps=3, **QUIET)
+    sweep.fit()
+    pinned = [where for model in models for where in model.in_forward]
+    assert len(pinned) >= 6 and all(len(where) == 1 and where <= set(cores[:devices]) for where in pinned)
+    # The three training steps (set-up runs the first step, up to `self(...)`, inside its own turn).
+    assert all(where == set(cores) for model in models for where in model.in_step[-3:])
+    assert os.sched_getaffinity(0) == set(cores)
+
+
 def test_a_failing_model_ends_alone_with_its_checkpoints_intact(tmp_path):
     """An exception in one model's step ends that model's fit with its error; its last checkpoint resumes; the other
     model trains on exactly as alone."""

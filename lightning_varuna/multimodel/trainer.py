@@ -37,7 +37,7 @@ class MultiModelTrainer:
     Each model added gets its own `lightning.pytorch.Trainer` (its own ``max_steps``, callbacks, logger,
     checkpoints...) under `SpillingStrategy`; while it trains, each shard's forward, backward and optimizer step waits
     for a free device, given to the model with the longest remaining time. On the CPU a device is one core: torch
-    computes with one thread per device.
+    computes with one thread per device, and a turn on device k runs pinned to the process's k-th core.
 
     Args:
         accelerator: ``"cpu"`` (CUDA devices are not supported yet).
@@ -72,7 +72,7 @@ class MultiModelTrainer:
         self.memory_budget, self.spill_dir, self.prefetch = memory_budget, spill_dir, prefetch
         self.storage_options = storage_options
         self.enable_progress_bar = enable_progress_bar
-        self.scheduler = DeviceScheduler(devices)
+        self.scheduler = DeviceScheduler(devices, cores=_cores_for(devices))
         self.results: list[ModelResult] = []
         self._members: list[_Member] = []
         self._display: SweepDisplay | None = None
@@ -297,6 +297,14 @@ class _SweepMemberCallback(pl.Callback):
             float(trainer.estimated_stepping_batches),
             self.member.steps_before,
         )
+
+
+def _cores_for(devices: int) -> list[int] | None:
+    """A core of this process's for each device, if it has that many (and the OS lets threads be pinned)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[:devices] if len(cores) >= devices else None
 
 
 @contextmanager
