@@ -150,6 +150,24 @@ def test_a_model_that_fits_in_one_shard_runs_whole():
     assert_same_model(model, reference)
 
 
+class OutOfMemoryWhole(TinyLM):
+    """A model whose whole forward on a full batch does not fit the device: it runs out of memory with autograd on
+    (tracing it is not running it, and its traced segments, run one at a time, do not call this forward)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and idx.shape[0] > 2 and not torch.compiler.is_compiling():
+            raise torch.OutOfMemoryError("the whole model's activations do not fit")
+        return super().forward(idx)
+
+
+def test_a_model_whose_whole_forward_runs_out_of_memory_is_cut():
+    torch.manual_seed(0)
+    strategy = SpillingStrategy(memory_budget=BUDGETS[1])
+    trainer = fit(OutOfMemoryWhole(), strategy)
+    assert strategy.shards == [[0, 1, 2, 3, 4]] and len(strategy.segment_memory) == 5
+    assert len(losses(trainer)) == 8  # 4 steps of 2 accumulated batches
+
+
 def test_bf16_mixed_trains_like_one_device():
     """The recomputed forwards run under the autocast of their first run."""
     torch.manual_seed(0)

@@ -202,7 +202,7 @@ def _measure_if_one_shard(
 ) -> tuple[SegmentMemory, int] | None:
     """The whole model's memory on the device and the bytes kept throughout, counted as `_measure` counts them for
     one shard of all segments, from a forward on the first batch; None if they do not fit in one shard (the forward
-    is skipped when the parameters alone do not fit)."""
+    is skipped when the parameters alone do not fit, and a forward that runs out of device memory does not fit)."""
     params = list(module.parameters())
     state = sum(4 * _nbytes(p) for p in params)
     if state >= shard_share(budget, buffer_bytes, prefetch):
@@ -220,6 +220,8 @@ def _measure_if_one_shard(
             observe_cutpoints(module, batch_size_of((args, kwargs)), lambda x: at_cutpoints.append(_nbytes(x))),
         ):
             module(*args, **kwargs)
+    except torch.OutOfMemoryError:
+        return None
     finally:
         for p in in_host_memory:
             p.data = p.data.to("cpu")
