@@ -87,9 +87,10 @@ def plan_shards(
     whole = None if meta else _measure_if_one_shard(module, args, kwargs, device, budget, buffer_bytes, prefetch)
     if whole is not None:
         segments: Segments | WholeModel = WholeModel(module, output_spec)
-        (whole_memory, kept), parked = whole, None
-        memory = [whole_memory]
-        segment_modules, shards = segments.for_inputs(args, kwargs)[1], [[0]]
+        whole_memory, kept = whole
+        memory, parked = [whole_memory], None
+        segment_modules = segments.for_inputs(args, kwargs)[1]
+        shards, in_segments = [[0]], [list(range(len(cutpoints) + 1))]  # one segment module: all the segments
     else:
         segments = Segments(module, cutpoints, device=device, tracing=tracing)
         graph, segment_modules = segments.for_inputs(args, kwargs)
@@ -97,9 +98,8 @@ def plan_shards(
         memory, kept = _measure(module, segment_modules, graph, args, kwargs, cutpoints, device, meta, parked)
         if meta:
             meta.materialize_rest()
-        shards = pack_shards(memory, budget, kept, prefetch)
+        shards = in_segments = pack_shards(memory, budget, kept, prefetch)
     forward_draws = not torch.equal(random_state, torch.get_rng_state())
-    in_segments = shards if whole is None else [list(range(len(cutpoints) + 1))]
     where = f"`{folder.name}`" if folder is not None else "host memory"
     rank_zero_info(
         f"SpillingStrategy: {len(cutpoints) + 1} segment(s) in {len(shards)} shard(s) "
