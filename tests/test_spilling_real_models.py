@@ -58,6 +58,16 @@ def budget_for_two_or_more_shards(model: L.LightningModule, data: object) -> int
     return cut.kept_bytes + 2 * largest
 
 
+def assert_same_weights(model: L.LightningModule, reference: L.LightningModule, label: str = "") -> None:
+    """Every entry of the state dicts equal: floats within tolerance, the rest (step counts) exactly."""
+    for (key, value), expected_value in zip(model.state_dict().items(), reference.state_dict().values()):
+        where = f"{label} {key}".strip()
+        if value.is_floating_point():
+            torch.testing.assert_close(value, expected_value, rtol=1e-4, atol=1e-5, msg=lambda m, w=where: f"{w}: {m}")
+        else:
+            assert torch.equal(value, expected_value), where
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_real_model_trains_spilled_like_one_device(tmp_path, name):
     model, data = build(name)
@@ -68,11 +78,7 @@ def test_real_model_trains_spilled_like_one_device(tmp_path, name):
     spilled = fit(model, data, strategy)
     assert len(strategy.shards) >= 2, strategy.shards
     torch.testing.assert_close(torch.tensor(spilled.losses), torch.tensor(expected.losses), rtol=1e-4, atol=1e-5)
-    for (key, value), expected_value in zip(model.state_dict().items(), reference.state_dict().values()):
-        if value.is_floating_point():
-            torch.testing.assert_close(value, expected_value, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
-        else:
-            assert torch.equal(value, expected_value), key
+    assert_same_weights(model, reference)
 
 
 @pytest.mark.parametrize("name", ["bn_mlp", "bert", "gpt2"])
@@ -88,11 +94,26 @@ def test_real_model_resumes_spilled_from_a_mid_epoch_checkpoint(tmp_path, name):
     path = str(tmp_path / "checkpoints" / "epoch=0-step=2.ckpt")
     continued = fit(resumed, data, SpillingStrategy(memory_budget=2 * budget), steps=4, ckpt_path=path)
     torch.testing.assert_close(torch.tensor(continued.losses), torch.tensor(expected.losses[2:]), rtol=1e-4, atol=1e-5)
-    for (key, value), expected_value in zip(resumed.state_dict().items(), reference.state_dict().values()):
-        if value.is_floating_point():
-            torch.testing.assert_close(value, expected_value, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
-        else:
-            assert torch.equal(value, expected_value), key
+    assert_same_weights(resumed, reference)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_real_model_that_fits_runs_whole_and_resumes_a_cut_runs_checkpoint(tmp_path, name):
+    """With the default budget the model fits in one shard and trains whole (untraced) like one device, from the
+    checkpoint a run cut into two or more shards wrote as its fit ended."""
+    model, data = build(name)
+    reference, resumed = copy.deepcopy(model), copy.deepcopy(model)
+    budget = budget_for_two_or_more_shards(model, data)
+    expected = fit(reference, data, "auto", steps=4)
+    saves = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=2, save_top_k=-1)
+    cut = SpillingStrategy(memory_budget=budget)
+    fit(model, data, cut, steps=2, callbacks=[saves])
+    path = str(tmp_path / "checkpoints" / "epoch=0-step=2.ckpt")
+    whole = SpillingStrategy()
+    continued = fit(resumed, data, whole, steps=4, ckpt_path=path)
+    assert len(cut.shards) >= 2 and len(whole.shards) == 1 and len(whole.segment_memory) == 1
+    torch.testing.assert_close(torch.tensor(continued.losses), torch.tensor(expected.losses[2:]), rtol=1e-4, atol=1e-5)
+    assert_same_weights(resumed, reference)
 
 
 def test_real_models_trained_together_each_as_if_alone():
@@ -122,8 +143,4 @@ def test_real_models_trained_together_each_as_if_alone():
         torch.testing.assert_close(
             torch.tensor(records[name].losses), torch.tensor(expected.losses), rtol=1e-4, atol=1e-5, msg=name
         )
-        for (key, value), expected_value in zip(model.state_dict().items(), references[name].state_dict().values()):
-            if value.is_floating_point():
-                torch.testing.assert_close(value, expected_value, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
-            else:
-                assert torch.equal(value, expected_value), f"{name} {key}"
+        assert_same_weights(model, references[name], name)
