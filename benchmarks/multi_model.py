@@ -6,7 +6,8 @@ Run from the repository root (about 3 minutes on 2 CPU cores)::
     python benchmarks/multi_model.py
 
 ``--rounds N`` trains the sweep every way N times in turn, since a slow spell of a shared machine can move one
-makespan by 5-10%: each round's table, and the median ratio to the lower bound over the rounds.
+makespan by 5-10%: each round's table, and the median ratio to the lower bound over the rounds. ``--accelerator gpu``
+trains on one CUDA GPU instead (``--devices 1``; no task queue, which is the sequential run on one device).
 
 The models are MLPs of Linear(width, width) layers with a CutPoint after each, trained with AdamW on batches of
 ``--batch`` rows; a device is one core (one torch thread). The sweep is ordered as a researcher might add it:
@@ -96,18 +97,19 @@ QUIET: dict[str, Any] = {
 }
 
 
-def train_alone(index: int, batch: int) -> float:
-    """Train model ``index`` alone with Lightning's default strategy, one thread; its wall time."""
-    torch.set_num_threads(1)
+def train_alone(index: int, batch: int, accelerator: str = "cpu") -> float:
+    """Train model ``index`` alone with Lightning's default strategy, one thread (on the CPU); its wall time."""
+    if accelerator == "cpu":
+        torch.set_num_threads(1)
     model, loader, steps = model_and_data(index, batch)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, **QUIET)
+    trainer = L.Trainer(accelerator=accelerator, devices=1, max_steps=steps, **QUIET)
     start = time.perf_counter()
     trainer.fit(model, loader)
     return time.perf_counter() - start
 
 
-def sequential(batch: int) -> list[float]:
-    return [train_alone(i, batch) for i in range(len(SWEEP))]
+def sequential(batch: int, accelerator: str) -> list[float]:
+    return [train_alone(i, batch, accelerator) for i in range(len(SWEEP))]
 
 
 def task_queue(devices: int, batch: int) -> float:
@@ -119,8 +121,8 @@ def task_queue(devices: int, batch: int) -> float:
         return time.perf_counter() - start
 
 
-def multi_model(devices: int, batch: int, budget: str | None) -> tuple[float, MultiModelTrainer]:
-    sweep = MultiModelTrainer(accelerator="cpu", devices=devices, memory_budget=budget)
+def multi_model(devices: int, batch: int, budget: str | None, accelerator: str) -> tuple[float, MultiModelTrainer]:
+    sweep = MultiModelTrainer(accelerator=accelerator, devices=devices, memory_budget=budget)
     for i in range(len(SWEEP)):
         model, loader, steps = model_and_data(i, batch)
         width, layers, _ = SWEEP[i]
@@ -134,23 +136,20 @@ def multi_model(devices: int, batch: int, budget: str | None) -> tuple[float, Mu
     return makespan, sweep
 
 
-def one_round(devices: int, batch: int, budget: str) -> tuple[dict[str, Any], MultiModelTrainer]:
-    """Every way of training the sweep once: the models alone (their tᵢ), the task queue and both sweeps; the
-    figures, and the spilled sweep (for its timeline)."""
-    alone = sequential(batch)
+def one_round(devices: int, batch: int, budget: str, accelerator: str) -> tuple[dict[str, Any], MultiModelTrainer]:
+    """Every way of training the sweep once: the models alone (their tᵢ), the task queue (on the CPU) and both
+    sweeps; the figures, and the spilled sweep (for its timeline)."""
+    alone = sequential(batch, accelerator)
     print("sequential: " + ", ".join(f"{t:.1f}s" for t in alone), flush=True)
-    queue_s = task_queue(devices, batch)
-    print(f"task queue: {queue_s:.1f}s", flush=True)
-    sweep_s, sweep = multi_model(devices, batch, None)
-    print(f"multi-model: {sweep_s:.1f}s", flush=True)
-    spilled_s, spilled = multi_model(devices, batch, budget)
-    print(f"multi-model-spilled: {spilled_s:.1f}s", flush=True)
-    makespans = {
-        "sequential": sum(alone),
-        "task-queue": queue_s,
-        "multi-model": sweep_s,
-        "multi-model-spilled": spilled_s,
-    }
+    makespans = {"sequential": sum(alone)}
+    if accelerator == "cpu":
+        makespans["task-queue"] = task_queue(devices, batch)
+        print(f"task queue: {makespans['task-queue']:.1f}s", flush=True)
+    makespans["multi-model"], sweep = multi_model(devices, batch, None, accelerator)
+    print(f"multi-model: {makespans['multi-model']:.1f}s", flush=True)
+    makespans["multi-model-spilled"], spilled = multi_model(devices, batch, budget, accelerator)
+    print(f"multi-model-spilled: {makespans['multi-model-spilled']:.1f}s", flush=True)
+    sweep_s, spilled_s = makespans["multi-model"], makespans["multi-model-spilled"]
     lower_bound = max(sum(alone) / devices, max(alone))
     row = {
         "alone_s": alone,
@@ -165,12 +164,20 @@ def one_round(devices: int, batch: int, budget: str) -> tuple[dict[str, Any], Mu
     return row, spilled
 
 
+def shown(path: Path) -> str:
+    """``path`` relative to the repository, if it is in it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows per batch (steps scaled to match)")
     parser.add_argument("--budget", default="64MB", help="each model's memory budget (a shard's)")
     parser.add_argument("--rounds", type=int, default=1, help="train the sweep every way this many times, in turn")
+    parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the results and the trace")
     args = parser.parse_args()
 
     print(f"sweep of {len(SWEEP)} models (width, layers, steps at batch {DEFAULT_BATCH}): {SWEEP}")
@@ -179,16 +186,22 @@ def main() -> None:
     for index in range(args.rounds):
         if args.rounds > 1:
             print(f"round {index + 1} of {args.rounds}", flush=True)
-        row, spilled = one_round(args.devices, args.batch, args.budget)
+        row, spilled = one_round(args.devices, args.batch, args.budget, args.accelerator)
         rounds.append(row)
     ways = list(rounds[0]["makespan_s"])
     median = {way: statistics.median(r["vs_lower_bound"][way] for r in rounds) for way in ways}
 
     file_name = "multi_model.json" if args.batch == DEFAULT_BATCH else f"multi_model_batch{args.batch}.json"
-    results_path, trace_path = RESULTS / file_name, RESULTS / "traces" / file_name
+    file_name = file_name if args.accelerator == "cpu" else file_name.replace("multi_model", "multi_model_gpu")
+    results_path, trace_path = args.out / file_name, args.out / "traces" / file_name
     results = {
         "command": shlex.join(["python", "benchmarks/multi_model.py", *sys.argv[1:]]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if args.accelerator == "gpu" else None,
+        },
         "devices": args.devices,
         "batch": args.batch,
         "memory_budget": args.budget,
@@ -198,7 +211,7 @@ def main() -> None:
         ],
         "rounds": rounds,
         "median_vs_lower_bound": median,
-        "trace": str(trace_path.relative_to(ROOT)),
+        "trace": shown(trace_path),
     }
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     results_path.write_text(json.dumps(results, indent=2) + "\n")
@@ -213,7 +226,7 @@ def main() -> None:
     if args.rounds > 1:
         medians = ", ".join(f"{way} {median[way]:.2f}x" for way in ways)
         print(f"\nmedian of {args.rounds} rounds, vs the lower bound: {medians}")
-    print(f"wrote {results_path.relative_to(ROOT)} and {trace_path.relative_to(ROOT)}")
+    print(f"wrote {shown(results_path)} and {shown(trace_path)}")
 
 
 if __name__ == "__main__":

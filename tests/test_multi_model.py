@@ -614,8 +614,14 @@ def test_progress_summary_and_trace(tmp_path, capsys):
 
 
 def test_bad_input_fails_early():
-    with pytest.raises(NotImplementedError, match="runs on the CPU"):
-        MultiModelTrainer(accelerator="gpu")
+    with pytest.raises(ValueError, match="runs on 'cpu' or 'gpu'"):
+        MultiModelTrainer(accelerator="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            MultiModelTrainer(accelerator="gpu")
+    elif torch.cuda.device_count() >= 2:
+        with pytest.raises(NotImplementedError, match="one sweep per GPU"):
+            MultiModelTrainer(accelerator="gpu", devices=2)
     sweep = MultiModelTrainer(devices=2)
     with pytest.raises(ValueError, match="set `accelerator` and `devices` on MultiModelTrainer"):
         sweep.add(MLP(8, 2), devices=2)

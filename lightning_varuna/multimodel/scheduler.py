@@ -23,7 +23,9 @@ first, so that a model just set up starts training before the next set-up takes 
 
 On the CPU a device is a core: a turn on device k runs with its thread pinned to the k-th of ``cores``, so that two
 turns never share a core while another core idles, and a computing thread is not moved between cores (measured: a
-sweep's makespan 2-3% shorter at batches of 256 rows).
+sweep's makespan 2-3% shorter at batches of 256 rows). On CUDA a device is a GPU: a turn on device k runs with
+``gpus[k]`` as the current device. A GPU works asynchronously: a turn ends when its work is issued, so its time (and
+the spans of the device timeline) is the host's time issuing that work, not the GPU's running it.
 
 A model traces its forward (at set-up, and for inputs of a new shape) `alone`: while no other model is in a turn.
 torch.export marks the whole process as compiling while it traces (`torch.compiler.is_compiling()`), and optimizers
@@ -41,6 +43,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+from lightning_varuna.pipeline.replay import generator_states, states_differ
 
 __all__ = ["HOLD_S", "DeviceScheduler", "DeviceSpan", "ModelClock", "SweepStopped"]
 
@@ -97,16 +101,20 @@ class _Request:
 
 class DeviceScheduler:
     """``devices`` device slots shared by the models of a sweep, handed out longest remaining time first; on the CPU,
-    device k is the core ``cores[k]`` (None: the OS places the threads).
+    device k is the core ``cores[k]`` (None: the OS places the threads), on CUDA the GPU ``gpus[k]``.
 
     Whenever a device comes free (or a model starts waiting), the dispatcher gives the free devices to the waiting
     models in order of remaining time and wakes only those.
     """
 
-    def __init__(self, devices: int, cores: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, devices: int, cores: Sequence[int] | None = None, gpus: Sequence[torch.device] | None = None
+    ) -> None:
         if cores is not None and len(cores) < devices:
             raise ValueError(f"{devices} devices need as many cores; {list(cores)} were given.")
-        self.devices, self.cores = devices, cores
+        if gpus is not None and len(gpus) != devices:
+            raise ValueError(f"{devices} devices need as many GPUs; {list(gpus)} were given.")
+        self.devices, self.cores, self.gpus = devices, cores, gpus
         self.spans: list[DeviceSpan] = []
         self._free = list(range(devices))
         self._generator_holder: str | None = None  # the model whose requests hold torch's global generator
@@ -187,16 +195,17 @@ class DeviceScheduler:
         clock = self._clocks[name]
         draws = clock.draws.get((shard, training)) if work in ("forward", "backward") else False
         request = self._wait(clock, needs_generator=generator or draws is not False)
-        before = torch.get_rng_state() if draws is None and work == "forward" else None
         assert request.device is not None
+        device = self.gpus[request.device] if self.gpus is not None else torch.device("cpu")
+        before = generator_states(device) if draws is None and work == "forward" else None
         start = time.perf_counter()
         try:
-            with self._on_core(request.device):
+            with self._on_device(request.device):
                 yield request.needs_generator
         finally:
             end = time.perf_counter()
             if before is not None:
-                clock.draws[(shard, training)] = not torch.equal(before, torch.get_rng_state())
+                clock.draws[(shard, training)] = states_differ(before, generator_states(device))
             with self._lock:
                 clock.device_s += end - start
                 clock.setup_s += end - start if work == "set-up" else 0.0
@@ -208,8 +217,13 @@ class DeviceScheduler:
                 self._dispatch()
 
     @contextmanager
-    def _on_core(self, device: int) -> Iterator[None]:
-        """Pin the calling thread to ``device``'s core for the block (see module), if devices are cores."""
+    def _on_device(self, device: int) -> Iterator[None]:
+        """Run the block on ``device`` (see module): the current GPU, or with the thread pinned to the device's core
+        if devices are cores."""
+        if self.gpus is not None:
+            with torch.cuda.device(self.gpus[device]):
+                yield
+            return
         if self.cores is None:
             yield
             return

@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,11 +37,13 @@ class MultiModelTrainer:
     Each model added gets its own `lightning.pytorch.Trainer` (its own ``max_steps``, callbacks, logger,
     checkpoints...) under `SpillingStrategy`; while it trains, each shard's forward, backward and optimizer step waits
     for a free device, given to the model with the longest remaining time. On the CPU a device is one core: torch
-    computes with one thread per device, and a turn on device k runs pinned to the process's k-th core.
+    computes with one thread per device, and a turn on device k runs pinned to the process's k-th core. On a GPU
+    (``accelerator="gpu"``) the models' shards take turns on the current CUDA device, spilled to pinned host memory
+    (or ``spill_dir``) in between.
 
     Args:
-        accelerator: ``"cpu"`` (CUDA devices are not supported yet).
-        devices: how many devices the models share.
+        accelerator: ``"cpu"``, or ``"gpu"`` (``"cuda"``) for one CUDA GPU.
+        devices: how many devices the models share (on a GPU: 1).
         memory_budget: each model's `SpillingStrategy` budget (bytes or a string like ``"1GB"``): what one of its
             shards may hold on a device.
         spill_dir: a folder for the disk tier (each model gets its own subfolder); ``None`` keeps spilled shards in
@@ -61,18 +63,21 @@ class MultiModelTrainer:
         storage_options: dict[str, Any] | None = None,
         enable_progress_bar: bool = True,
     ) -> None:
-        if accelerator != "cpu":
-            raise NotImplementedError(
-                f"MultiModelTrainer runs on the CPU for now (accelerator='cpu'), not {accelerator!r}. To train one "
-                "model on a GPU use `Trainer(strategy=SpillingStrategy(...))`."
-            )
+        if accelerator not in ("cpu", "gpu", "cuda"):
+            raise ValueError(f"MultiModelTrainer runs on 'cpu' or 'gpu' (CUDA), not accelerator={accelerator!r}.")
         if devices < 1:
             raise ValueError(f"`devices` must be at least 1, got {devices}.")
+        self.on_gpu = accelerator != "cpu"
+        if self.on_gpu:
+            _check_one_gpu(devices)
         self.devices = devices
         self.memory_budget, self.spill_dir, self.prefetch = memory_budget, spill_dir, prefetch
         self.storage_options = storage_options
         self.enable_progress_bar = enable_progress_bar
-        self.scheduler = DeviceScheduler(devices, cores=_cores_for(devices))
+        if self.on_gpu:
+            self.scheduler = DeviceScheduler(devices, gpus=[torch.device("cuda", torch.cuda.current_device())])
+        else:
+            self.scheduler = DeviceScheduler(devices, cores=_cores_for(devices))
         self.results: list[ModelResult] = []
         self._members: list[_Member] = []
         self._display: SweepDisplay | None = None
@@ -124,8 +129,8 @@ class MultiModelTrainer:
         callbacks = list(trainer_kwargs.pop("callbacks", None) or [])
         with _quiet_lightning_info():
             trainer = pl.Trainer(
-                accelerator="cpu",
-                devices=1,
+                accelerator="gpu" if self.on_gpu else "cpu",
+                devices=[self.scheduler.gpus[0].index] if self.scheduler.gpus else 1,
                 strategy=strategy,
                 callbacks=[*callbacks, _SweepMemberCallback(self, member)],
                 **trainer_kwargs,
@@ -153,7 +158,7 @@ class MultiModelTrainer:
             threading.Thread(target=self._fit_member, args=(m, r), name=f"sweep {m.name}", daemon=True)
             for m, r in zip(self._members, self.results)
         ]
-        with _torch_threads(1), _stopped_by_signals(self.scheduler):
+        with _torch_threads(1) if not self.on_gpu else nullcontext(), _stopped_by_signals(self.scheduler):
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -180,7 +185,8 @@ class MultiModelTrainer:
         Path(path).write_text(device_timeline_trace(self.spans, {"models": [m.name for m in self._members]}))
 
     def _fit_member(self, member: _Member, result: ModelResult) -> None:
-        torch.set_num_threads(1)
+        if not self.on_gpu:
+            torch.set_num_threads(1)
         start = time.perf_counter()
         try:
             member.trainer.fit(member.model, **member.fit_kwargs)
@@ -296,6 +302,18 @@ class _SweepMemberCallback(pl.Callback):
             trainer.global_step - self.member.steps_before,
             float(trainer.estimated_stepping_batches),
             self.member.steps_before,
+        )
+
+
+def _check_one_gpu(devices: int) -> None:
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "MultiModelTrainer(accelerator='gpu') needs a CUDA GPU, and torch sees none. Use accelerator='cpu'."
+        )
+    if devices != 1:
+        raise NotImplementedError(
+            f"MultiModelTrainer trains a sweep on one GPU for now, not devices={devices}: run one sweep per GPU "
+            "(each process seeing its own, `CUDA_VISIBLE_DEVICES=k`), or several on the CPU."
         )
 
 

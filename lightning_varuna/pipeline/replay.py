@@ -9,24 +9,37 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ["RandomState", "scratch_buffers"]
+__all__ = ["RandomState", "generator_states", "scratch_buffers", "states_differ"]
+
+
+def generator_states(device: torch.device) -> list[torch.Tensor]:
+    """The states of the generators that work on ``device`` draws from: torch's CPU generator, and a GPU's own."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def states_differ(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
+    """Whether random numbers were drawn between two `generator_states`."""
+    return any(not torch.equal(a, b) for a, b in zip(before, after))
 
 
 class RandomState:
     """The random number generators' state before a forward, to replay it (same dropout masks) on recompute."""
 
     def __init__(self, device: torch.device) -> None:
-        self._devices = [device] if device.type == "cuda" else []
-        self.cpu_state = torch.get_rng_state()
-        self._device_states = [torch.cuda.get_rng_state(d) for d in self._devices]
+        self.device = device
+        self.states = generator_states(device)
 
     @contextmanager
     def replayed(self) -> Iterator[None]:
         """Run the block from this state; the generators continue afterwards as if it had not run."""
-        with torch.random.fork_rng(devices=self._devices):
-            torch.set_rng_state(self.cpu_state)
-            for device, state in zip(self._devices, self._device_states):
-                torch.cuda.set_rng_state(state, device)
+        gpus = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=gpus):
+            torch.set_rng_state(self.states[0])
+            for gpu, state in zip(gpus, self.states[1:]):
+                torch.cuda.set_rng_state(state, gpu)
             yield
 
 

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from lightning_varuna.partition.discovery import buffers_kept, forward_with_cutpoints, observe_cutpoints
 from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.microbatch import batch_size_of, first_rows
+from lightning_varuna.pipeline.replay import generator_states, states_differ
 from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
 from lightning_varuna.spilling.packing import SegmentMemory, format_bytes, pack_shards, shard_share
@@ -42,8 +43,8 @@ class ShardPlan:
         kept_bytes: what stays on the device throughout (boundary activations, buffers, tied parameters).
         parked: the segments of a model built on the meta device, materialized and waiting in the store.
         folder: the spill folder (removed with it), if spilling to disk.
-        forward_draws: whether measuring drew from torch's CPU generator (the model's forward, or materializing a
-            model built on the meta device).
+        forward_draws: whether measuring drew from torch's CPU generator or the GPU's (the model's forward, or
+            materializing a model built on the meta device).
     """
 
     model: ShardedModel
@@ -74,7 +75,7 @@ def plan_shards(
     it is never whole in memory.
     """
     meta = MetaModel(module, device) if MetaModel.needed(module) else None
-    random_state = torch.get_rng_state()
+    random_state = generator_states(device)
     cutpoints, example_output = _discover(module, args, kwargs, on_meta=meta is not None)
     _, output_spec = tree_flatten(example_output)
     for b in module.buffers():
@@ -99,7 +100,7 @@ def plan_shards(
         if meta:
             meta.materialize_rest()
         shards = in_segments = pack_shards(memory, budget, kept, prefetch)
-    forward_draws = not torch.equal(random_state, torch.get_rng_state())
+    forward_draws = states_differ(random_state, generator_states(device))
     where = f"`{folder.name}`" if folder is not None else "host memory"
     rank_zero_info(
         f"SpillingStrategy: {len(cutpoints) + 1} segment(s) in {len(shards)} shard(s) "

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
-from lightning_varuna.pipeline.replay import RandomState, scratch_buffers
+from lightning_varuna.pipeline.replay import RandomState, generator_states, scratch_buffers, states_differ
 from lightning_varuna.spilling.segments import Segments, WholeModel
 from lightning_varuna.spilling.store import SpillStore
 
@@ -35,7 +35,7 @@ class Shard:
     params: list[nn.Parameter]
     grad_norm_sq: Tensor | None = None  # the squared norm of its gradients after the last backward
     random_state: RandomState | None = field(default=None, repr=False)  # before its forward (dropout on recompute)
-    random_after: Tensor | None = field(default=None, repr=False)  # the CPU generator's state after its forward
+    random_after: list[Tensor] | None = field(default=None, repr=False)  # the generators' states after its forward
 
     def key(self, part: str) -> str:
         return f"shard{self.index}.{part}"
@@ -193,7 +193,7 @@ class ShardedModel:
         with nullcontext() if with_graph else torch.no_grad():
             produced = self._run(shard)
         if replayable:
-            shard.random_after = torch.get_rng_state()
+            shard.random_after = generator_states(self.store.device)
         for src, value in produced.items():
             if self._last_consumer.get(src, -1) > shard.index:
                 if training and not with_graph and isinstance(value, Tensor) and value.is_floating_point():
@@ -349,9 +349,9 @@ class ShardedModel:
 
 def _check_replayed(shard: Shard, random_state: RandomState) -> None:
     """A recompute that drew random numbers must end where its forward ended, or its dropout masks differ."""
-    replayed = torch.get_rng_state()
-    drew = not torch.equal(replayed, random_state.cpu_state)
-    if drew and not torch.equal(replayed, shard.random_after):  # type: ignore[arg-type]
+    replayed = generator_states(random_state.device)
+    drew = states_differ(random_state.states, replayed)
+    if drew and states_differ(replayed, shard.random_after):  # type: ignore[arg-type]
         raise RuntimeError(
             f"Shard {shard.index}'s forward could not be replayed for its backward: its random numbers (dropout) "
             "differ from the first run's, because something else drew from torch's global generator while that "

@@ -93,7 +93,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         self.segment_memory: list[SegmentMemory] = []
         self.kept_bytes = 0  # what stays on the device throughout (boundary activations, buffers, tied weights)
         self.optimizer_in_backward = False  # each shard steps right after its backward (decided at set-up)
-        self.forward_draws = True  # whether the forward drew from torch's CPU generator when measured at set-up
+        self.forward_draws = True  # whether the forward drew random numbers (CPU's or GPU's) when measured at set-up
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer whose step runs the current closure
         self.checkpoint_storage = Storage(storage_options)
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage)
