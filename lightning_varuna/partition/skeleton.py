@@ -39,8 +39,9 @@ class ModelSkeleton:
     memory), then puts the real tensors back.
     """
 
-    def __init__(self, module: nn.Module, meta_to: torch.device | None = None) -> None:
-        """``meta_to``: where the stand-ins of tensors still on the meta device go (the inputs' device)."""
+    def __init__(self, module: nn.Module, device: torch.device | None = None) -> None:
+        """``device``: where every stand-in goes (the inputs' device, for a model whose tensors wait elsewhere or on
+        the meta device between uses); None: where each tensor is."""
         self._slots: list[_Slot] = []
         self._specs: dict[str, _Spec] = {}
         first_name: dict[int, str] = {}
@@ -52,9 +53,8 @@ class ModelSkeleton:
                     fqn = f"{owner_name}.{name}" if owner_name else name
                     canonical = first_name.setdefault(id(tensor), fqn)
                     self._slots.append(_Slot(owner_name, name, canonical, is_parameter))
-                    device = meta_to if tensor.is_meta and meta_to is not None else tensor.device
                     self._specs[canonical] = _Spec(
-                        tensor.shape, tensor.dtype, device, is_parameter and tensor.requires_grad
+                        tensor.shape, tensor.dtype, device or tensor.device, is_parameter and tensor.requires_grad
                     )
         self._aliases = {f"{s.owner}.{s.name}" if s.owner else s.name: s.fqn for s in self._slots}
 

@@ -114,14 +114,19 @@ def plan_shards(
 def _discover(module: nn.Module, args: tuple, kwargs: dict, on_meta: bool) -> tuple[list[str], Any]:
     """The CutPoints a forward goes through and its output (for its structure), from a forward on the first two
     rows of the batch (the measuring forward runs the whole batch next); on the whole batch if the model cannot run
-    two rows, and on the meta device if the model is still there."""
+    two rows. It runs where the model is (usually host memory: the inputs are copied there from a GPU), or on the
+    meta device if the model is still there."""
     if on_meta:
-        return forward_with_cutpoints(module, *tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs)))
-    few_args, few_kwargs = first_rows((args, kwargs), 2)
+        return forward_with_cutpoints(module, *_moved((args, kwargs), torch.device("meta")))
+    where = next((p.device for p in module.parameters()), torch.device("cpu"))
     try:
-        return forward_with_cutpoints(module, few_args, few_kwargs)
+        return forward_with_cutpoints(module, *_moved(first_rows((args, kwargs), 2), where))
     except Exception:  # noqa: BLE001 - e.g. a batch size built into the model: the whole batch says what is wrong
-        return forward_with_cutpoints(module, args, kwargs)
+        return forward_with_cutpoints(module, *_moved((args, kwargs), where))
+
+
+def _moved(inputs: Any, device: torch.device) -> Any:
+    return tree_map_only(Tensor, lambda t: t.to(device), inputs)
 
 
 def _spill_folder(spill_dir: Path | None, needed: int) -> tempfile.TemporaryDirectory | None:

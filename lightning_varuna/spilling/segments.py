@@ -22,7 +22,8 @@ class Segments:
     """``module`` cut before each of ``cutpoints``: the segment modules for given inputs (traced on first use).
 
     The skeleton is taken now: later traces need only shapes, so they work while the parameters are spilled, or
-    still on the meta device (their stand-ins then go to ``device``). Each trace runs inside ``tracing()``.
+    still on the meta device; their stand-ins go to ``device``, where the segments run. Each trace runs inside
+    ``tracing()``.
     """
 
     def __init__(
@@ -33,7 +34,7 @@ class Segments:
         tracing: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
         self.module, self.cutpoints, self.tracing = module, cutpoints, tracing
-        self.skeleton = ModelSkeleton(module, meta_to=device)
+        self.skeleton = ModelSkeleton(module, device=device)
         self._real: dict[str, Tensor] = {**dict(module.named_parameters()), **dict(module.named_buffers())}
         self._traced: dict[tuple, tuple[PipelineGraph, list[nn.Module]]] = {}
 

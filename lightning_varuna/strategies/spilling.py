@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
@@ -160,8 +161,9 @@ class SpillingStrategy(SingleDeviceStrategy):
 
     @override
     def model_to_device(self) -> None:
-        # The model stays where it is built (host memory); shards visit the device when they run.
-        pass
+        """The model stays where it is built (host memory); shards visit the device when they run. Its ``device``
+        is the device's, where its inputs and outputs are (user code makes tensors on ``self.device``)."""
+        _update_properties(self._module, device=self.root_device)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
