@@ -126,8 +126,19 @@ class ShardedModel:
                     self._optimizer.state[p][name] = t
             loaded.add("state")
 
+    @contextmanager
+    def _fetching(self, index: int, parts: tuple[str, ...]) -> Iterator[None]:
+        """Fetch shard ``index`` (if there is one) while the block computes the current one. On the CPU the fetch (a
+        disk read) starts first; on a GPU, where the block only issues its work, it starts after, so that it can wait
+        for the shard before the current one to leave the device (see `SpillStore`) while the GPU computes."""
+        if self.store.device.type != "cuda":
+            self._prefetch(index, parts)
+        yield
+        if self.store.device.type == "cuda":
+            self._prefetch(index, parts)
+
     def _prefetch(self, index: int, parts: tuple[str, ...]) -> None:
-        """Start fetching shard ``index`` (if there is one) while the current one computes."""
+        """Start fetching shard ``index`` (if there is one)."""
         if not 0 <= index < len(self.shards) or not self.prefetch_next or index in self._loaded:
             return
         shard = self.shards[index]
@@ -188,9 +199,8 @@ class ShardedModel:
 
     def _forward_shard(self, shard: Shard, replayable: bool, training: bool, with_graph: bool) -> None:
         self._bring(shard, ("grads",) if with_graph else ())
-        self._prefetch(shard.index + 1, ())
         shard.random_state = RandomState(self.store.device) if replayable else None
-        with nullcontext() if with_graph else torch.no_grad():
+        with self._fetching(shard.index + 1, ()), nullcontext() if with_graph else torch.no_grad():
             produced = self._run(shard)
         if replayable:
             shard.random_after = generator_states(self.store.device)
@@ -239,11 +249,11 @@ class ShardedModel:
         for shard in reversed(self.shards):
             with self.turn("backward", shard.index) as holds_generator:
                 self._bring(shard, parts)
-                if shard.index == len(self.shards) - 1:
-                    backward(loss)
-                else:
-                    self._prefetch(shard.index - 1, parts)
-                    self._backward_through(shard, replay=holds_generator)
+                with self._fetching(shard.index - 1, parts):
+                    if shard.index == len(self.shards) - 1:
+                        backward(loss)
+                    else:
+                        self._backward_through(shard, replay=holds_generator)
                 if optimizer is not None:
                     self._step_shard(optimizer, shard.params)
                     self._evict(shard, write=("params", "grads", "state"))
@@ -297,10 +307,10 @@ class ShardedModel:
         for shard in self.shards:
             with self.turn("step", shard.index):
                 self._bring(shard, ("grads", "state"))
-                self._prefetch(shard.index + 1, ("grads", "state"))
-                if clip is not None and total is not None:
-                    clip(shard.params, total)
-                self._step_shard(optimizer, shard.params)
+                with self._fetching(shard.index + 1, ("grads", "state")):
+                    if clip is not None and total is not None:
+                        clip(shard.params, total)
+                    self._step_shard(optimizer, shard.params)
                 self._evict(shard, write=("params", "grads", "state"))
         if self.resident_params:
             with self.turn("step", len(self.shards)):

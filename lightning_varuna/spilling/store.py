@@ -40,9 +40,12 @@ class SpillStore:
     once written), `prefetch` starts a read, `get` waits for it. One thread keeps at most one part in flight, so a
     write finishes before the next read starts.
 
-    On a CUDA device the copies to the device run on a stream of their own, so that a prefetch overlaps the
-    computation on the current stream; `get` makes the current stream wait for them. (Written for CUDA and not yet
-    run on a GPU: tests/test_spilling_cuda.py checks it where one is.)
+    On a CUDA device a part in host memory is a pinned copy, written again in place each time the part is stored.
+    The copies to the device run on a stream of their own, so that a prefetch overlaps the computation on the
+    current stream; `get` makes the current stream wait for them. The host issues a GPU's work ahead of it, and the
+    device memory of a part stored is only free again once the GPU has done what was issued before: so a part is
+    brought to the device only once the GPU has stored the last part `put` (the host waits), which keeps what is on
+    the device to the parts in use.
     """
 
     def __init__(self, device: torch.device, folder: str | os.PathLike | None = None) -> None:
@@ -52,7 +55,7 @@ class SpillStore:
             _give_freed_memory_back()
         self._host: dict[str, list[Tensor]] = {}
         self._copies = torch.cuda.Stream(device) if device.type == "cuda" else None  # host -> device copies
-        self._stored: dict[str, torch.cuda.Event] = {}  # host copies of device tensors: when they are complete
+        self._last_stored: torch.cuda.Event | None = None  # when the last host copy of device tensors is complete
         self._arriving: dict[str, tuple[list[Tensor], torch.cuda.Event]] = {}  # host-tier prefetches on their way
         self._layouts: dict[str, list[_Slot]] = {}
         self._pending: dict[str, Future[list[Tensor]]] = {}
@@ -67,17 +70,35 @@ class SpillStore:
 
     def put(self, key: str, tensors: list[Tensor]) -> None:
         """Spill ``tensors`` under ``key``, replacing what was there."""
+        if self.folder is None and self._copies is not None:
+            self._put_pinned(key, tensors)
+            return
         self._forget(key)
         if self.folder is None:
-            if self._copies is None:
-                self._host[key] = [t.detach() for t in tensors]
-                return
-            self._host[key] = [_pinned_copy(t) for t in tensors]
-            self._stored[key] = torch.cuda.Event()
-            self._stored[key].record(torch.cuda.current_stream(self.device))
+            self._host[key] = [t.detach() for t in tensors]
             return
         slots = self._layouts[key] = _layout(tensors)
         self._writes[key] = self._io.submit(self._write, self.folder / f"{key}.bin", tensors, slots)
+
+    def _put_pinned(self, key: str, tensors: list[Tensor]) -> None:
+        """Copy device ``tensors`` to the pinned host copy of ``key`` (the one it has, if they fit it), on the current
+        stream, once the copies from it to the device are done."""
+        current = torch.cuda.current_stream(self.device)
+        arriving = self._arriving.pop(key, None)
+        if arriving is not None:
+            current.wait_event(arriving[1])
+        host = self._host.get(key)
+        if host is None or [(h.shape, h.dtype) for h in host] != [(t.shape, t.dtype) for t in tensors]:
+            host = self._host[key] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for copy, tensor in zip(host, tensors):
+            copy.copy_(tensor.detach(), non_blocking=True)
+        self._last_stored = torch.cuda.Event()
+        self._last_stored.record(current)
+
+    def _wait_last_stored(self) -> None:
+        """Wait until the GPU has stored the last part `put` (and so freed the device memory of every part before)."""
+        if self._last_stored is not None:
+            self._last_stored.synchronize()
 
     def prefetch(self, key: str) -> None:
         """Start bringing ``key`` back to the device (no-op if it is on its way or not spilled)."""
@@ -101,12 +122,10 @@ class SpillStore:
         return self._arrived(self._io.submit(self._read, key).result())
 
     def _copy_in(self, key: str) -> tuple[list[Tensor], torch.cuda.Event]:
-        """Copy the pinned host tensors of ``key`` to the device on the copy stream (after their own copy from the
-        device finished); the event marks the end."""
+        """Copy the pinned host tensors of ``key`` to the device on the copy stream, once the last part stored is
+        (see the class); the event marks the end."""
         assert self._copies is not None
-        stored = self._stored.get(key)
-        if stored is not None:
-            self._copies.wait_event(stored)
+        self._wait_last_stored()
         with torch.cuda.stream(self._copies):
             tensors = [t.to(self.device, non_blocking=True) for t in self._host[key]]
             done = torch.cuda.Event()
@@ -139,7 +158,6 @@ class SpillStore:
             if pending is not None:
                 pending.result()
         self._host.pop(key, None)
-        self._stored.pop(key, None)
         self._arriving.pop(key, None)
         return self._layouts.pop(key, None) is not None
 
@@ -249,9 +267,3 @@ def _give_freed_memory_back() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):  # not glibc
             ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD = -3
-
-
-def _pinned_copy(tensor: Tensor) -> Tensor:
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    copy.copy_(tensor.detach(), non_blocking=True)
-    return copy

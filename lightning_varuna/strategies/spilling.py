@@ -20,6 +20,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_varuna.checkpoint.layout import run_shape
@@ -162,8 +163,12 @@ class SpillingStrategy(SingleDeviceStrategy):
     @override
     def model_to_device(self) -> None:
         """The model stays where it is built (host memory); shards visit the device when they run. Its ``device``
-        is the device's, where its inputs and outputs are (user code makes tensors on ``self.device``)."""
+        is the device's, where its inputs and outputs are (user code makes tensors on ``self.device``), and its
+        torchmetrics metrics, which take those outputs, move there."""
         _update_properties(self._module, device=self.root_device)
+        for metric in self._module.modules():
+            if isinstance(metric, Metric):
+                metric.to(self.root_device)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
