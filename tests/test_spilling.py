@@ -450,8 +450,9 @@ def fit_mlp(
     rows: int = 192,
     callbacks: list[L.Callback] | None = None,
     accelerator: str = "cpu",
+    batch_size: int = 32,
 ) -> L.Trainer:
-    """Train an MLP of ``width`` on random regression data (batches of 32), with only ``callbacks`` around it."""
+    """Train an MLP of ``width`` on random regression data, with only ``callbacks`` around it."""
     data = TensorDataset(torch.randn(rows, width), torch.randn(rows, width))
     trainer = L.Trainer(
         accelerator=accelerator,
@@ -464,7 +465,7 @@ def fit_mlp(
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(model, DataLoader(data, batch_size=32))
+    trainer.fit(model, DataLoader(data, batch_size=batch_size))
     return trainer
 
 

@@ -42,7 +42,8 @@ def test_trains_like_one_gpu(tmp_path, disk):
 
 
 class DeviceMemory(L.Callback):
-    """The most device memory allocated over steps 2.., beside what was allocated after step 1."""
+    """The most device memory allocated over steps 2.., beside what was allocated after step 1 (when every shard is
+    spilled: cuBLAS's workspaces, 32 MiB per thread that multiplies matrices on Hopper GPUs)."""
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == 1:
@@ -55,14 +56,16 @@ class DeviceMemory(L.Callback):
 
 
 def test_device_memory_stays_within_the_budget():
-    """A model with 8x the budget of state: the device holds at most the budget plus 8 MiB (CUDA's workspace)."""
+    """A model with 8x the budget of state: during a step the device holds at most the budget (plus 8 MiB of slack)
+    beyond what it held between steps."""
     torch.manual_seed(0)
     model, budget = DeepMLP(), 12 * 2**20
     assert sum(4 * p.numel() * p.element_size() for p in model.parameters()) >= 8 * budget
     memory = DeviceMemory()
     trainer = fit_mlp(model, SpillingStrategy(memory_budget=budget), max_steps=4, callbacks=[memory], accelerator="gpu")
     assert len(trainer.strategy.shards) == LAYERS  # type: ignore[attr-defined]
-    assert memory.peak <= budget + 8 * 2**20, f"peak {memory.peak / 2**20:.1f} MiB for a budget of 12 MiB"
+    held = memory.peak - memory.start
+    assert held <= budget + 8 * 2**20, f"{held / 2**20:.1f} MiB held during a step for a budget of 12 MiB"
 
 
 class ProfileStep(L.Callback):
@@ -84,11 +87,21 @@ class ProfileStep(L.Callback):
 
 
 def test_copies_to_the_device_overlap_compute(tmp_path):
-    """In a step's trace, copies from pinned host memory run on a stream of their own while kernels run."""
+    """In a step's trace, copies from pinned host memory run on a stream of their own while kernels run (batches
+    large enough that a shard computes longer than the host takes to issue its work)."""
     torch.manual_seed(0)
     path = str(tmp_path / "step.json")
-    strategy = SpillingStrategy(memory_budget=12 * 2**20)
-    fit_mlp(DeepMLP(), strategy, max_steps=4, callbacks=[ProfileStep(path)], accelerator="gpu")
+    strategy = SpillingStrategy(memory_budget="1GiB")
+    fit_mlp(
+        DeepMLP(),
+        strategy,
+        max_steps=4,
+        rows=4 * 8192,
+        batch_size=8192,
+        callbacks=[ProfileStep(path)],
+        accelerator="gpu",
+    )
+    assert len(strategy.shards) > 1
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
