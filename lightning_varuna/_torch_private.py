@@ -54,6 +54,12 @@ def has_backward_hooks(module: nn.Module) -> bool:
     return bool(module._backward_hooks or module._backward_pre_hooks)
 
 
+def changes_inputs_in_place(target: object) -> bool:
+    """Whether the target of an FX node is an ATen operation that changes an input in place (its schema says so;
+    torch has no public way to ask). tests/test_spilling_real_models.py (torch 2.11)."""
+    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+
+
 def storage_users(tensor: Tensor) -> int:
     """How many hold ``tensor``'s memory, ``tensor`` included: tensors and views of it (the C++ references to its
     storage) and its Python storage object where someone keeps one (``t.untyped_storage()``). Counted against a new
@@ -71,6 +77,7 @@ __all__ = [
     "FsspecReader",
     "NormWithRunningStats",
     "FsspecWriter",
+    "changes_inputs_in_place",
     "default_store",
     "flatten_dense_tensors",
     "generated_code_modules",

@@ -18,7 +18,12 @@ from torch import Tensor, fx, nn
 from torch.distributed.pipelining import pipeline
 from torch.utils._pytree import tree_leaves
 
-from lightning_varuna._torch_private import generated_code_modules, has_backward_hooks, rename_node
+from lightning_varuna._torch_private import (
+    changes_inputs_in_place,
+    generated_code_modules,
+    has_backward_hooks,
+    rename_node,
+)
 from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.tracing import traceable_torch_modules, untraceable_forward_error
@@ -130,10 +135,16 @@ _RESERVED_NAMES = frozenset({"self"})
 
 
 def _make_generated_code_safe(stage_module: nn.Module) -> None:
-    """Rename graph values whose names shadow the generated forward's ``self``, and generate the code again.
+    """Make the generated code of each submodule of a stage run what was traced, whatever the strides at run time:
 
-    A value is named after the submodule that computed it: Hugging Face BERT's attention has a submodule called
-    ``self``, whose output would otherwise rebind ``self`` in the middle of the generated ``forward``.
+    * rename graph values whose names shadow the generated forward's ``self``. A value is named after the submodule
+      that computed it: Hugging Face BERT's attention has a submodule called ``self``, whose output would otherwise
+      rebind ``self`` in the middle of the generated ``forward``;
+    * reshape where the graph views (unless the view or its base is changed in place). An operation's output may
+      have other strides at run time than while tracing (attention's, once its inputs require gradients), and
+      torch.export drops a ``.contiguous()`` that was a no-op while tracing (seen with torch 2.11 in
+      ``nn.MultiheadAttention``): a view of the output would then fail. A reshape is that view wherever one is
+      possible, and a copy elsewhere.
     """
     for module in stage_module.modules():
         graph = getattr(module, "graph", None)
@@ -142,8 +153,22 @@ def _make_generated_code_safe(stage_module: nn.Module) -> None:
         clashing = [node for node in graph.nodes if node.name in _RESERVED_NAMES]
         for node in clashing:
             rename_node(node, f"{node.name}_")
-        if clashing:
+        views = [
+            node
+            for node in graph.nodes
+            if node.target is torch.ops.aten.view.default and not _changed_in_place(node, node.args[0])
+        ]
+        for node in views:
+            node.target = torch.ops.aten.reshape.default
+        if clashing or views:
             module.__dict__["graph_module"] = fx.GraphModule(module, graph)
+
+
+def _changed_in_place(*nodes: object) -> bool:
+    """Whether an operation of the graph changes any of ``nodes``' values in place."""
+    return any(
+        changes_inputs_in_place(user.target) for node in nodes if isinstance(node, fx.Node) for user in node.users
+    )
 
 
 def split_into_stages(
