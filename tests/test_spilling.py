@@ -150,6 +150,35 @@ def test_a_model_that_fits_in_one_shard_runs_whole():
     assert_same_model(model, reference)
 
 
+class SpillFiles(L.Callback):
+    """The names of the files in the spill tier under ``folder`` after each training batch."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.seen = folder, []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.seen.append(sorted(p.name for p in self.folder.rglob("*.bin")))
+
+
+@pytest.mark.parametrize("shards", [1, 5])
+def test_only_a_model_cut_into_shards_is_spilled(tmp_path, shards):
+    """A model that fits its budget in one shard stays in the device's memory, as in plain training: nothing of it
+    goes to the spill tier (here the disk); one cut into shards has every shard there between its turns."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    expected = fit(reference, "auto")
+    files = SpillFiles(tmp_path)
+    trainer = fit(model, SpillingStrategy(memory_budget=BUDGETS[shards], spill_dir=tmp_path), callbacks=[files])
+    assert len(files.seen) == 8
+    if shards == 1:
+        assert files.seen == [[]] * 8
+    else:
+        assert all({f"shard{k}.params.bin" for k in range(shards)} <= set(seen) for seen in files.seen)
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
 class OutOfMemoryWhole(TinyLM):
     """A model whose whole forward on a full batch does not fit the device: it runs out of memory with autograd on
     (tracing it is not running it, and its traced segments, run one at a time, do not call this forward)."""

@@ -41,6 +41,34 @@ def test_trains_like_one_gpu(tmp_path, disk):
     assert_same_model(model.cpu(), reference.cpu())
 
 
+class WhereTheWeightsAre(L.Callback):
+    """The devices of the model's parameters, and whether they hold elements, after each training batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[set[tuple[str, bool]]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.seen.append({(p.device.type, p.numel() > 0) for p in pl_module.parameters()})
+
+
+def test_a_model_that_fits_stays_on_the_gpu():
+    """A model that fits its budget in one shard is not spilled: between steps its parameters are on the GPU, and
+    it trains like one GPU."""
+    torch.manual_seed(0)
+    reference = TinyLM(dropout=0.1)
+    model = copy.deepcopy(reference)
+    torch.manual_seed(1)
+    expected = fit(reference, "auto", accelerator="gpu")
+    torch.manual_seed(1)
+    where = WhereTheWeightsAre()
+    strategy = SpillingStrategy(memory_budget=BUDGETS[1])
+    trainer = fit(model, strategy, accelerator="gpu", callbacks=[where])
+    assert len(strategy.shards) == 1
+    assert where.seen == [{("cuda", True)}] * 8
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model.cpu(), reference.cpu())
+
+
 class DeviceMemory(L.Callback):
     """The most device memory allocated over steps 2.., beside what was allocated after step 1 (when every shard is
     spilled: cuBLAS's workspaces, 32 MiB per thread that multiplies matrices on Hopper GPUs)."""

@@ -222,6 +222,8 @@ class _SweepMemberStrategy(SpillingStrategy):
     """`SpillingStrategy` whose shards wait for the sweep's devices; its set-up (which runs the model to measure it)
     holds a device and torch's global generator, and it traces its forward while the other models wait."""
 
+    _whole_model_stays = False  # the models share the devices: each one leaves after its turn
+
     def __init__(self, scheduler: DeviceScheduler, name: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.scheduler, self.sweep_name = scheduler, name

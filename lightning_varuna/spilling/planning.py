@@ -65,14 +65,16 @@ def plan_shards(
     spill_dir: Path | None,
     prefetch: bool,
     tracing: Callable[[], AbstractContextManager[None]] = nullcontext,
+    whole_stays: bool = True,
 ) -> ShardPlan:
     """Shards of ``module`` for a budget of ``memory_budget`` bytes on ``device`` (default: what it has free),
     measured on the forward inputs ``args, kwargs``; spilled to ``spill_dir`` (None: host memory). Each trace of the
     forward (now, and for inputs of a new shape) runs inside ``tracing()``.
 
-    A model that fits in one shard runs whole, by its own forward: it is not traced. A model on the meta device is
-    cut, and materialized a segment at a time as it is measured, each segment parked in the store before the next:
-    it is never whole in memory.
+    A model that fits in one shard runs whole, by its own forward: it is not traced, and with ``whole_stays`` it
+    stays on the device (it fits the budget: nothing need be spilled). A model on the meta device is cut, and
+    materialized a segment at a time as it is measured, each segment parked in the store before the next: it is
+    never whole in memory.
     """
     meta = MetaModel(module, device) if MetaModel.needed(module) else None
     random_state = generator_states(device)
@@ -101,13 +103,15 @@ def plan_shards(
             meta.materialize_rest()
         shards = in_segments = pack_shards(memory, budget, kept, prefetch)
     forward_draws = states_differ(random_state, generator_states(device))
+    stays = whole is not None and whole_stays
     where = f"`{folder.name}`" if folder is not None else "host memory"
     rank_zero_info(
         f"SpillingStrategy: {len(cutpoints) + 1} segment(s) in {len(shards)} shard(s) "
         f"(segments {[shard[0] if len(shard) == 1 else (shard[0], shard[-1]) for shard in in_segments]}) for a "
-        f"budget of {format_bytes(budget)}{'' if whole is None else ', run whole (not cut)'}; spilled to {where}."
+        f"budget of {format_bytes(budget)}{'' if whole is None else ', run whole (not cut)'}; "
+        + ("kept on the device (not spilled)." if stays else f"spilled to {where}.")
     )
-    model = ShardedModel(segments, segment_modules, shards, store, output_spec, prefetch=prefetch)
+    model = ShardedModel(segments, segment_modules, shards, store, output_spec, prefetch=prefetch, stays=stays)
     return ShardPlan(model, in_segments, memory, kept, parked, folder, forward_draws)
 
 

@@ -51,6 +51,7 @@ class ShardedModel:
         store: where spilled shards wait.
         output_spec: the pytree structure of the model's output.
         prefetch: fetch the next shard while the current one computes.
+        stays: keep every shard on the device, never spilled (a model that fits its budget in one shard).
 
     Each piece of a shard's work (its forward, its backward, its optimizer step) runs inside ``turn(work, shard)``,
     ``work`` being "forward", "backward" or "step": a sweep of models (`MultiModelTrainer`) waits there for a device.
@@ -66,9 +67,10 @@ class ShardedModel:
         store: SpillStore,
         output_spec: TreeSpec,
         prefetch: bool = True,
+        stays: bool = False,
     ) -> None:
         self.segments, self.store = segments, store
-        self.output_spec, self.prefetch_next = output_spec, prefetch
+        self.output_spec, self.prefetch_next, self.stays = output_spec, prefetch, stays
         self._shard_of = {s: k for k, shard in enumerate(shards) for s in shard}
         # A shard spills the parameters only its segments use; the others (tied weights) stay on the device.
         owners: dict[nn.Parameter, set[int]] = {}
@@ -95,15 +97,18 @@ class ShardedModel:
     def spill_all(
         self, optimizer: torch.optim.Optimizer | None = None, fill: Callable[[list[int]], None] | None = None
     ) -> None:
-        """Move every shard to the store (at setup); ``optimizer`` is the one whose state moves with them.
-        ``fill(segments)``, if given, first gives the parameters of a shard's segments their values (a model
-        materialized a segment at a time)."""
+        """Move every shard to the store (at setup), or to the device if shards stay there; ``optimizer`` is the one
+        whose state moves with them. ``fill(segments)``, if given, first gives the parameters of a shard's segments
+        their values (a model materialized a segment at a time)."""
         self._optimizer = optimizer
         for p in self.resident_params:
             p.data = p.data.to(self.store.device)
         for shard in self.shards:
             if fill is not None:
                 fill(shard.segments)
+            if self.stays:
+                for p in shard.params:
+                    p.data = p.data.to(self.store.device)
             self._evict(shard, write=("params", "grads", "state"))
 
     def _bring(self, shard: Shard, parts: tuple[str, ...]) -> None:
@@ -147,9 +152,9 @@ class ShardedModel:
 
     def _evict(self, shard: Shard, write: tuple[str, ...] = ()) -> None:
         """Spill ``shard``: store the ``write`` parts that are on the device (the others are unchanged since they were
-        stored)."""
+        stored); a shard that stays on the device stays."""
         loaded = self._loaded.get(shard.index)
-        if loaded is None:
+        if loaded is None or self.stays:
             return
         write = tuple(part for part in write if part in loaded)
         if "params" in write:

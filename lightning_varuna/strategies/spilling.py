@@ -54,8 +54,8 @@ class SpillingStrategy(SingleDeviceStrategy):
     shard's training plus the next shard, fetched meanwhile, fit ``memory_budget``. Forward runs shard by shard
     keeping only the activations at shard boundaries; backward runs in reverse, recomputing each shard's forward
     (same random numbers); the optimizer steps shard by shard, each shard's parameters, gradients and optimizer
-    state on the device together. A model that fits the budget in one shard is not cut: it trains as on one device,
-    by its own forward and backward.
+    state on the device together. A model that fits the budget in one shard is not cut, nor spilled: it trains as on
+    one device, by its own forward and backward.
 
     Args:
         memory_budget: bytes (or a size such as ``"512MB"``, ``"2GiB"``) the strategy may hold on the device;
@@ -216,7 +216,15 @@ class SpillingStrategy(SingleDeviceStrategy):
         batch = self.batch_to_device(first_batch(trainer))
         args, kwargs = capture_forward_inputs(module, STEP_OF_FN[trainer.state.fn], batch)
         plan = plan_shards(
-            module, args, kwargs, self.root_device, self.memory_budget, self.spill_dir, self.prefetch, self._tracing
+            module,
+            args,
+            kwargs,
+            self.root_device,
+            self.memory_budget,
+            self.spill_dir,
+            self.prefetch,
+            self._tracing,
+            whole_stays=self._whole_model_stays,
         )
         self.segment_memory, self.kept_bytes = plan.segment_memory, plan.kept_bytes
         self.shards = plan.shards
@@ -289,6 +297,10 @@ class SpillingStrategy(SingleDeviceStrategy):
                 torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], value)
 
         self._sharded_model().step(optimizer, clip_fn)
+
+    # A model that fits its budget in one shard stays on the device, never spilled (a sweep's models do not: they
+    # share the device).
+    _whole_model_stays = True
 
     def _tracing(self) -> AbstractContextManager[None]:
         """Where each trace of the model's forward runs (a sweep's model traces while the others wait)."""
