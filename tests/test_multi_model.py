@@ -613,6 +613,41 @@ def test_progress_summary_and_trace(tmp_path, capsys):
     assert len(slices) == len(sweep.spans)
 
 
+class SpillFiles(L.Callback):
+    """Whether the spill tier under ``folder`` holds any file after each training batch."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.seen = folder, []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.seen.append(any(self.folder.rglob("*.bin")))
+
+
+@pytest.mark.parametrize("keep_on_device", [None, True])
+def test_models_leave_the_device_after_their_turns_unless_kept_there(tmp_path, keep_on_device):
+    """Under the default budget every model is one shard; with a spill folder each one's shard goes to the disk after
+    its turns, unless the sweep keeps the models on the device (by default only on a GPU, when all fit there)."""
+    torch.manual_seed(0)
+    models = [MLP(32, 3), MLP(48, 2)]
+    references = [copy.deepcopy(m) for m in models]
+    sweep = MultiModelTrainer(devices=2, spill_dir=tmp_path, keep_on_device=keep_on_device, enable_progress_bar=False)
+    files = [SpillFiles(tmp_path / f"model{i}") for i in range(2)]
+    for model, seen in zip(models, files):
+        sweep.add(
+            model,
+            train_dataloaders=regression_data(model.layers[0].in_features),
+            max_steps=4,
+            callbacks=[seen],
+            **QUIET,
+        )
+    trainers = sweep.fit()
+    assert [len(t.strategy.shards) for t in trainers] == [1, 1]  # type: ignore[attr-defined]
+    assert [seen.seen for seen in files] == [[keep_on_device is None] * 4] * 2
+    for model, reference in zip(models, references):
+        fit_alone(reference, regression_data(reference.layers[0].in_features), max_steps=4)
+        assert_same_weights(model, reference)
+
+
 def test_bad_input_fails_early():
     with pytest.raises(ValueError, match="runs on 'cpu' or 'gpu'"):
         MultiModelTrainer(accelerator="tpu")

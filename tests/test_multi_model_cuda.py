@@ -32,19 +32,34 @@ def fit_alone_on_the_gpu(model: L.LightningModule, train: DataLoader, **kwargs: 
     return trainer
 
 
+class WhereTheWeightsAre(L.Callback):
+    """Whether all of the model's parameters are on the GPU, holding their elements, after each training batch."""
+
+    def __init__(self) -> None:
+        self.on_the_gpu: list[bool] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.on_the_gpu.append(all(p.is_cuda and p.numel() > 0 for p in pl_module.parameters()))
+
+
 def sweep_on_the_gpu(specs: list[tuple[L.LightningModule, DataLoader, dict[str, Any]]], budget: str | None) -> tuple:
     sweep = MultiModelTrainer(accelerator="gpu", devices=1, memory_budget=budget, enable_progress_bar=False)
     losses = []
     for model, train, kwargs in specs:
         losses.append(StepLosses())
-        sweep.add(model, train_dataloaders=train, callbacks=[losses[-1]], **{**QUIET, **kwargs})
+        sweep.add(model, train_dataloaders=train, callbacks=[losses[-1], WhereTheWeightsAre()], **{**QUIET, **kwargs})
     return sweep, sweep.fit(), losses
+
+
+def weights_on_the_gpu(trainer: L.Trainer) -> list[bool]:
+    return next(c for c in trainer.callbacks if isinstance(c, WhereTheWeightsAre)).on_the_gpu  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("budget", ["400KB", None], ids=["cut-into-shards", "whole"])
 def test_each_model_of_a_sweep_on_one_gpu_trains_as_if_alone(budget):
     """Models of different sizes, lengths and optimizers take turns on the GPU, cut into shards spilled to pinned host
-    memory (or whole, under the default budget): each one's losses and weights equal plain training on the GPU."""
+    memory, or whole under the default budget, staying on the GPU (they all fit there): each one's losses and weights
+    equal plain training on the GPU."""
     torch.manual_seed(0)
     specs: list[tuple[L.LightningModule, DataLoader, dict[str, Any]]] = [
         (MLP(48, 4), regression_data(48), {"max_steps": 9}),
@@ -62,6 +77,9 @@ def test_each_model_of_a_sweep_on_one_gpu_trains_as_if_alone(budget):
     assert all(t.strategy.root_device.type == "cuda" for t in trainers)
     assert any(len(t.strategy.shards) > 1 for t in trainers) == (budget is not None)
     assert {s.device for s in sweep.spans} == {0}
+    stayed = [all(weights_on_the_gpu(t)) for t in trainers]
+    assert stayed == [len(t.strategy.shards) == 1 for t in trainers]
+    assert all(stayed) == (budget is None)
     for (model, train, kwargs), reference, sweep_losses in zip(specs, references, losses):
         alone = fit_alone_on_the_gpu(reference, train, **kwargs)
         torch.testing.assert_close(sweep_losses.losses, step_losses(alone), rtol=1e-5, atol=1e-6)

@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_varuna.multimodel.report import ModelResult, SweepDisplay, device_timeline_trace, summary_table
 from lightning_varuna.multimodel.scheduler import DeviceScheduler, DeviceSpan, SweepStopped
+from lightning_varuna.spilling.packing import format_bytes
 from lightning_varuna.strategies.spilling import SpillingStrategy
 
 __all__ = ["MultiModelTrainer"]
@@ -39,7 +40,7 @@ class MultiModelTrainer:
     for a free device, given to the model with the longest remaining time. On the CPU a device is one core: torch
     computes with one thread per device, and a turn on device k runs pinned to the process's k-th core. On a GPU
     (``accelerator="gpu"``) the models' shards take turns on the current CUDA device, spilled to pinned host memory
-    (or ``spill_dir``) in between.
+    (or ``spill_dir``) in between, unless the models stay there (``keep_on_device``).
 
     Args:
         accelerator: ``"cpu"``, or ``"gpu"`` (``"cuda"``) for one CUDA GPU.
@@ -51,6 +52,10 @@ class MultiModelTrainer:
         prefetch: fetch a model's next shard while its current one computes.
         storage_options: fsspec options for every checkpoint URL.
         enable_progress_bar: show one progress bar per model (the models' own Lightning bars are off by default).
+        keep_on_device: keep each model that fits its budget in one shard on the device between its turns, instead
+            of spilling it after each. ``None``: on a GPU when the parameters, gradients and optimizer state of all
+            the models (four times their parameters) take at most half of what the GPU has free as `fit` starts;
+            never on the CPU, where host memory is the device's.
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class MultiModelTrainer:
         prefetch: bool = True,
         storage_options: dict[str, Any] | None = None,
         enable_progress_bar: bool = True,
+        keep_on_device: bool | None = None,
     ) -> None:
         if accelerator not in ("cpu", "gpu", "cuda"):
             raise ValueError(f"MultiModelTrainer runs on 'cpu' or 'gpu' (CUDA), not accelerator={accelerator!r}.")
@@ -73,7 +79,7 @@ class MultiModelTrainer:
         self.devices = devices
         self.memory_budget, self.spill_dir, self.prefetch = memory_budget, spill_dir, prefetch
         self.storage_options = storage_options
-        self.enable_progress_bar = enable_progress_bar
+        self.enable_progress_bar, self.keep_on_device = enable_progress_bar, keep_on_device
         if self.on_gpu:
             self.scheduler = DeviceScheduler(devices, gpus=[torch.device("cuda", torch.cuda.current_device())])
         else:
@@ -117,6 +123,7 @@ class MultiModelTrainer:
         member = _Member(
             name,
             model,
+            strategy,
             dict(
                 datamodule=datamodule,
                 train_dataloaders=train_dataloaders,
@@ -152,6 +159,9 @@ class MultiModelTrainer:
                 f"{self.devices - len(self._members)} device(s) will stay idle, since a model's shards run one at a "
                 "time. Add models, or use fewer devices."
             )
+        stays = self.keep_on_device if self.keep_on_device is not None else self._all_fit_on_the_gpu()
+        for member in self._members:
+            member.strategy._whole_model_stays = stays
         self.results = [ModelResult(m.name, m.trainer) for m in self._members]
         self._display = SweepDisplay([m.name for m in self._members]) if self.enable_progress_bar else None
         threads = [
@@ -174,6 +184,21 @@ class MultiModelTrainer:
                 + "; ".join(f"{r.name} failed: {type(r.error).__name__}: {r.error}" for r in failed)
             )
         return [m.trainer for m in self._members]
+
+    def _all_fit_on_the_gpu(self) -> bool:
+        """Whether the models' parameters, gradients and optimizer state together take at most half of what the GPU
+        has free (the rest for a turn's activations)."""
+        if self.scheduler.gpus is None:
+            return False
+        state = sum(4 * p.numel() * p.element_size() for m in self._members for p in m.model.parameters())
+        free = torch.cuda.mem_get_info(self.scheduler.gpus[0])[0]
+        if state > free / 2:
+            return False
+        rank_zero_info(
+            f"MultiModelTrainer: the models stay on the GPU between their turns (their state, {format_bytes(state)}, "
+            f"takes at most half of the {format_bytes(free)} free)."
+        )
+        return True
 
     @property
     def spans(self) -> list[DeviceSpan]:
@@ -212,6 +237,7 @@ class MultiModelTrainer:
 class _Member:
     name: str
     model: pl.LightningModule
+    strategy: _SweepMemberStrategy
     fit_kwargs: dict[str, Any]
     trainer: pl.Trainer = field(init=False)
     last_loss: float | None = None
@@ -222,11 +248,10 @@ class _SweepMemberStrategy(SpillingStrategy):
     """`SpillingStrategy` whose shards wait for the sweep's devices; its set-up (which runs the model to measure it)
     holds a device and torch's global generator, and it traces its forward while the other models wait."""
 
-    _whole_model_stays = False  # the models share the devices: each one leaves after its turn
-
     def __init__(self, scheduler: DeviceScheduler, name: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.scheduler, self.sweep_name = scheduler, name
+        self._whole_model_stays = False  # the models share the device: each leaves after its turn, unless all fit
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -103,6 +103,8 @@ class SpillingStrategy(SingleDeviceStrategy):
         self._data = DataProgress()
         self._batch_size: int | None = None  # the largest training batch so far
         self._parked: ParkedSegments | None = None  # segments of a meta-device model materialized at set-up
+        # A model that fits its budget in one shard stays on the device (a sweep's may not: they share it).
+        self._whole_model_stays = True
 
     # ------------------------------------------------------------------------------------------- the device
     @property
@@ -297,10 +299,6 @@ class SpillingStrategy(SingleDeviceStrategy):
                 torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], value)
 
         self._sharded_model().step(optimizer, clip_fn)
-
-    # A model that fits its budget in one shard stays on the device, never spilled (a sweep's models do not: they
-    # share the device).
-    _whole_model_stays = True
 
     def _tracing(self) -> AbstractContextManager[None]:
         """Where each trace of the model's forward runs (a sweep's model traces while the others wait)."""
