@@ -340,6 +340,19 @@ def test_a_meta_module_without_reset_parameters_is_named():
         fit(WithScale(), SpillingStrategy(memory_budget=BUDGETS[5]))
 
 
+def test_a_metric_built_in_configure_model_is_named():
+    """A torchmetrics metric built on the meta device has lost its starting values: set-up says to build it in
+    `__init__` (as `BuiltInConfigureModel` does, whose metric trains on the device)."""
+
+    class MetricInConfigureModel(BuiltInConfigureModel):
+        def configure_model(self) -> None:
+            super().configure_model()
+            self.acc = torchmetrics.classification.MulticlassAccuracy(VOCAB, average="micro")
+
+    with pytest.raises(ValueError, match=r"metric `acc` was built in `configure_model`.*Build metrics in `__init__`"):
+        fit(MetricInConfigureModel(), SpillingStrategy(memory_budget=BUDGETS[5]))
+
+
 def test_by_name_and_validate_and_predict():
     torch.manual_seed(0)
     model = TinyLM()

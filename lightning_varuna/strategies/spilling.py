@@ -168,9 +168,15 @@ class SpillingStrategy(SingleDeviceStrategy):
         is the device's, where its inputs and outputs are (user code makes tensors on ``self.device``), and its
         torchmetrics metrics, which take those outputs, move there."""
         _update_properties(self._module, device=self.root_device)
-        for metric in self._module.modules():
-            if isinstance(metric, Metric):
-                metric.to(self.root_device)
+        for name, metric in self._module.named_modules():
+            if not isinstance(metric, Metric):
+                continue
+            if any(isinstance(t, Tensor) and t.is_meta for t in metric.metric_state.values()):
+                raise ValueError(
+                    f"The torchmetrics metric `{name}` was built in `configure_model`, where SpillingStrategy builds "
+                    "on the meta device: a metric's starting values are lost there. Build metrics in `__init__`."
+                )
+            metric.to(self.root_device)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
