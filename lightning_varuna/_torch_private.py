@@ -60,6 +60,14 @@ def changes_inputs_in_place(target: object) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
 
 
+def register_cuda_device_guard() -> None:
+    """Register torch's stand-in CUDA device guard now, from the calling thread. Without a GPU, torch.export's fake
+    tensors register it when first used; with torch 2.11's CUDA build on a machine without a GPU, a sweep whose
+    models' threads did so first crashed (a segmentation fault in `FakeTensorMode.__enter__`).
+    tests/test_multi_model.py (seen with torch 2.11)."""
+    torch._C._ensureCUDADeviceGuardSet()
+
+
 def storage_users(tensor: Tensor) -> int:
     """How many hold ``tensor``'s memory, ``tensor`` included: tensors and views of it (the C++ references to its
     storage) and its Python storage object where someone keeps one (``t.untyped_storage()``). Counted against a new
@@ -83,6 +91,7 @@ __all__ = [
     "generated_code_modules",
     "has_backward_hooks",
     "narrow_tensor_by_index",
+    "register_cuda_device_guard",
     "rename_node",
     "storage_users",
     "transformer_module",

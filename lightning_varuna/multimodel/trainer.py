@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_varuna._torch_private import register_cuda_device_guard
 from lightning_varuna.multimodel.report import ModelResult, SweepDisplay, device_timeline_trace, summary_table
 from lightning_varuna.multimodel.scheduler import DeviceScheduler, DeviceSpan, SweepStopped
 from lightning_varuna.spilling.packing import format_bytes
@@ -164,6 +165,8 @@ class MultiModelTrainer:
             member.strategy._whole_model_stays = stays
         self.results = [ModelResult(m.name, m.trainer) for m in self._members]
         self._display = SweepDisplay([m.name for m in self._members]) if self.enable_progress_bar else None
+        if not torch.cuda.is_available():
+            register_cuda_device_guard()  # before the models' threads trace (see the function)
         threads = [
             threading.Thread(target=self._fit_member, args=(m, r), name=f"sweep {m.name}", daemon=True)
             for m, r in zip(self._members, self.results)
