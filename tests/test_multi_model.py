@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_varuna import CutPoint, MultiModelTrainer, SpillingStrategy
 from lightning_varuna.multimodel import DeviceScheduler, SweepStopped
 from lightning_varuna.multimodel.scheduler import HOLD_S
+from lightning_varuna.multimodel.trainer import first_fit
 
 
 class MLP(L.LightningModule):
@@ -646,6 +647,13 @@ def test_models_leave_the_device_after_their_turns_unless_kept_there(tmp_path, k
     for model, reference in zip(models, references):
         fit_alone(reference, regression_data(reference.layers[0].in_features), max_steps=4)
         assert_same_weights(model, reference)
+
+
+def test_models_stay_on_a_gpu_in_the_order_added_while_they_fit():
+    assert first_fit([4, 3, 2, 1], 7) == [True, True, False, False]
+    assert first_fit([4, 5, 2, 1], 7) == [True, False, True, True]
+    assert first_fit([8, 1], 7) == [False, True]
+    assert first_fit([], 7) == []
 
 
 def test_bad_input_fails_early():

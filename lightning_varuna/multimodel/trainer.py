@@ -54,9 +54,9 @@ class MultiModelTrainer:
         storage_options: fsspec options for every checkpoint URL.
         enable_progress_bar: show one progress bar per model (the models' own Lightning bars are off by default).
         keep_on_device: keep each model that fits its budget in one shard on the device between its turns, instead
-            of spilling it after each. ``None``: on a GPU when the parameters, gradients and optimizer state of all
-            the models (four times their parameters) take at most half of what the GPU has free as `fit` starts;
-            never on the CPU, where host memory is the device's.
+            of spilling it after each. ``None``: on a GPU, the models in the order added while their parameters,
+            gradients and optimizer state (four times their parameters) fit in half of what the GPU has free as
+            `fit` starts; never on the CPU, where host memory is the device's.
     """
 
     def __init__(
@@ -160,9 +160,12 @@ class MultiModelTrainer:
                 f"{self.devices - len(self._members)} device(s) will stay idle, since a model's shards run one at a "
                 "time. Add models, or use fewer devices."
             )
-        stays = self.keep_on_device if self.keep_on_device is not None else self._all_fit_on_the_gpu()
-        for member in self._members:
-            member.strategy._whole_model_stays = stays
+        if self.keep_on_device is None:
+            stays = self._staying_on_the_gpu()
+        else:
+            stays = [self.keep_on_device] * len(self._members)
+        for member, member_stays in zip(self._members, stays):
+            member.strategy._whole_model_stays = member_stays
         self.results = [ModelResult(m.name, m.trainer) for m in self._members]
         self._display = SweepDisplay([m.name for m in self._members]) if self.enable_progress_bar else None
         if not torch.cuda.is_available():
@@ -188,20 +191,21 @@ class MultiModelTrainer:
             )
         return [m.trainer for m in self._members]
 
-    def _all_fit_on_the_gpu(self) -> bool:
-        """Whether the models' parameters, gradients and optimizer state together take at most half of what the GPU
-        has free (the rest for a turn's activations)."""
+    def _staying_on_the_gpu(self) -> list[bool]:
+        """Which models stay on the GPU between their turns: in the order added, each one whose parameters,
+        gradients and optimizer state still fit, beside those of the models before it, in half of what the GPU has
+        free (the rest for a turn's activations). None on the CPU."""
         if self.scheduler.gpus is None:
-            return False
-        state = sum(4 * p.numel() * p.element_size() for m in self._members for p in m.model.parameters())
+            return [False] * len(self._members)
         free = torch.cuda.mem_get_info(self.scheduler.gpus[0])[0]
-        if state > free / 2:
-            return False
+        sizes = [sum(4 * p.numel() * p.element_size() for p in m.model.parameters()) for m in self._members]
+        stays = first_fit(sizes, free // 2)
         rank_zero_info(
-            f"MultiModelTrainer: the models stay on the GPU between their turns (their state, {format_bytes(state)}, "
-            f"takes at most half of the {format_bytes(free)} free)."
+            f"MultiModelTrainer: {sum(stays)} of {len(stays)} model(s) stay on the GPU between their turns (their "
+            f"state, {format_bytes(sum(s for s, kept in zip(sizes, stays) if kept))}, within half of the "
+            f"{format_bytes(free)} free)."
         )
-        return True
+        return stays
 
     @property
     def spans(self) -> list[DeviceSpan]:
@@ -333,6 +337,15 @@ class _SweepMemberCallback(pl.Callback):
             float(trainer.estimated_stepping_batches),
             self.member.steps_before,
         )
+
+
+def first_fit(sizes: list[int], room: int) -> list[bool]:
+    """Whether each of ``sizes``, taken in order, still fits in ``room`` beside those before it that did."""
+    taken, fits = 0, []
+    for size in sizes:
+        fits.append(taken + size <= room)
+        taken += size if fits[-1] else 0
+    return fits
 
 
 def _check_one_gpu(devices: int) -> None:
