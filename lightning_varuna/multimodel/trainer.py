@@ -258,7 +258,7 @@ class _SweepMemberStrategy(SpillingStrategy):
     def __init__(self, scheduler: DeviceScheduler, name: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.scheduler, self.sweep_name = scheduler, name
-        self._whole_model_stays = False  # the models share the device: each leaves after its turn, unless all fit
+        self._whole_model_stays = False  # the models share the device: `fit` decides which stay (`keep_on_device`)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
