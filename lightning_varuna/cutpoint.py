@@ -44,18 +44,35 @@ def cut_after(modules: Iterable[nn.Module]) -> list[CutPoint]:
     ``encoder.layer``): each module gets a child ``cutpoint`` and a forward hook that passes its output through it.
     A layer that returns a tuple (as Hugging Face layers may) has its first element passed through. The model keeps
     its structure, so code that inspects its layers (``nn.TransformerEncoder`` reads ``layers[0].self_attn``) works.
+    An ``nn.Sequential`` (torchvision's ``resnet.layer1``) calls each of its children, so its CutPoint goes to its
+    last layer instead, whose output is the Sequential's.
 
     Returns:
         The new CutPoints, in the order of ``modules``.
     """
     cuts = []
     for module in modules:
+        module = _last_layer(module)
         if hasattr(module, "cutpoint"):
             raise ValueError(f"`{type(module).__name__}` already has a `cutpoint`: call `cut_after` once per module.")
         module.cutpoint = CutPoint()
         module.register_forward_hook(_through_cutpoint)
         cuts.append(module.cutpoint)
     return cuts
+
+
+def _last_layer(module: nn.Module) -> nn.Module:
+    """The module whose output is ``module``'s: the last layer of a (nested) ``nn.Sequential``, else ``module``."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError(
+            f"`cut_after` got a `{type(module).__name__}`, which is never called itself: pass its layers "
+            "(`cut_after(model.layers)` puts a CutPoint after each)."
+        )
+    while isinstance(module, nn.Sequential):
+        if not len(module):
+            raise ValueError("`cut_after` got an empty `nn.Sequential`: it has no output to cut after.")
+        module = module[-1]
+    return module
 
 
 def _through_cutpoint(module: nn.Module, inputs: Any, output: Any) -> Any:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.modules.transformer import _detect_is_causal_mask as detect_is_causal_mask
 
 import lightning_varuna.partition.split
-from lightning_varuna import CutPoint
+from lightning_varuna import CutPoint, cut_after
 from lightning_varuna._torch_private import transformer_module
 from lightning_varuna.partition.discovery import discover_cutpoints
 from lightning_varuna.partition.skeleton import ModelSkeleton
@@ -119,6 +119,20 @@ def test_discover_cutpoints_accepts_kwargs():
             return self.cut(self.a(x)) * scale
 
     assert discover_cutpoints(Kw(), (torch.randn(2, 3),), {"scale": torch.tensor(2.0)}) == ["cut"]
+
+
+def test_cut_after_sequentials_cuts_once_after_each():
+    """torchvision's stages are ``nn.Sequential``s, which call every child: the CutPoint goes to the last layer."""
+    body = nn.Sequential(nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.ReLU())), nn.Linear(3, 3), nn.Linear(3, 2))
+    cut_after([body[0], body[1]])
+    assert len(body[0]) == 2 and len(body) == 3  # the model keeps its structure
+    assert discover_cutpoints(body, (torch.randn(2, 3),)) == ["0.1.0.cutpoint", "1.cutpoint"]
+
+
+@pytest.mark.parametrize("container", [nn.ModuleList([nn.Linear(3, 3)]), nn.Sequential()], ids=["list", "empty"])
+def test_cut_after_a_container_with_no_output_says_what_to_pass(container):
+    with pytest.raises(ValueError, match="`cut_after` got a"):
+        cut_after([container])
 
 
 def test_cutpoint_called_twice():
