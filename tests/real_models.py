@@ -125,12 +125,12 @@ class HFGPT2(RealModel):
         self.model = GPT2LMHeadModel(config)
         cut_after(self.model.transformer.h)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids).logits
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        return self.model(input_ids=input_ids)  # with its key/value cache, as Hugging Face returns by default
 
     def step_loss(self, batch: Any) -> torch.Tensor:
         ids, targets = batch
-        return F.cross_entropy(self(ids).flatten(0, 1), targets.flatten())
+        return F.cross_entropy(self(ids).logits.flatten(0, 1), targets.flatten())
 
 
 class DemoTransformer(RealModel):

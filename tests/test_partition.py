@@ -17,7 +17,13 @@ from lightning_varuna import CutPoint, cut_after
 from lightning_varuna._torch_private import transformer_module
 from lightning_varuna.partition.discovery import discover_cutpoints
 from lightning_varuna.partition.skeleton import ModelSkeleton
-from lightning_varuna.partition.split import PipelineGraph, Source, TensorMeta, split_into_stages
+from lightning_varuna.partition.split import (
+    PipelineGraph,
+    Source,
+    TensorMeta,
+    split_into_all_stages,
+    split_into_stages,
+)
 from lightning_varuna.pipeline.schedules import dry_run, forward_only, gpipe, one_f_one_b
 from lightning_varuna.profiling.segments import measure_segments
 
@@ -105,8 +111,9 @@ def test_discover_cutpoints_on_tinylm(model, idx):
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_discover_cutpoints_returns_execution_order_and_skips_uncalled():
-    assert discover_cutpoints(Reordered(), (torch.randn(2, 3),)) == ["second", "first"]
+def test_discover_cutpoints_returns_execution_order_and_warns_of_uncalled():
+    with pytest.warns(UserWarning, match=r"`unused`: CutPoint\(s\) that `Reordered.forward` never calls"):
+        assert discover_cutpoints(Reordered(), (torch.randn(2, 3),)) == ["second", "first"]
 
 
 def test_discover_cutpoints_accepts_kwargs():
@@ -501,6 +508,44 @@ def test_untraceable_forward_names_the_users_line():
     assert f"line {line_of(ValueBranch.forward, 'if x.sum()')} of {__file__} (`if x.sum() > 0:`)" in message
     assert "depends on a tensor's values" in message and "torch.where(condition, a, b)" in message
     assert not module.cut._is_stage_boundary
+
+
+class Cache:
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+
+
+class ReturnsACache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.cut = nn.Linear(4, 4), nn.Linear(4, 4), CutPoint()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Cache]:
+        keys = self.cut(self.a(x))
+        return self.b(keys), Cache(keys)
+
+
+def test_a_forward_returning_an_object_that_is_not_tensors_says_what_to_return():
+    module = ReturnsACache()
+    with pytest.raises(TypeError, match=r"`ReturnsACache.forward`.* returns a `Cache`.*return what the step needs"):
+        split_into_stages(module, ModelSkeleton(module), real_tensors(module), (torch.randn(2, 4),), {}, ["cut"], 0)
+
+
+def test_hugging_face_models_are_cut_without_their_kv_cache():
+    """GPT-2 returns its key/value cache by default (``use_cache=True``): the stages compute the rest as the model."""
+    from real_models import HFGPT2
+
+    model = HFGPT2()
+    ids = torch.randint(0, 50, (2, 8))
+    expected = model(ids)
+    assert expected.past_key_values is not None  # what the model returns by default, uncut
+    stages = split_into_all_stages(
+        model, ModelSkeleton(model), real_tensors(model), (ids,), {}, ["model.transformer.h.0.cutpoint"]
+    )[1]
+    hidden = stages[0](ids)
+    logits = stages[1](*[hidden] if isinstance(hidden, torch.Tensor) else hidden)
+    torch.testing.assert_close(logits, expected.logits)
+    assert model.model.config.use_cache  # as the user left it
 
 
 def test_causal_mask_check_is_traceable_and_named_without_the_patch(monkeypatch):

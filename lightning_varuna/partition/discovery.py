@@ -7,9 +7,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_varuna.cutpoint import CutPoint
+from lightning_varuna.partition.tracing import without_kv_cache
 from lightning_varuna.pipeline.microbatch import batch_size_of
 
 __all__ = ["buffers_kept", "discover_cutpoints", "forward_with_cutpoints", "observe_cutpoints"]
@@ -73,6 +75,18 @@ def discover_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = Non
 
 def forward_with_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = None) -> tuple[list[str], Any]:
     """Run one forward without gradients; return the cutpoints it went through, in order, and its output."""
-    with torch.no_grad(), buffers_kept(module), observe_cutpoints(module, batch_size_of((args, kwargs))) as order:
+    with (
+        torch.no_grad(),
+        buffers_kept(module),
+        without_kv_cache(module),
+        observe_cutpoints(module, batch_size_of((args, kwargs))) as order,
+    ):
         output = module(*args, **(kwargs or {}))
+    uncalled = [name for name, m in module.named_modules() if isinstance(m, CutPoint) and name not in order]
+    if uncalled:
+        rank_zero_warn(
+            f"{', '.join(f'`{name}`' for name in uncalled)}: CutPoint(s) that `{type(module).__name__}.forward` "
+            "never calls, so the model is never cut there. Put them where the forward calls them (with `cut_after`: "
+            "after modules the forward runs), or remove them."
+        )
     return order, output

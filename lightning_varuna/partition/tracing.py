@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,12 +15,13 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 import lightning_varuna
 from lightning_varuna._torch_private import transformer_module
 
-__all__ = ["traceable_torch_modules", "untraceable_forward_error"]
+__all__ = ["traceable_torch_modules", "untraceable_forward_error", "without_kv_cache"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn") + os.sep
 _OWN_DIR = os.path.dirname(lightning_varuna.__file__) + os.sep
 _MODULE_CALL = nn.Module.__call__.__code__.co_filename  # `Module.__call__` machinery between the model's frames
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
 
 
 def _is_causal_as_given(mask: torch.Tensor | None, is_causal: bool | None = None, size: int | None = None) -> bool:
@@ -42,7 +44,27 @@ def traceable_torch_modules() -> Iterator[None]:
         transformer_module._detect_is_causal_mask = detect
 
 
-def untraceable_forward_error(module: nn.Module, error: BaseException) -> RuntimeError:
+@contextmanager
+def without_kv_cache(module: nn.Module) -> Iterator[None]:
+    """Trace Hugging Face models with ``config.use_cache = False``.
+
+    By default a Hugging Face language model returns its attention's key/value cache (for generation): an object
+    torch.export cannot return, holding every layer's keys and values, which stages would pass on. Training never
+    reads it; the loss and logits are the same without it.
+    """
+    configs = {
+        id(c): c for m in module.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True
+    }
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
+
+
+def untraceable_forward_error(module: nn.Module, error: BaseException) -> Exception:
     """The error to raise when tracing ``module``'s forward failed with ``error``: it names the line that failed.
 
     ``torch.export`` runs the forward as Python, so the failing exception's traceback holds the model's own frames:
@@ -51,6 +73,13 @@ def untraceable_forward_error(module: nn.Module, error: BaseException) -> Runtim
     cause = error.__cause__ or error
     frames = _model_frames(cause)
     name = f"`{type(module).__name__}.forward`"
+    returned = _UNKNOWN_OUTPUT.search(str(cause))
+    if returned:
+        return TypeError(
+            f"Cannot cut {name} into pipeline stages: it returns a `{returned.group(1).rsplit('.', 1)[-1]}`, which "
+            "torch.export cannot trace. A cut model's forward may return tensors and tuples, lists, dicts or "
+            "ModelOutputs of them: return what the step needs (e.g. `.logits`, `.loss`)."
+        )
     if not frames:
         return RuntimeError(
             f"Cannot cut {name} into pipeline stages: tracing it with torch.export failed "

@@ -14,6 +14,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflat
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, Source, split_into_all_stages
 from lightning_varuna.partition.trace_cache import trace_key, tracing_own_forward
+from lightning_varuna.partition.tracing import without_kv_cache
 
 __all__ = ["Segments", "WholeModel"]
 
@@ -83,4 +84,5 @@ class _OwnForward(nn.Module):
 
     def forward(self, *leaves: object) -> tuple:
         args, kwargs = tree_unflatten(list(leaves), self._input_spec)
-        return tuple(tree_leaves(self._model_forward(*args, **kwargs)))
+        with without_kv_cache(self.model):  # as when cut: its output has the same structure
+            return tuple(tree_leaves(self._model_forward(*args, **kwargs)))
