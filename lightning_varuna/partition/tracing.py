@@ -7,6 +7,7 @@ import re
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,15 +47,17 @@ def traceable_torch_modules() -> Iterator[None]:
 
 @contextmanager
 def without_kv_cache(module: nn.Module) -> Iterator[None]:
-    """Trace Hugging Face models with ``config.use_cache = False``.
+    """Run Hugging Face models in the block with ``config.use_cache = False``.
 
     By default a Hugging Face language model returns its attention's key/value cache (for generation): an object
     torch.export cannot return, holding every layer's keys and values, which stages would pass on. Training never
     reads it; the loss and logits are the same without it.
     """
-    configs = {
-        id(c): c for m in module.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True
-    }
+    configs: dict[int, Any] = {}
+    for submodule in module.modules():
+        config = getattr(submodule, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            configs[id(config)] = config
     for config in configs.values():
         config.use_cache = False
     try:
