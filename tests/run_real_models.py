@@ -3,7 +3,9 @@
     torchrun --nproc-per-node=N tests/run_real_models.py OUT_DIR '{"models": [...], "pipeline_parallel_size": P, ...}'
 
 For each model writes ``OUT_DIR/<model>/losses.json`` (rank 0: the logged train loss of every step) and
-``OUT_DIR/<model>/rank{r}.pt`` (each rank's parameters and buffers by name).
+``OUT_DIR/<model>/rank{r}.pt`` (each rank's parameters and buffers by name). With ``"save_every": K`` it also writes
+a checkpoint every K steps to ``OUT_DIR/<model>/checkpoints``; with ``"resume_from": DIR`` it resumes from the
+checkpoint ``DIR/<model>/checkpoints/last.ckpt``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -31,18 +34,26 @@ def train(name: str, out_dir: str, config: dict) -> None:
         schedule=config.get("schedule", "1f1b"),
     )
     record = RecordLosses()
+    folder = os.path.join(out_dir, name)
+    callbacks: list[L.Callback] = [record]
+    if "save_every" in config:
+        every = config["save_every"]
+        callbacks.append(
+            ModelCheckpoint(os.path.join(folder, "checkpoints"), every_n_train_steps=every, save_last=True)
+        )
     trainer = L.Trainer(
         accelerator="cpu",
         strategy=strategy,
         max_steps=config["steps"],
-        callbacks=[record],
+        callbacks=callbacks,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing="save_every" in config,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, DataLoader(data, batch_size=config["batch_size"]))
-    folder = os.path.join(out_dir, name)
+    resume = config.get("resume_from")
+    ckpt_path = None if resume is None else os.path.join(resume, name, "checkpoints", "last.ckpt")
+    trainer.fit(model, DataLoader(data, batch_size=config["batch_size"]), ckpt_path=ckpt_path)
     os.makedirs(folder, exist_ok=True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(state, os.path.join(folder, f"rank{trainer.global_rank}.pt"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -79,35 +80,56 @@ def reference(name: str, data_parallel_size: int) -> tuple[list[float], dict[str
 @pytest.mark.parametrize("shape", list(SHAPES), ids=[f"P{p}xD{d}-{schedule}" for p, d, schedule in SHAPES])
 def test_real_models_train_like_one_device(tmp_path, shape):
     pp, dp, schedule = shape
+    train(tmp_path, SHAPES[shape], pp, dp, schedule=schedule)
+    for name in SHAPES[shape]:
+        assert_trained_like_one_device(tmp_path / name, name, pp, dp)
+
+
+def test_real_models_resume_a_mid_epoch_checkpoint_at_another_pipeline_depth(tmp_path):
+    """BatchNorm models (an MLP, Hugging Face ResNet) and GPT-2: a checkpoint written at step 2 of 3 at two stages
+    resumes at three, and the run ends as one device's."""
+    models = ["bn_mlp", "resnet", "gpt2"]
+    train(tmp_path / "first", models, 2, 1, steps=STEPS - 1, save_every=STEPS - 1)
+    train(tmp_path / "resumed", models, 3, 1, resume_from=str(tmp_path / "first"))
+    for name in models:
+        assert_trained_like_one_device(tmp_path / "resumed" / name, name, 3, 1, first_step=STEPS - 1)
+
+
+def train(out_dir: Path, models: list[str], pp: int, dp: int, steps: int = STEPS, **config: object) -> None:
+    """Train ``models`` with VarunaStrategy at ``pp`` x ``dp`` in a real multi-process job (`run_real_models`)."""
     config = dict(
-        models=SHAPES[shape],
+        config,
+        models=models,
         pipeline_parallel_size=pp,
         batch_size=BATCH,
         micro_batch_size=MICRO_BATCH,
-        steps=STEPS,
-        schedule=schedule,
+        steps=steps,
     )
+    out_dir.mkdir(parents=True, exist_ok=True)
     launch = ["-m", "torch.distributed.run", f"--nproc-per-node={pp * dp}", f"--master-port={find_free_network_port()}"]
-    proc = run_job([*launch, RUNNER, str(tmp_path), json.dumps(config)], tmp_path)
+    proc = run_job([*launch, RUNNER, str(out_dir), json.dumps(config)], out_dir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    for name in SHAPES[shape]:
-        result = json.loads((tmp_path / name / "losses.json").read_text())
-        assert result["shape"] == [pp, dp]
-        losses, weights, buffer_names = reference(name, dp)
-        assert len(result["losses"]) == len(losses) == STEPS
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-4, atol=1e-5)
-        seen = set()
-        shards = [torch.load(tmp_path / name / f"rank{rank}.pt") for rank in range(pp * dp)]
-        for rank, shard in enumerate(shards):
-            first_replica = shards[rank % pp]  # the same stage in replica 0
-            for key, value in shard.items():
-                # Buffers (BatchNorm's running statistics) are replica 0's on every replica, as under DDP: with one
-                # replica they are the single device's.
-                expected = weights[key] if dp == 1 or key not in buffer_names else first_replica[key]
-                where = f"{name}: {key} on rank {rank}"
-                if value.is_floating_point():
-                    torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-5, msg=lambda m, w=where: w + m)
-                else:
-                    assert torch.equal(value, expected), where
-                seen.add(key)
-        assert seen == set(weights), f"{name}: no rank holds {sorted(set(weights) - seen)}"
+
+
+def assert_trained_like_one_device(folder: Path, name: str, pp: int, dp: int, first_step: int = 0) -> None:
+    """The losses logged from ``first_step`` on and every rank's final parameters and buffers equal the reference's."""
+    result = json.loads((folder / "losses.json").read_text())
+    assert result["shape"] == [pp, dp]
+    losses, weights, buffer_names = reference(name, dp)
+    assert len(result["losses"]) == len(losses) - first_step
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses[first_step:]), rtol=1e-4, atol=1e-5)
+    seen = set()
+    shards = [torch.load(folder / f"rank{rank}.pt") for rank in range(pp * dp)]
+    for rank, shard in enumerate(shards):
+        first_replica = shards[rank % pp]  # the same stage in replica 0
+        for key, value in shard.items():
+            # Buffers (BatchNorm's running statistics) are replica 0's on every replica, as under DDP: with one
+            # replica they are the single device's.
+            expected = weights[key] if dp == 1 or key not in buffer_names else first_replica[key]
+            where = f"{name}: {key} on rank {rank}"
+            if value.is_floating_point():
+                torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-5, msg=lambda m, w=where: w + m)
+            else:
+                assert torch.equal(value, expected), where
+            seen.add(key)
+    assert seen == set(weights), f"{name}: no rank holds {sorted(set(weights) - seen)}"

@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -173,7 +174,12 @@ class ShardedCheckpoints:
 
     def _read(self, url: str, module: nn.Module, optimizers: list[Optimizer]) -> tuple[dict[str, Any], CheckpointInfo]:
         saved = SavedTensors(self.storage, url)
-        checkpoint = {**saved.training_state(), "state_dict": saved.model(list(module.state_dict()))}
+        own = module.state_dict()
+        state_dict = OrderedDict(saved.model(list(own)))
+        # The modules' versions, as `state_dict()` gives them: without them BatchNorm takes the dict for one of torch
+        # before 0.4 and adds `num_batches_tracked` even for the BatchNorms of other stages, which this rank lacks.
+        state_dict._metadata = own._metadata  # type: ignore[attr-defined]
+        checkpoint = {**saved.training_state(), "state_dict": state_dict}
         if optimizers and saved.has_optimizer_state:
             names = parameter_names(module)
             checkpoint["optimizer_states"] = [
