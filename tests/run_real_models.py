@@ -45,6 +45,7 @@ def train(name: str, out_dir: str, config: dict) -> None:
         accelerator="cpu",
         strategy=strategy,
         max_steps=config["steps"],
+        precision=config.get("precision", "32-true"),
         callbacks=callbacks,
         logger=False,
         enable_checkpointing="save_every" in config,

@@ -44,7 +44,9 @@ SHAPES = {
 BATCH, MICRO_BATCH = 4, 2  # per replica: micro-batches [2, 2]
 
 
-def reference(name: str, data_parallel_size: int) -> tuple[list[float], dict[str, torch.Tensor], set[str]]:
+def reference(
+    name: str, data_parallel_size: int, precision: str = "32-true"
+) -> tuple[list[float], dict[str, torch.Tensor], set[str]]:
     """One device, the same global batches, each run as the pipeline's micro-batches (loss weighted by rows).
 
     Returns the logged losses, the final state dict and the names of the buffers.
@@ -66,6 +68,7 @@ def reference(name: str, data_parallel_size: int) -> tuple[list[float], dict[str
         accelerator="cpu",
         devices=1,
         max_steps=STEPS,
+        precision=precision,
         callbacks=[record],
         logger=False,
         enable_checkpointing=False,
@@ -95,6 +98,13 @@ def test_real_models_resume_a_mid_epoch_checkpoint_at_another_pipeline_depth(tmp
         assert_trained_like_one_device(tmp_path / "resumed" / name, name, 3, 1, first_step=STEPS - 1)
 
 
+def test_a_model_in_double_precision_trains_pipelined_like_one_device(tmp_path):
+    """``precision="64-true"``: the model's parameters and its float batches are doubles, from the start-up trace on."""
+    train(tmp_path, ["bn_mlp"], 2, 1, precision="64-true")
+    assert_trained_like_one_device(tmp_path / "bn_mlp", "bn_mlp", 2, 1, precision="64-true")
+    assert torch.load(tmp_path / "bn_mlp" / "rank0.pt")["inp.weight"].dtype == torch.float64
+
+
 def train(out_dir: Path, models: list[str], pp: int, dp: int, steps: int = STEPS, **config: object) -> None:
     """Train ``models`` with VarunaStrategy at ``pp`` x ``dp`` in a real multi-process job (`run_real_models`)."""
     config = dict(
@@ -111,11 +121,13 @@ def train(out_dir: Path, models: list[str], pp: int, dp: int, steps: int = STEPS
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
-def assert_trained_like_one_device(folder: Path, name: str, pp: int, dp: int, first_step: int = 0) -> None:
+def assert_trained_like_one_device(
+    folder: Path, name: str, pp: int, dp: int, first_step: int = 0, precision: str = "32-true"
+) -> None:
     """The losses logged from ``first_step`` on and every rank's final parameters and buffers equal the reference's."""
     result = json.loads((folder / "losses.json").read_text())
     assert result["shape"] == [pp, dp]
-    losses, weights, buffer_names = reference(name, dp)
+    losses, weights, buffer_names = reference(name, dp, precision)
     assert len(result["losses"]) == len(losses) - first_step
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses[first_step:]), rtol=1e-4, atol=1e-5)
     seen = set()

@@ -210,6 +210,28 @@ def test_bf16_mixed_trains_like_one_device():
     assert_same_model(model, reference)
 
 
+@pytest.mark.parametrize(("precision", "budget"), [("64-true", 24_000), ("bf16-true", 8_000)])
+def test_true_precisions_train_cut_like_one_device(precision, budget):
+    """The model's parameters and its float batches are converted to the precision's dtype, the first batch (on which
+    set-up finds and measures the segments) too."""
+    from real_models import build
+
+    torch.manual_seed(0)
+    reference, data = build("bn_mlp")  # float inputs, BatchNorm
+    model = copy.deepcopy(reference)
+    options = dict(max_steps=3, precision=precision, callbacks=[StepLosses()], logger=False, enable_progress_bar=False)
+    expected = L.Trainer(accelerator="cpu", devices=1, **options)
+    expected.fit(reference, DataLoader(data, batch_size=4))
+    strategy = SpillingStrategy(memory_budget=budget)
+    options["callbacks"] = [StepLosses()]
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, **options)
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    assert len(strategy.shards) > 1
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+    assert next(model.parameters()).dtype == {"64-true": torch.float64, "bf16-true": torch.bfloat16}[precision]
+
+
 def test_checkpoints_are_written_a_shard_at_a_time_and_resume_exactly(tmp_path):
     """A checkpoint taken mid-epoch while the model is spilled (VarunaStrategy's sharded format, written shard by
     shard) holds what plain training holds at that step; a run resumed from it at another budget continues the
@@ -361,7 +383,7 @@ def test_by_name_and_validate_and_predict():
     loader = DataLoader(token_dataset(16), batch_size=8)
     predicted = trainer.predict(model, loader)
     expected = [model(batch[0]).argmax(-1) for batch in loader]
-    assert all(torch.equal(a, b) for a, b in zip(predicted, expected))  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(predicted, expected))
 
 
 # ------------------------------------------------------------------------------------------------- bad input

@@ -19,7 +19,9 @@ STEP_OF_FN = {
 
 
 def first_batch(trainer: pl.Trainer) -> Any:
-    """The first batch of the first DataLoader of the loop ``trainer`` runs now (fit, validate, test or predict)."""
+    """The first batch of the first DataLoader of the loop ``trainer`` runs now (fit, validate, test or predict), as
+    the loop prepares a batch before `batch_to_device`: converted by the precision plugin (``precision="64-true"``
+    makes its floats doubles) and passed through ``on_before_batch_transfer``."""
     loop = {
         TrainerFn.FITTING: trainer.fit_loop,
         TrainerFn.VALIDATING: trainer.validate_loop,
@@ -29,4 +31,5 @@ def first_batch(trainer: pl.Trainer) -> Any:
     loaders = loop._data_source.dataloader()  # type: ignore[attr-defined]
     loader = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders
     loader = loader[0] if isinstance(loader, (list, tuple)) else loader
-    return next(iter(loader))
+    batch = trainer.precision_plugin.convert_input(next(iter(loader)))
+    return trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
