@@ -23,6 +23,10 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available as syn
 from lightning.fabric.utilities.optimizer import _optimizer_to_device as optimizer_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 
+# The optimizers, schedulers and monitor in what `configure_optimizers` returns (any of its forms), to read a
+# single-file checkpoint's optimizer state by parameter name. tests/test_real_models.py.
+from lightning.pytorch.core.optimizer import _configure_optimizers as parse_configure_optimizers
+
 # Lightning's process launchers, extended to resume `ckpt_path=None` in a requeued SLURM job and to end a failed job
 # with the failing rank's error (whose `launch` repeats Lightning's, with `set_num_threads_if_needed` above); its
 # checkpoint connector, extended for `ckpt_path="last"` over sharded checkpoints.
@@ -57,6 +61,7 @@ __all__ = [
     "init_dist_connection",
     "optimizer_to_device",
     "optimizers_to_device",
+    "parse_configure_optimizers",
     "reinstantiate_dataloader",
     "set_num_threads_if_needed",
     "sync_ddp_if_available",

@@ -4,8 +4,8 @@
 
 For each model writes ``OUT_DIR/<model>/losses.json`` (rank 0: the logged train loss of every step) and
 ``OUT_DIR/<model>/rank{r}.pt`` (each rank's parameters and buffers by name). With ``"save_every": K`` it also writes
-a checkpoint every K steps to ``OUT_DIR/<model>/checkpoints``; with ``"resume_from": DIR`` it resumes from the
-checkpoint ``DIR/<model>/checkpoints/last.ckpt``.
+a checkpoint every K steps to ``OUT_DIR/<model>/checkpoints`` (the newest also as ``last.ckpt``); with
+``"resume_from": DIR`` it resumes from ``DIR/<model>/last.ckpt``.
 """
 
 from __future__ import annotations
@@ -37,10 +37,7 @@ def train(name: str, out_dir: str, config: dict) -> None:
     folder = os.path.join(out_dir, name)
     callbacks: list[L.Callback] = [record]
     if "save_every" in config:
-        every = config["save_every"]
-        callbacks.append(
-            ModelCheckpoint(os.path.join(folder, "checkpoints"), every_n_train_steps=every, save_last=True)
-        )
+        callbacks.append(ModelCheckpoint(folder, every_n_train_steps=config["save_every"], save_last=True))
     trainer = L.Trainer(
         accelerator="cpu",
         strategy=strategy,
@@ -53,7 +50,7 @@ def train(name: str, out_dir: str, config: dict) -> None:
         enable_model_summary=False,
     )
     resume = config.get("resume_from")
-    ckpt_path = None if resume is None else os.path.join(resume, name, "checkpoints", "last.ckpt")
+    ckpt_path = None if resume is None else os.path.join(resume, name, "last.ckpt")
     trainer.fit(model, DataLoader(data, batch_size=config["batch_size"]), ckpt_path=ckpt_path)
     os.makedirs(folder, exist_ok=True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -20,7 +20,7 @@ from conftest import run_job
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from models import RecordLosses
 from reference import GlobalBatches
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_varuna.pipeline.microbatch import batch_size_of, split_microbatches
 
@@ -45,9 +45,15 @@ BATCH, MICRO_BATCH = 4, 2  # per replica: micro-batches [2, 2]
 
 
 def reference(
-    name: str, data_parallel_size: int, precision: str = "32-true"
+    name: str,
+    data_parallel_size: int,
+    precision: str = "32-true",
+    steps: int = STEPS,
+    callbacks: tuple[L.Callback, ...] = (),
+    ckpt_path: Path | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor], set[str]]:
-    """One device, the same global batches, each run as the pipeline's micro-batches (loss weighted by rows).
+    """One device, the same global batches, each run as the pipeline's micro-batches (loss weighted by rows);
+    resumed from ``ckpt_path`` with the sampler Lightning gives one replica, which it sets to each epoch.
 
     Returns the logged losses, the final state dict and the names of the buffers.
     """
@@ -63,19 +69,22 @@ def reference(
 
     model.training_step = microbatched
     record = RecordLosses()
-    sampler = GlobalBatches(ROWS, BATCH, data_parallel_size, seed=0)
+    if ckpt_path is None:
+        loader = DataLoader(data, batch_sampler=GlobalBatches(ROWS, BATCH, data_parallel_size, seed=0))
+    else:
+        loader = DataLoader(data, BATCH, sampler=DistributedSampler(range(ROWS), 1, 0, shuffle=True, seed=0))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=STEPS,
+        max_steps=steps,
         precision=precision,
-        callbacks=[record],
+        callbacks=[record, *callbacks],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, DataLoader(data, batch_sampler=sampler))
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return record.losses, state, {name for name, _ in model.named_buffers()}
 
@@ -96,6 +105,27 @@ def test_real_models_resume_a_mid_epoch_checkpoint_at_another_pipeline_depth(tmp
     train(tmp_path / "resumed", models, 3, 1, resume_from=str(tmp_path / "first"))
     for name in models:
         assert_trained_like_one_device(tmp_path / "resumed" / name, name, 3, 1, first_step=STEPS - 1)
+
+
+class SaveAtFitEnd(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def test_a_run_begun_on_one_device_continues_pipelined_from_its_checkpoint(tmp_path):
+    """The single-file checkpoint of a plain fit (``strategy="auto"``) of one epoch continues at two stages as on one
+    device: the BatchNorm MLP and GPT-2, SGD's momentum read by parameter name."""
+    models, epoch = ["bn_mlp", "gpt2"], ROWS // BATCH
+    for name in models:
+        reference(name, 1, steps=epoch, callbacks=(SaveAtFitEnd(tmp_path / "one_device" / name / "last.ckpt"),))
+    train(tmp_path / "resumed", models, 2, 1, steps=epoch + 2, resume_from=str(tmp_path / "one_device"))
+    for name in models:
+        resumed = reference(name, 1, steps=epoch + 2, ckpt_path=tmp_path / "one_device" / name / "last.ckpt")
+        assert len(resumed[0]) == 2
+        assert_trained_like_one_device(tmp_path / "resumed" / name, name, 2, 1, expected=resumed)
 
 
 def test_a_model_in_double_precision_trains_pipelined_like_one_device(tmp_path):
@@ -122,12 +152,19 @@ def train(out_dir: Path, models: list[str], pp: int, dp: int, steps: int = STEPS
 
 
 def assert_trained_like_one_device(
-    folder: Path, name: str, pp: int, dp: int, first_step: int = 0, precision: str = "32-true"
+    folder: Path,
+    name: str,
+    pp: int,
+    dp: int,
+    first_step: int = 0,
+    precision: str = "32-true",
+    expected: tuple[list[float], dict[str, torch.Tensor], set[str]] | None = None,
 ) -> None:
-    """The losses logged from ``first_step`` on and every rank's final parameters and buffers equal the reference's."""
+    """The losses logged from ``first_step`` on and every rank's final parameters and buffers equal the reference's
+    (``expected``, if given)."""
     result = json.loads((folder / "losses.json").read_text())
     assert result["shape"] == [pp, dp]
-    losses, weights, buffer_names = reference(name, dp, precision)
+    losses, weights, buffer_names = expected or reference(name, dp, precision)
     assert len(result["losses"]) == len(losses) - first_step
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses[first_step:]), rtol=1e-4, atol=1e-5)
     seen = set()

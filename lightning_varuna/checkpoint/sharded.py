@@ -14,7 +14,6 @@ import os
 import shutil
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -37,7 +36,7 @@ from lightning_varuna.checkpoint.layout import (
     versions,
 )
 from lightning_varuna.checkpoint.pieces import write_pieces
-from lightning_varuna.checkpoint.state import destination_for, parameter_names
+from lightning_varuna.checkpoint.state import destination_for, parameter_names, with_versions
 from lightning_varuna.checkpoint.uploads import BackgroundUploads
 from lightning_varuna.storage import REMOTE_WRITE_THREADS, Storage, join
 
@@ -175,11 +174,7 @@ class ShardedCheckpoints:
     def _read(self, url: str, module: nn.Module, optimizers: list[Optimizer]) -> tuple[dict[str, Any], CheckpointInfo]:
         saved = SavedTensors(self.storage, url)
         own = module.state_dict()
-        state_dict = OrderedDict(saved.model(list(own)))
-        # The modules' versions, as `state_dict()` gives them: without them BatchNorm takes the dict for one of torch
-        # before 0.4 and adds `num_batches_tracked` even for the BatchNorms of other stages, which this rank lacks.
-        state_dict._metadata = own._metadata  # type: ignore[attr-defined]
-        checkpoint = {**saved.training_state(), "state_dict": state_dict}
+        checkpoint = {**saved.training_state(), "state_dict": with_versions(saved.model(list(own)), own)}
         if optimizers and saved.has_optimizer_state:
             names = parameter_names(module)
             checkpoint["optimizer_states"] = [

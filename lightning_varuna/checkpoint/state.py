@@ -7,6 +7,7 @@ parameter loads into whichever stage holds it next time.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ __all__ = [
     "optimizer_state_by_name",
     "parameter_names",
     "set_optimizer_state",
+    "with_versions",
 ]
 
 
@@ -130,6 +132,17 @@ class TensorsByName:
         saved = self._optimizers[index]
         wanted = set(names)
         return {part: {k: v for k, v in saved[part].items() if k in wanted} for part in ("state", "param_groups")}
+
+
+def with_versions(state_dict: dict[str, torch.Tensor], like: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with the module versions of ``like`` (a ``module.state_dict()``) for ``load_state_dict``.
+
+    Without them BatchNorm takes the dict for one of torch before 0.4 and asks for a ``num_batches_tracked`` of every
+    BatchNorm, even those of other stages, which a stage's module lacks.
+    """
+    versioned = OrderedDict(state_dict)
+    versioned._metadata = getattr(like, "_metadata", OrderedDict())  # type: ignore[attr-defined]
+    return versioned
 
 
 def destination_for(metadata: Metadata, prefix: str, names: list[str]) -> tuple[dict[str, Any], list[str]]:

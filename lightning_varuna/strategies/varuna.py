@@ -38,6 +38,7 @@ from lightning_varuna._lightning_private import (
 from lightning_varuna._torch_private import NormWithRunningStats
 from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
+from lightning_varuna.checkpoint.single_file import stage_checkpoint
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
 from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.plan import plan_stage
@@ -709,8 +710,14 @@ class VarunaStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read this stage's part of a checkpoint written with any pipeline shape."""
+        """Read this stage's part of a checkpoint written with any pipeline shape, or of a single-file Lightning
+        checkpoint (one device's, ``strategy="auto"``; it continues where that run's data loader would: an
+        unfinished epoch starts again)."""
         optimizers = [torch_optimizer(o) for o in self.optimizers]
+        fs, path = self.checkpoint_storage.fs(str(checkpoint_path))
+        if fs.isfile(path):
+            whole = super().load_checkpoint(checkpoint_path, weights_only)
+            return stage_checkpoint(whole, self._module, self._stage_plan().skeleton, optimizers)
         checkpoint, info = self._checkpoints.load(str(checkpoint_path), self._module, optimizers)
         self._resumed_shape = info.shape
         self._data.restore(info.shape.get("data_position"), checkpoint.get("loops", {}))
