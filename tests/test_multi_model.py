@@ -6,6 +6,7 @@ import copy
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -584,12 +585,19 @@ def test_set_up_finds_out_which_models_draw_no_random_numbers():
 
 
 def test_progress_summary_and_trace(tmp_path, capsys):
-    """One progress bar per model, a summary table at the end, the device timeline as a Perfetto trace; fewer
-    models than devices is said in one line."""
+    """One progress bar per model, counting optimizer steps, a summary table at the end, the device timeline as a
+    Perfetto trace; fewer models than devices is said in one line."""
     torch.manual_seed(0)
     sweep = MultiModelTrainer(devices=3, memory_budget="100KB")
     sweep.add(MLP(32, 2), train_dataloaders=regression_data(32), max_steps=3, logger=False, name="small")
-    sweep.add(MLP(48, 3), train_dataloaders=regression_data(48), max_steps=4, logger=False, name="large")
+    large = sweep.add(
+        MLP(48, 3),
+        train_dataloaders=regression_data(48),
+        max_steps=4,
+        accumulate_grad_batches=2,
+        logger=False,
+        name="large",
+    )
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
@@ -605,6 +613,11 @@ def test_progress_summary_and_trace(tmp_path, capsys):
     assert table[2].split()[:3] == ["small", "finished", "3"] and table[3].split()[:3] == ["large", "finished", "4"]
     shown = capsys.readouterr().err
     assert "small: 100%" in shown and "3/3" in shown and "large: 100%" in shown and "4/4" in shown
+    counts = [(int(n), int(total)) for n, total in re.findall(r"large: [^|\r\n]*\|[^|]*\| (\d+)/(\d+)", shown)]
+    assert counts and all(n <= total == 4 for n, total in counts)  # 8 batches, accumulated into 4 steps
+    assert not re.search(r"large: +[1-9]\d*step", shown)  # a count past the total, which tqdm shows without it
+    # The loss of the last batch, not what its backward ran on (divided by `accumulate_grad_batches`).
+    assert sweep.results[1].final_loss == pytest.approx(float(large.callback_metrics["train_loss"]))
 
     sweep.write_trace(tmp_path / "sweep.json")
     trace = json.loads((tmp_path / "sweep.json").read_text())
@@ -668,11 +681,22 @@ def test_bad_input_fails_early():
     sweep = MultiModelTrainer(devices=2)
     with pytest.raises(ValueError, match="set `accelerator` and `devices` on MultiModelTrainer"):
         sweep.add(MLP(8, 2), devices=2)
-    sweep.add(MLP(8, 2), name="a")
+    model = MLP(8, 2)
+    sweep.add(model, name="a")
     with pytest.raises(ValueError, match="named 'a' is in the sweep already"):
         sweep.add(MLP(8, 2), name="a")
+    with pytest.raises(ValueError, match="This `MLP` instance is in the sweep already"):
+        sweep.add(model, name="b")
     with pytest.raises(ValueError, match="No model to fit"):
         MultiModelTrainer().fit()
+
+
+def test_a_sweep_is_fitted_once():
+    sweep = MultiModelTrainer(devices=1, enable_progress_bar=False)
+    sweep.add(MLP(8, 2), train_dataloaders=regression_data(8), max_steps=1, **QUIET)
+    sweep.fit()
+    with pytest.raises(RuntimeError, match="`fit` runs once"):
+        sweep.fit()
 
 
 def test_default_loggers_get_one_version_each(tmp_path):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from lightning_varuna.multimodel.scheduler import DeviceSpan
 
@@ -56,17 +59,23 @@ class SweepDisplay:
         bar.reset(total=None if total_steps == float("inf") else int(total_steps))
         bar.update(steps_before)
 
-    def stepped(self, name: str, loss: float | None) -> None:
+    def stepped(self, name: str, steps: int, loss: float | None) -> None:
+        """``name``'s model has taken ``steps`` optimizer steps (its last batch's loss: ``loss``)."""
         bar = self._bars[name]
         if loss is not None:
             bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
-        bar.update()
+        bar.update(steps - bar.n)
 
     def ended(self, name: str, status: str) -> None:
         bar = self._bars[name]
         if status != "finished":
             bar.set_postfix_str(status)
         bar.refresh()
+
+    def logs_above(self) -> AbstractContextManager[None]:
+        """Print Lightning's log lines above the bars, not into them."""
+        loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+        return logging_redirect_tqdm(loggers=loggers, tqdm_class=tqdm)
 
     def close(self) -> None:
         for bar in self._bars.values():

@@ -107,6 +107,11 @@ class MultiModelTrainer:
             raise ValueError(
                 f"{set_here} are the sweep's: set `accelerator` and `devices` on MultiModelTrainer, not in `add`."
             )
+        if any(member.model is model for member in self._members):
+            raise ValueError(
+                f"This `{type(model).__name__}` instance is in the sweep already: each model trains its own "
+                "parameters, so add a new instance (e.g. `copy.deepcopy(model)`) for another run of it."
+            )
         name = name or f"{len(self._members)}:{type(model).__name__}"
         if any(member.name == name for member in self._members):
             raise ValueError(f"A model named {name!r} is in the sweep already; give each a different `name`.")
@@ -154,6 +159,11 @@ class MultiModelTrainer:
         the others: `results` (and a warning) say which failed and why."""
         if not self._members:
             raise ValueError("No model to fit: call `add(model, ...)` first.")
+        if self.results:
+            raise RuntimeError(
+                "This sweep has been fitted: `fit` runs once. To train on, make a new MultiModelTrainer and add "
+                "each model with `ckpt_path=` its last checkpoint."
+            )
         if len(self._members) < self.devices:
             rank_zero_info(
                 f"MultiModelTrainer: {len(self._members)} model(s) for {self.devices} devices; "
@@ -174,7 +184,11 @@ class MultiModelTrainer:
             threading.Thread(target=self._fit_member, args=(m, r), name=f"sweep {m.name}", daemon=True)
             for m, r in zip(self._members, self.results)
         ]
-        with _torch_threads(1) if not self.on_gpu else nullcontext(), _stopped_by_signals(self.scheduler):
+        with (
+            _torch_threads(1) if not self.on_gpu else nullcontext(),
+            _stopped_by_signals(self.scheduler),
+            self._display.logs_above() if self._display is not None else nullcontext(),
+        ):
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -325,10 +339,12 @@ class _SweepMemberCallback(pl.Callback):
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
-            self.member.last_loss = float(loss.detach())
+            # Lightning hands on the loss divided by `accumulate_grad_batches` (what its backward ran on).
+            accumulated = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+            self.member.last_loss = float(loss.detach()) * accumulated
         self._report(trainer)
         if self.sweep._display is not None:
-            self.sweep._display.stepped(self.member.name, self.member.last_loss)
+            self.sweep._display.stepped(self.member.name, trainer.global_step, self.member.last_loss)
 
     def _report(self, trainer: pl.Trainer) -> None:
         self.sweep.scheduler.stepped(
