@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -123,6 +124,51 @@ def test_bad_layout_fails_in_every_process(tmp_path, devices, strategy, blocks, 
     proc = run_job([str(script)], tmp_path, timeout=300)
     assert proc.returncode != 0
     assert __import__("re").search(match, proc.stderr), proc.stderr[-3000:]
+
+
+ITERABLE_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
+from models import TinyLM, token_dataset
+from lightning_varuna import VarunaStrategy
+
+
+class Split(IterableDataset):
+    def __iter__(self):
+        rank, count = {split}
+        data = token_dataset(16)
+        return (data[i] for i in range(rank, len(data), count))
+
+
+strategy = VarunaStrategy(pipeline_parallel_size=2)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(TinyLM(), DataLoader(Split(), batch_size=4))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "split",
+    [
+        "dist.get_rank(), dist.get_world_size()",  # as under DDP: each stage gets batches of its own
+        "strategy.topology.dp_rank, strategy.topology.data_parallel_size",
+    ],
+    ids=["by-global-rank", "by-data-parallel-rank"],
+)
+def test_the_stages_of_a_replica_must_read_one_batch(tmp_path, split):
+    script = tmp_path / "job.py"
+    tests = str(Path(__file__).parent)
+    script.write_text(textwrap.dedent(ITERABLE_SCRIPT.format(tests=tests, split=split)))
+    proc = run_job([str(script)], tmp_path, timeout=300)
+    if split.startswith("dist"):
+        assert proc.returncode != 0
+        assert "The pipeline stages of one replica read different batches" in proc.stderr, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 class ManualOptimization(TinyLM):

@@ -1,7 +1,9 @@
-"""Splitting a batch into micro-batches along dim 0 and merging per-micro-batch outputs back."""
+"""Splitting a batch into micro-batches along dim 0, merging per-micro-batch outputs back, and combining what the
+micro-batch steps log."""
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from lightning_varuna.pipeline.microbatch import (
     microbatch_sizes,
     split_microbatches,
 )
+from lightning_varuna.pipeline.step_logging import LogRecorder
 
 
 @pytest.mark.parametrize(
@@ -137,3 +140,18 @@ def test_merge_of_all_none_is_none():
 def test_default_micro_batch_size_gives_four_microbatches_per_stage(batch_size, num_stages, expected_microbatches):
     micro_batch_size = default_micro_batch_size(batch_size, num_stages)
     assert len(microbatch_sizes(batch_size, micro_batch_size)) == expected_microbatches
+
+
+def test_logged_values_combine_over_micro_batches_as_their_reduce_fx():
+    """A step logs once per micro-batch: a mean is weighted by rows, a sum (a count of rows) adds up, a max or min
+    takes the largest or smallest, so that the batch's values are what one device logs for the whole batch."""
+    recorder, module = LogRecorder(), L.LightningModule()
+    with recorder.capture(module):
+        for rows, loss, peak in ((3, 1.0, 0.2), (1, 5.0, 0.9)):
+            recorder.weight = rows / 4
+            module.log("loss", torch.tensor(loss))
+            module.log("rows", float(rows), reduce_fx="sum")
+            module.log("peak", peak, reduce_fx="max")
+            module.log("low", peak, reduce_fx=torch.min)
+    values = {name: value for name, value, _ in recorder.summary()}
+    assert values == pytest.approx({"loss": 2.0, "rows": 4.0, "peak": 0.9, "low": 0.2})

@@ -6,7 +6,7 @@ This is the one place that changes the user's module while a step runs, and only
 - ``module.forward`` runs this rank's stage on the current micro-batch. On a stage other than the last it ends the
   user's step there (by raising `StageForwardDone`, a ``BaseException`` that a user's ``except Exception`` does not
   swallow): the rest of the step needs the model's output, which only the last stage has.
-- ``module.log`` records into a `LogRecorder`: values are averaged over micro-batches with their sizes as weights,
+- ``module.log`` records into a `LogRecorder`: values are combined over micro-batches by their ``reduce_fx``,
   sent from the last stage to the others and logged once per batch (`replay`).
 
 A step must call ``self(...)`` exactly once: the other stages send and wait for the messages of one forward.

@@ -1,9 +1,10 @@
 """Make ``self.log`` in a pipelined step report what single-device training reports.
 
 Only the last stage sees the loss, and ``training_step`` runs once per micro-batch there. The values a
-step logs are recorded per micro-batch, averaged with the micro-batch sizes as weights (the loss becomes
-the mean over the whole batch), sent to every stage of the replica and logged there once, so that rank 0
-(a first stage) and its loggers see them too.
+step logs are recorded per micro-batch and combined as the value's ``reduce_fx`` combines steps: a mean (the
+default) with the micro-batch sizes as weights (the loss becomes the mean over the whole batch), a sum (a count of
+rows), a max or a min. They are sent to every stage of the replica and logged there once, so that rank 0 (a first
+stage) and its loggers see them too.
 """
 
 from __future__ import annotations
@@ -24,8 +25,17 @@ __all__ = ["LogRecorder", "replay"]
 @dataclass
 class _Entry:
     kwargs: dict[str, Any]
-    weighted_sum: float = 0.0
-    weight: float = 0.0
+    values: list[float] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+
+    def batch_value(self) -> float:
+        """The micro-batches' values combined as ``reduce_fx`` combines steps."""
+        reduce_fx = self.kwargs.get("reduce_fx", "mean")
+        values = torch.tensor(self.values, dtype=torch.float64)
+        if reduce_fx in ("mean", "avg", torch.mean):
+            return float((values * torch.tensor(self.weights, dtype=torch.float64)).sum() / sum(self.weights))
+        reduce = {"sum": torch.sum, "max": torch.max, "min": torch.min}.get(reduce_fx, reduce_fx)
+        return float(reduce(values))
 
 
 @dataclass
@@ -54,12 +64,12 @@ class LogRecorder:
         if isinstance(value, Tensor):
             value = value.detach().float().item()
         entry = self.entries.setdefault(name, _Entry(kwargs))
-        entry.weighted_sum += self.weight * float(value)
-        entry.weight += self.weight
+        entry.values.append(float(value))
+        entry.weights.append(self.weight)
 
     def summary(self) -> list[tuple[str, float, dict[str, Any]]]:
         """``(name, batch value, log kwargs)`` for every logged name, in the order first logged."""
-        return [(name, e.weighted_sum / e.weight, e.kwargs) for name, e in self.entries.items()]
+        return [(name, entry.batch_value(), entry.kwargs) for name, entry in self.entries.items()]
 
 
 def replay(module: pl.LightningModule, summary: list[tuple[str, float, dict[str, Any]]], device: torch.device) -> None:

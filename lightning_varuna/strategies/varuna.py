@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.utils._pytree import tree_map
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 from typing_extensions import override
 
 from lightning_varuna._lightning_private import (
@@ -70,6 +70,7 @@ from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.failures import Failure, FailureNotice, PeerFailure
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_varuna.strategies.one_batch import check_stages_read_one_batch
 from lightning_varuna.strategies.optimizers import torch_optimizer
 from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
 from lightning_varuna.strategies.sigterm import stop_on_sigterm_without_broadcasts
@@ -189,6 +190,7 @@ class VarunaStrategy(ParallelStrategy):
         self.checkpoint_storage = Storage(storage_options)
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage, tempdir=checkpoint_tempdir)
         self._replica_batch_size: int | None = None
+        self._check_iterable_batches = True
         self._resumed_shape: dict[str, Any] | None = None
         self._data = DataProgress()
 
@@ -391,6 +393,7 @@ class VarunaStrategy(ParallelStrategy):
             self._stages = self._partition(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._check_iterable_batches = True
         self.setup_precision_plugin()
         scaler = getattr(self.precision_plugin, "scaler", None)
         assert self.topology is not None
@@ -487,6 +490,16 @@ class VarunaStrategy(ParallelStrategy):
         self._check_micro_batch_size(rows)
         self._check_global_batch(rows)
         assert self.topology is not None
+        if self._check_iterable_batches:  # the first batch of a fit from a user's IterableDataset (`one_batch`)
+            self._check_iterable_batches = False
+            loader = self._module.trainer.train_dataloader
+            if (
+                isinstance(getattr(loader, "dataset", None), IterableDataset)
+                and self.topology.pipeline_parallel_size > 1
+            ):
+                check_stages_read_one_batch(
+                    args[0], self._groups.stages, self.topology.pipeline_parallel_size, self.root_device
+                )
         self._data.advance(rows * self.topology.data_parallel_size)
         with (
             self._step_gradients.computing(self._stage_plan().own_parameters()),
