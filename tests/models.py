@@ -39,6 +39,8 @@ class TinyLM(L.LightningModule):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.emb.weight
         self.acc = torchmetrics.classification.MulticlassAccuracy(VOCAB, average="micro")
+        # Not a mean over rows: its epoch value is computed from all batches' counts (pipelined: gathered).
+        self.val_f1 = torchmetrics.classification.MulticlassF1Score(VOCAB, average="macro")
         self.lr, self.scheduler = lr, scheduler
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -61,7 +63,10 @@ class TinyLM(L.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         idx, y = batch
-        self.log("val_loss", F.cross_entropy(self(idx).flatten(0, 1), y.flatten()), sync_dist=True)
+        logits = self(idx).flatten(0, 1)
+        self.log("val_loss", F.cross_entropy(logits, y.flatten()), sync_dist=True)
+        self.val_f1(logits, y.flatten())
+        self.log("val_f1", self.val_f1)
 
     def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self(batch[0]).argmax(-1)
@@ -138,7 +143,8 @@ def fit_and_report(
         result["loss_scales"] = record.loss_scales
     if config.get("evaluate"):
         loader = torch.utils.data.DataLoader(token_dataset(config["rows"], seed=2), batch_size=config["batch_size"])
-        result["val_loss"] = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
+        validated = trainer.validate(model, loader, verbose=False)[0]
+        result["val_loss"], result["val_f1"] = validated["val_loss"], validated["val_f1"]
         if predict:
             result["predictions"] = torch.cat(trainer.predict(model, loader)).tolist()
     return trainer, result

@@ -138,6 +138,7 @@ def assert_matches_single_device(result: dict, shards: list[dict[str, torch.Tens
     assert result["acc"] == pytest.approx(ref["acc"], abs=1e-6)
     if config.get("evaluate"):
         assert result["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
+        assert result["val_f1"] == pytest.approx(ref["val_f1"], rel=1e-5)
         if "predictions" in result:
             assert result["predictions"] == ref["predictions"]
     seen = set()

@@ -303,6 +303,7 @@ class BuiltInConfigureModel(TinyLM):
         L.LightningModule.__init__(self)
         self.lr, self.scheduler = 0.05, False
         self.acc = torchmetrics.classification.MulticlassAccuracy(VOCAB, average="micro")
+        self.val_f1 = torchmetrics.classification.MulticlassF1Score(VOCAB, average="macro")
         self.built_on: torch.device | None = None
 
     def configure_model(self) -> None:

@@ -59,7 +59,7 @@ class MicroBatchedStep:
         self.module, self.stage, self.step_name = module, stage, step_name
         self.rest, self.kwargs = rest, kwargs
         self.loss_weight, self.scale_loss = loss_weight, scale_loss
-        self.recorder = LogRecorder()
+        self.recorder = LogRecorder(training=step_name == "training_step")
         self._microbatches: list[Any] = []
         self._weights: list[float] = []
         self._forwards: list[int] = []

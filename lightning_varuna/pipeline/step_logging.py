@@ -5,6 +5,11 @@ step logs are recorded per micro-batch and combined as the value's ``reduce_fx``
 default) with the micro-batch sizes as weights (the loss becomes the mean over the whole batch), a sum (a count of
 rows), a max or a min. They are sent to every stage of the replica and logged there once, so that rank 0 (a first
 stage) and its loggers see them too.
+
+A torchmetrics metric logged for the epoch only (``validation_step``'s default) is logged as the metric itself on
+every stage: its state, updated on the last stage only, is gathered from all ranks when Lightning computes it at
+the epoch's end (torchmetrics syncs a metric over the process group), which gives the epoch's value exactly, also
+for metrics that are not means over rows (F1, AUROC).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-__all__ = ["LogRecorder", "replay"]
+__all__ = ["LogRecorder", "MetricAt", "replay"]
 
 
 @dataclass
@@ -38,12 +43,23 @@ class _Entry:
         return float(reduce(values))
 
 
+@dataclass(frozen=True)
+class MetricAt:
+    """A logged torchmetrics metric, by its name among the module's submodules."""
+
+    path: str
+
+
 @dataclass
 class LogRecorder:
-    """Collects ``self.log`` calls of the micro-batch steps of one batch."""
+    """Collects ``self.log`` calls of the micro-batch steps of one batch; ``training``: of ``training_step``, whose
+    values Lightning logs per step by default (other steps' per epoch)."""
 
+    training: bool = True
     entries: dict[str, _Entry] = field(default_factory=dict)
+    metrics: dict[str, MetricAt] = field(default_factory=dict)
     weight: float = 1.0
+    _module: pl.LightningModule | None = None
 
     @contextmanager
     def capture(self, module: pl.LightningModule) -> Iterator[None]:
@@ -53,12 +69,19 @@ class LogRecorder:
             self.record(name, value, kwargs)
 
         module.log = log  # type: ignore[method-assign,assignment]
+        self._module = module
         try:
             yield
         finally:
             del module.log
 
     def record(self, name: str, value: Any, kwargs: dict[str, Any]) -> None:
+        if isinstance(value, Metric) and self._for_the_epoch_only(kwargs):
+            path = self._path_of(value)
+            if path is not None:
+                self.metrics[name] = MetricAt(path)
+                self.entries.setdefault(name, _Entry(kwargs))
+                return
         if isinstance(value, Metric):
             value = value._forward_cache if value._forward_cache is not None else value.compute()
         if isinstance(value, Tensor):
@@ -67,12 +90,29 @@ class LogRecorder:
         entry.values.append(float(value))
         entry.weights.append(self.weight)
 
-    def summary(self) -> list[tuple[str, float, dict[str, Any]]]:
-        """``(name, batch value, log kwargs)`` for every logged name, in the order first logged."""
-        return [(name, entry.batch_value(), entry.kwargs) for name, entry in self.entries.items()]
+    def _path_of(self, metric: Metric) -> str | None:
+        modules = self._module.named_modules() if self._module is not None else ()
+        return next((path for path, module in modules if module is metric), None)
+
+    def _for_the_epoch_only(self, kwargs: dict[str, Any]) -> bool:
+        return kwargs.get("on_epoch", not self.training) and not kwargs.get("on_step", self.training)
+
+    def summary(self) -> list[tuple[str, float | MetricAt, dict[str, Any]]]:
+        """``(name, batch value or metric, log kwargs)`` for every logged name, in the order first logged."""
+        return [
+            (name, self.metrics[name] if name in self.metrics else entry.batch_value(), entry.kwargs)
+            for name, entry in self.entries.items()
+        ]
 
 
-def replay(module: pl.LightningModule, summary: list[tuple[str, float, dict[str, Any]]], device: torch.device) -> None:
-    """Log the batch values of ``summary`` through the real ``LightningModule.log``."""
+def replay(
+    module: pl.LightningModule, summary: list[tuple[str, float | MetricAt, dict[str, Any]]], device: torch.device
+) -> None:
+    """Log the batch values and metrics of ``summary`` through the real ``LightningModule.log``."""
     for name, value, kwargs in summary:
-        module.log(name, torch.tensor(value, device=device), **kwargs)
+        if isinstance(value, MetricAt):
+            metric = module.get_submodule(value.path)
+            assert isinstance(metric, Metric)
+            module.log(name, metric, **kwargs)
+        else:
+            module.log(name, torch.tensor(value, device=device), **kwargs)
