@@ -627,6 +627,26 @@ def test_progress_summary_and_trace(tmp_path, capsys):
     assert len(slices) == len(sweep.spans)
 
 
+class StopAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        trainer.should_stop = trainer.global_step >= self.step
+
+
+def test_a_bar_says_when_a_callback_stopped_its_model_early(capsys):
+    sweep = MultiModelTrainer(devices=1)
+    data = regression_data(8)
+    sweep.add(MLP(8, 2), train_dataloaders=data, max_steps=6, callbacks=[StopAt(2)], logger=False, name="early")
+    sweep.add(MLP(8, 2), train_dataloaders=data, max_steps=3, logger=False, name="full")
+    sweep.fit()
+    shown = capsys.readouterr().err
+    assert re.search(r"early: [^\r\n]*2/6[^\r\n]*stopped early", shown)
+    assert re.search(r"full +: 100%", shown) and not re.search(r"full +: [^\r\n]*stopped early", shown)
+    assert [r.status for r in sweep.results] == ["finished", "finished"]
+
+
 class SpillFiles(L.Callback):
     """Whether the spill tier under ``folder`` holds any file after each training batch."""
 

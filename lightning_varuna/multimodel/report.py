@@ -67,6 +67,7 @@ class SweepDisplay:
         bar.update(steps - bar.n)
 
     def ended(self, name: str, status: str) -> None:
+        """``name``'s fit has ended: its bar says how, unless it simply finished."""
         bar = self._bars[name]
         if status != "finished":
             bar.set_postfix_str(status)

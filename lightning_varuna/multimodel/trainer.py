@@ -251,7 +251,8 @@ class MultiModelTrainer:
             )
             result.final_loss = member.last_loss
             if self._display is not None:
-                self._display.ended(member.name, result.status)
+                early = result.status == "finished" and member.trainer.should_stop  # a callback ended it
+                self._display.ended(member.name, "stopped early" if early else result.status)
 
 
 @dataclass
