@@ -38,7 +38,9 @@ from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwarg
 
 # Private attributes and formats read or changed:
 # - `trainer._checkpoint_connector` (its class is swapped for the extended connector): strategies/launchers.py.
-# - `loop._data_source.dataloader()`: the first batch of the running loop, to trace the model at start-up.
+# - `loop._data_source.dataloader()`: the first batch of the running loop, to trace the model at start-up, and
+#   `LightningModule._on_before_batch_transfer`, through which the loop passes each batch: strategies/first_batch.py.
+#   tests/test_spilling.py::test_true_precisions_train_cut_like_one_device.
 # - the checkpoint's `loops["fit_loop"]["epoch_progress"]` counters: `data.resumable.continue_unfinished_epoch`.
 # - the precision plugin's `clip_grad_by_norm` / `clip_grad_by_value`, replaced on the instance:
 #   strategies/clipping.py. tests/test_parity.py (gradient_clip_val), tests/test_spilling.py.

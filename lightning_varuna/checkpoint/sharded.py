@@ -36,7 +36,7 @@ from lightning_varuna.checkpoint.layout import (
     versions,
 )
 from lightning_varuna.checkpoint.pieces import write_pieces
-from lightning_varuna.checkpoint.state import destination_for, parameter_names, with_versions
+from lightning_varuna.checkpoint.state import destination_for, stage_tensors
 from lightning_varuna.checkpoint.uploads import BackgroundUploads
 from lightning_varuna.storage import REMOTE_WRITE_THREADS, Storage, join
 
@@ -173,15 +173,7 @@ class ShardedCheckpoints:
 
     def _read(self, url: str, module: nn.Module, optimizers: list[Optimizer]) -> tuple[dict[str, Any], CheckpointInfo]:
         saved = SavedTensors(self.storage, url)
-        own = module.state_dict()
-        checkpoint = {**saved.training_state(), "state_dict": with_versions(saved.model(list(own)), own)}
-        if optimizers and saved.has_optimizer_state:
-            names = parameter_names(module)
-            checkpoint["optimizer_states"] = [
-                saved.optimizer(i, [names[id(p)] for group in optimizer.param_groups for p in group["params"]])
-                for i, optimizer in enumerate(optimizers)
-            ]
-        return checkpoint, saved.info
+        return {**saved.training_state(), **stage_tensors(saved, module, optimizers)}, saved.info
 
 
 class SavedTensors:

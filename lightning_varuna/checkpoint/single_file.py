@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from torch.optim import Optimizer
 
 from lightning_varuna._lightning_private import parse_configure_optimizers
-from lightning_varuna.checkpoint.state import TensorsByName, parameter_names, with_versions
+from lightning_varuna.checkpoint.state import TensorsByName, stage_tensors
 from lightning_varuna.partition.skeleton import ModelSkeleton
 
 __all__ = ["stage_checkpoint"]
@@ -28,13 +28,5 @@ def stage_checkpoint(
     with skeleton.stand_ins(module):
         returned: Any = module.configure_optimizers()
         saved = TensorsByName(checkpoint, module, parse_configure_optimizers(returned)[0] if returned else [])
-    own = module.state_dict()
-    stage = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
-    stage["state_dict"] = with_versions(saved.model(list(own)), own)
-    if saved.has_optimizer_state:
-        names = parameter_names(module)
-        stage["optimizer_states"] = [
-            saved.optimizer(i, [names[id(p)] for group in optimizer.param_groups for p in group["params"]])
-            for i, optimizer in enumerate(optimizers)
-        ]
-    return stage
+    training_state = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+    return {**training_state, **stage_tensors(saved, module, optimizers)}

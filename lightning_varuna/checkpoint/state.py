@@ -23,6 +23,7 @@ __all__ = [
     "optimizer_state_by_name",
     "parameter_names",
     "set_optimizer_state",
+    "stage_tensors",
     "with_versions",
 ]
 
@@ -132,6 +133,21 @@ class TensorsByName:
         saved = self._optimizers[index]
         wanted = set(names)
         return {part: {k: v for k, v in saved[part].items() if k in wanted} for part in ("state", "param_groups")}
+
+
+def stage_tensors(saved: Any, module: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:
+    """The ``state_dict`` (the entries of ``module.state_dict()``) and, if ``saved`` holds optimizer state,
+    ``optimizer_states`` (each of ``optimizers``' by parameter name) that Lightning loads into a stage, read from
+    ``saved`` (`SavedTensors` or `TensorsByName`)."""
+    own = module.state_dict()
+    tensors: dict[str, Any] = {"state_dict": with_versions(saved.model(list(own)), own)}
+    if optimizers and saved.has_optimizer_state:
+        names = parameter_names(module)
+        tensors["optimizer_states"] = [
+            saved.optimizer(i, [names[id(p)] for group in optimizer.param_groups for p in group["params"]])
+            for i, optimizer in enumerate(optimizers)
+        ]
+    return tensors
 
 
 def with_versions(state_dict: dict[str, torch.Tensor], like: dict[str, Any]) -> dict[str, torch.Tensor]:

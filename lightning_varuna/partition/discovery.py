@@ -11,7 +11,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_varuna.cutpoint import CutPoint
-from lightning_varuna.partition.tracing import without_kv_cache
+from lightning_varuna.partition.tracing import kv_cache_configs, without_kv_cache
 from lightning_varuna.pipeline.microbatch import batch_size_of
 
 __all__ = ["buffers_kept", "discover_cutpoints", "forward_with_cutpoints", "observe_cutpoints"]
@@ -78,7 +78,7 @@ def forward_with_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None =
     with (
         torch.no_grad(),
         buffers_kept(module),
-        without_kv_cache(module),
+        without_kv_cache(kv_cache_configs(module)),
         observe_cutpoints(module, batch_size_of((args, kwargs))) as order,
     ):
         output = module(*args, **(kwargs or {}))

@@ -26,7 +26,12 @@ from lightning_varuna._torch_private import (
 )
 from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.partition.skeleton import ModelSkeleton
-from lightning_varuna.partition.tracing import traceable_torch_modules, untraceable_forward_error, without_kv_cache
+from lightning_varuna.partition.tracing import (
+    kv_cache_configs,
+    traceable_torch_modules,
+    untraceable_forward_error,
+    without_kv_cache,
+)
 
 __all__ = ["PipelineGraph", "Source", "TensorMeta", "split_into_all_stages", "split_into_stages"]
 
@@ -235,7 +240,7 @@ def _split_traced(
             torch.autocast(args_device_type(args), enabled=False),
             generated_code_modules(),
             traceable_torch_modules(),
-            without_kv_cache(module),
+            without_kv_cache(kv_cache_configs(module)),
         ):
             pipe = pipeline(module, mb_args=args, mb_kwargs=kwargs or None)
     except RuntimeError as error:

@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 import lightning_varuna
 from lightning_varuna._torch_private import transformer_module
 
-__all__ = ["traceable_torch_modules", "untraceable_forward_error", "without_kv_cache"]
+__all__ = ["kv_cache_configs", "traceable_torch_modules", "untraceable_forward_error", "without_kv_cache"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn") + os.sep
@@ -45,25 +45,27 @@ def traceable_torch_modules() -> Iterator[None]:
         transformer_module._detect_is_causal_mask = detect
 
 
+def kv_cache_configs(module: nn.Module) -> list[Any]:
+    """The Hugging Face configs (``config.use_cache``) of ``module``'s submodules, each once."""
+    configs = {id(c): c for m in module.modules() if hasattr(c := getattr(m, "config", None), "use_cache")}
+    return list(configs.values())
+
+
 @contextmanager
-def without_kv_cache(module: nn.Module) -> Iterator[None]:
-    """Run Hugging Face models in the block with ``config.use_cache = False``.
+def without_kv_cache(configs: list[Any]) -> Iterator[None]:
+    """Run the Hugging Face models of ``configs`` (`kv_cache_configs`) in the block with ``use_cache = False``.
 
     By default a Hugging Face language model returns its attention's key/value cache (for generation): an object
     torch.export cannot return, holding every layer's keys and values, which stages would pass on. Training never
     reads it; the loss and logits are the same without it.
     """
-    configs: dict[int, Any] = {}
-    for submodule in module.modules():
-        config = getattr(submodule, "config", None)
-        if getattr(config, "use_cache", None) is True:
-            configs[id(config)] = config
-    for config in configs.values():
+    caching = [config for config in configs if config.use_cache is True]
+    for config in caching:
         config.use_cache = False
     try:
         yield
     finally:
-        for config in configs.values():
+        for config in caching:
             config.use_cache = True
 
 

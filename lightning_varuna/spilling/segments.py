@@ -14,7 +14,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflat
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, Source, split_into_all_stages
 from lightning_varuna.partition.trace_cache import trace_key, tracing_own_forward
-from lightning_varuna.partition.tracing import without_kv_cache
+from lightning_varuna.partition.tracing import kv_cache_configs, without_kv_cache
 
 __all__ = ["Segments", "WholeModel"]
 
@@ -81,8 +81,9 @@ class _OwnForward(nn.Module):
     def __init__(self, model: nn.Module, forward: Callable[..., object], input_spec: TreeSpec) -> None:
         super().__init__()
         self.model, self._model_forward, self._input_spec = model, forward, input_spec
+        self._kv_cache_configs = kv_cache_configs(model)
 
     def forward(self, *leaves: object) -> tuple:
         args, kwargs = tree_unflatten(list(leaves), self._input_spec)
-        with without_kv_cache(self.model):  # as when cut: its output has the same structure
+        with without_kv_cache(self._kv_cache_configs):  # as when cut: its output has the same structure
             return tuple(tree_leaves(self._model_forward(*args, **kwargs)))

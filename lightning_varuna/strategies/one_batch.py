@@ -21,9 +21,8 @@ def check_stages_read_one_batch(
     """Raise on every stage of this replica if they did not all read ``batch`` (compared by a fingerprint: its
     tensors' count, sizes and sums). Collective over ``stages``."""
     tensors = [t for t in tree_leaves(batch) if isinstance(t, Tensor)]
-    sums = [t.detach().double().sum() for t in tensors]
     mine = torch.tensor(
-        [len(tensors), sum(t.numel() for t in tensors), float(sum(sums)) if sums else 0.0],
+        [len(tensors), sum(t.numel() for t in tensors), float(sum(t.detach().double().sum() for t in tensors))],
         dtype=torch.float64,
         device=device,
     )
