@@ -7,7 +7,9 @@ Run from the repository root (about 3 minutes on 2 CPU cores)::
 
 ``--rounds N`` trains the sweep every way N times in turn, since a slow spell of a shared machine can move one
 makespan by 5-10%: each round's table, and the median ratio to the lower bound over the rounds. ``--accelerator gpu``
-trains on one CUDA GPU instead (``--devices 1``; no task queue, which is the sequential run on one device).
+trains on one CUDA GPU instead (``--devices 1``; no task queue, which is the sequential run on one device); how busy
+the GPU was is then measured by CUDA events around the turns, and the trace has a row for the GPU's time besides the
+host's.
 
 The models are MLPs of Linear(width, width) layers with a CutPoint after each, trained with AdamW on batches of
 ``--batch`` rows; a device is one core (one torch thread). The sweep is ordered as a researcher might add it:
@@ -157,7 +159,7 @@ def one_round(devices: int, batch: int, budget: str, accelerator: str) -> tuple[
         "makespan_s": makespans,
         "vs_lower_bound": {k: v / lower_bound for k, v in makespans.items()},
         "device_busy": {
-            name: sum(s.end_s - s.start_s for s in run.spans) / (devices * makespan)
+            name: sum(s.end_s - s.start_s for s in run.gpu_spans or run.spans) / (devices * makespan)
             for name, run, makespan in (("multi-model", sweep, sweep_s), ("multi-model-spilled", spilled, spilled_s))
         },
     }

@@ -625,6 +625,7 @@ def test_progress_summary_and_trace(tmp_path, capsys):
     assert {e["name"] for e in slices} == {"small", "large"}
     assert {e["args"]["work"] for e in slices} >= {"forward", "backward", "set-up"}
     assert len(slices) == len(sweep.spans)
+    assert sweep.gpu_spans == []  # on GPUs, a second row per device
 
 
 class StopAt(L.Callback):

@@ -6,6 +6,8 @@ Skipped without a GPU (CI has none: these are the checks for a machine that has 
 from __future__ import annotations
 
 import copy
+import json
+import time
 from typing import Any
 
 import lightning as L
@@ -56,7 +58,7 @@ def weights_on_the_gpu(trainer: L.Trainer) -> list[bool]:
 
 
 @pytest.mark.parametrize("budget", ["400KB", None], ids=["cut-into-shards", "whole"])
-def test_each_model_of_a_sweep_on_one_gpu_trains_as_if_alone(budget):
+def test_each_model_of_a_sweep_on_one_gpu_trains_as_if_alone(budget, tmp_path):
     """Models of different sizes, lengths and optimizers take turns on the GPU, cut into shards spilled to pinned host
     memory, or whole under the default budget, staying on the GPU (they all fit there): each one's losses and weights
     equal plain training on the GPU."""
@@ -72,6 +74,7 @@ def test_each_model_of_a_sweep_on_one_gpu_trains_as_if_alone(budget):
     ]
     references = [copy.deepcopy(model) for model, *_ in specs]
     sweep, trainers, losses = sweep_on_the_gpu(specs, budget)
+    ended_s = time.perf_counter()
 
     assert [r.status for r in sweep.results] == ["finished"] * 3, [r.error for r in sweep.results]
     assert all(t.strategy.root_device.type == "cuda" for t in trainers)
@@ -80,10 +83,27 @@ def test_each_model_of_a_sweep_on_one_gpu_trains_as_if_alone(budget):
     stayed = [all(weights_on_the_gpu(t)) for t in trainers]
     assert stayed == [len(t.strategy.shards) == 1 for t in trainers]
     assert all(stayed) == (budget is None)
+    assert_gpu_spans_follow_the_turns(sweep, ended_s, tmp_path)
     for (model, train, kwargs), reference, sweep_losses in zip(specs, references, losses):
         alone = fit_alone_on_the_gpu(reference, train, **kwargs)
         torch.testing.assert_close(sweep_losses.losses, step_losses(alone), rtol=1e-5, atol=1e-6)
         assert_same_weights(model.cpu(), reference.cpu())
+
+
+def assert_gpu_spans_follow_the_turns(sweep: MultiModelTrainer, ended_s: float, tmp_path) -> None:
+    """The GPU's span of each turn (CUDA events) starts once the host has begun issuing it, ends by the end of the
+    sweep, and follows the turn before it: every model issues to the GPU's one default stream, a turn at a time."""
+    turns, ran = sweep.spans, sweep.gpu_spans
+    assert [(s.model, s.work, s.shard, s.device) for s in ran] == [(s.model, s.work, s.shard, s.device) for s in turns]
+    for host, gpu in zip(turns, ran):
+        assert host.start_s - 1e-3 <= gpu.start_s <= gpu.end_s <= ended_s + 1e-3
+    assert all(a.end_s <= b.start_s + 1e-5 for a, b in zip(ran, ran[1:]))
+    assert sum(s.end_s - s.start_s for s in ran) > 0
+    sweep.write_trace(tmp_path / "sweep.json")
+    events = json.loads((tmp_path / "sweep.json").read_text())["traceEvents"]
+    rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert rows == {"device 0", "GPU 0 (running)"}
+    assert len([e for e in events if e["ph"] == "X"]) == 2 * len(turns)
 
 
 def test_a_models_gpu_dropout_is_replayed_by_its_recompute():

@@ -15,6 +15,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from lightning_varuna.multimodel.scheduler import DeviceSpan
 
+_GPU_ROWS = 1000  # trace rows of the GPUs' own timing start here
+
 __all__ = ["ModelResult", "SweepDisplay", "device_timeline_trace", "summary_table"]
 
 
@@ -105,27 +107,31 @@ def summary_table(results: Iterable[ModelResult]) -> str:
     return "\n".join(lines)
 
 
-def device_timeline_trace(spans: Iterable[DeviceSpan], metadata: dict[str, Any] | None = None) -> str:
+def device_timeline_trace(
+    spans: Iterable[DeviceSpan], metadata: dict[str, Any] | None = None, gpu_spans: Iterable[DeviceSpan] = ()
+) -> str:
     """A Chrome / Perfetto trace (ui.perfetto.dev, chrome://tracing): one row per device, a slice per shard turn
-    named after its model (so coloured by model), with its work and shard as arguments."""
-    spans = list(spans)
-    origin = min((s.start_s for s in spans), default=0.0)
+    named after its model (so coloured by model), with its work and shard as arguments. On GPUs, ``spans`` are the
+    host's time issuing each turn and ``gpu_spans`` the GPU's running it: a row each."""
+    rows = [(list(spans), "device {}", 0), (list(gpu_spans), "GPU {} (running)", _GPU_ROWS)]
+    origin = min((s.start_s for row, *_ in rows for s in row), default=0.0)
     events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "sweep"}}]
-    events += [
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": device, "args": {"name": f"device {device}"}}
-        for device in sorted({s.device for s in spans})
-    ]
-    events += [
-        {
-            "name": s.model,
-            "cat": s.work,
-            "ph": "X",
-            "pid": 0,
-            "tid": s.device,
-            "ts": (s.start_s - origin) * 1e6,
-            "dur": (s.end_s - s.start_s) * 1e6,
-            "args": {"work": s.work, "shard": s.shard},
-        }
-        for s in spans
-    ]
+    for row, label, offset in rows:
+        events += [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": offset + device, "args": {"name": label.format(device)}}
+            for device in sorted({s.device for s in row})
+        ]
+        events += [
+            {
+                "name": s.model,
+                "cat": s.work,
+                "ph": "X",
+                "pid": 0,
+                "tid": offset + s.device,
+                "ts": (s.start_s - origin) * 1e6,
+                "dur": (s.end_s - s.start_s) * 1e6,
+                "args": {"work": s.work, "shard": s.shard},
+            }
+            for s in row
+        ]
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata or {}})

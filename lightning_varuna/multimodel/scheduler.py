@@ -24,8 +24,9 @@ first, so that a model just set up starts training before the next set-up takes 
 On the CPU a device is a core: a turn on device k runs with its thread pinned to the k-th of ``cores``, so that two
 turns never share a core while another core idles, and a computing thread is not moved between cores (measured: a
 sweep's makespan 2-3% shorter at batches of 256 rows). On CUDA a device is a GPU: a turn on device k runs with
-``gpus[k]`` as the current device. A GPU works asynchronously: a turn ends when its work is issued, so its time (and
-the spans of the device timeline) is the host's time issuing that work, not the GPU's running it.
+``gpus[k]`` as the current device. A GPU works asynchronously: a turn ends when its work is issued, so its time (what
+the ranking counts, and `spans`) is the host's time issuing that work. When the GPU ran it is measured apart, by a
+pair of CUDA events around each turn on the stream it issued to (`gpu_spans`, read once the sweep is over).
 
 A model traces its forward (at set-up, and for inputs of a new shape) `alone`: while no other model is in a turn.
 torch.export marks the whole process as compiling while it traces (`torch.compiler.is_compiling()`), and optimizers
@@ -40,7 +41,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -116,6 +117,8 @@ class DeviceScheduler:
             raise ValueError(f"{devices} devices need as many GPUs; {list(gpus)} were given.")
         self.devices, self.cores, self.gpus = devices, cores, gpus
         self.spans: list[DeviceSpan] = []
+        self._gpu_marks: list[tuple[DeviceSpan, torch.cuda.Event, torch.cuda.Event]] = []  # a turn's host span, events
+        self._gpu_origins: dict[int, tuple[torch.cuda.Event, float]] = {}  # device -> an event and its host time
         self._free = list(range(devices))
         self._generator_holder: str | None = None  # the model whose requests hold torch's global generator
         self._generator_holds = 0  # how many of its requests hold it
@@ -199,9 +202,16 @@ class DeviceScheduler:
         device = self.gpus[request.device] if self.gpus is not None else torch.device("cpu")
         before = generator_states(device) if draws is None and work == "forward" else None
         start = time.perf_counter()
+        events = None
         try:
             with self._on_device(request.device):
-                yield request.needs_generator
+                if self.gpus is not None:
+                    events = self._gpu_event(request.device), torch.cuda.Event(enable_timing=True)
+                try:
+                    yield request.needs_generator
+                finally:
+                    if events is not None:
+                        events[1].record()
         finally:
             end = time.perf_counter()
             if before is not None:
@@ -211,10 +221,34 @@ class DeviceScheduler:
                 clock.setup_s += end - start if work == "set-up" else 0.0
                 clock.turns -= 1
                 clock.released_s = end
-                self.spans.append(DeviceSpan(request.device, name, work, shard, start, end))
+                span = DeviceSpan(request.device, name, work, shard, start, end)
+                self.spans.append(span)
+                if events is not None:
+                    self._gpu_marks.append((span, *events))
                 self._release(request)
                 self._changed.notify_all()
                 self._dispatch()
+
+    def _gpu_event(self, device: int) -> torch.cuda.Event:
+        """An event recorded now on the current stream of GPU ``device`` (its first turn's also gives the device's
+        origin: recorded, waited for, and taken as the host's time then)."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if device not in self._gpu_origins:
+            event.synchronize()
+            self._gpu_origins[device] = event, time.perf_counter()
+        return event
+
+    def gpu_spans(self) -> list[DeviceSpan]:
+        """When each turn's work ran on its GPU (measured by CUDA events; waits for the work to end), on the clock of
+        `spans`; none on the CPU."""
+        spans = []
+        for span, start, end in list(self._gpu_marks):
+            end.synchronize()
+            origin, origin_s = self._gpu_origins[span.device]
+            start_s = origin_s + origin.elapsed_time(start) / 1e3
+            spans.append(replace(span, start_s=start_s, end_s=origin_s + origin.elapsed_time(end) / 1e3))
+        return spans
 
     @contextmanager
     def _on_device(self, device: int) -> Iterator[None]:

@@ -226,9 +226,17 @@ class MultiModelTrainer:
         """Every shard turn so far: which model ran what on which device, and when."""
         return list(self.scheduler.spans)
 
+    @property
+    def gpu_spans(self) -> list[DeviceSpan]:
+        """On a GPU: when each turn of `spans` ran on the GPU (CUDA events; `spans` are the host's time issuing
+        them). Empty on the CPU."""
+        return self.scheduler.gpu_spans()
+
     def write_trace(self, path: str | Path) -> None:
-        """Write the devices' timeline as a Chrome / Perfetto trace (one row per device, coloured by model)."""
-        Path(path).write_text(device_timeline_trace(self.spans, {"models": [m.name for m in self._members]}))
+        """Write the devices' timeline as a Chrome / Perfetto trace (one row per device, coloured by model; on a GPU,
+        a row for the host issuing the turns and one for the GPU running them)."""
+        metadata = {"models": [m.name for m in self._members]}
+        Path(path).write_text(device_timeline_trace(self.spans, metadata, self.gpu_spans))
 
     def _fit_member(self, member: _Member, result: ModelResult) -> None:
         if not self.on_gpu:
