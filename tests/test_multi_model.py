@@ -17,6 +17,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_job
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import TinyLM, token_dataset
 from torch import nn
@@ -626,6 +627,37 @@ def test_progress_summary_and_trace(tmp_path, capsys):
     assert {e["args"]["work"] for e in slices} >= {"forward", "backward", "set-up"}
     assert len(slices) == len(sweep.spans)
     assert sweep.gpu_spans == []  # on GPUs, a second row per device
+
+
+WARNING_IN_A_SWEEP = """
+import warnings, sys
+sys.path.insert(0, {tests!r})
+from test_multi_model import MLP, regression_data
+from lightning_varuna import MultiModelTrainer
+
+class WarnsInItsStep(MLP):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            warnings.warn("the loss looks odd")
+        return super().training_step(batch, batch_idx)
+
+sweep = MultiModelTrainer(devices=1)
+sweep.add(WarnsInItsStep(16, 2), train_dataloaders=regression_data(16), max_steps=4, logger=False, name="warns")
+sweep.add(MLP(16, 2), train_dataloaders=regression_data(16), max_steps=4, logger=False, name="quiet")
+sweep.fit()
+"""
+
+
+def test_a_warning_prints_above_the_bars_not_into_them(tmp_path):
+    """A Python warning from a model's step is printed on a line of its own, above the bars (as Lightning's log lines
+    are), not appended to the text of a bar. (In a process of its own: pytest records the warnings of its tests.)"""
+    script = WARNING_IN_A_SWEEP.format(tests=os.path.dirname(__file__))
+    proc = run_job(["-c", script], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", proc.stderr)  # the cursor moves of the bars
+    at = shown.index("UserWarning: the loss looks odd")
+    line_start = max(shown.rfind("\n", 0, at), shown.rfind("\r", 0, at)) + 1
+    assert shown[line_start:at].startswith("<string>:"), repr(shown[line_start - 80 : at])  # no bar before it
 
 
 class StopAt(L.Callback):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
-from contextlib import AbstractContextManager
+import sys
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 import lightning.pytorch as pl
 from tqdm.auto import tqdm
@@ -75,14 +77,34 @@ class SweepDisplay:
             bar.set_postfix_str(status)
         bar.refresh()
 
-    def logs_above(self) -> AbstractContextManager[None]:
-        """Print Lightning's log lines above the bars, not into them."""
+    @contextmanager
+    def logs_above(self) -> Iterator[None]:
+        """Print Lightning's log lines and Python's warnings above the bars, not into them."""
         loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
-        return logging_redirect_tqdm(loggers=loggers, tqdm_class=tqdm)
+        show = warnings.showwarning
+        warnings.showwarning = _write_warning_above_bars
+        try:
+            with logging_redirect_tqdm(loggers=loggers, tqdm_class=tqdm):
+                yield
+        finally:
+            warnings.showwarning = show
 
     def close(self) -> None:
         for bar in self._bars.values():
             bar.close()
+
+
+def _write_warning_above_bars(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """`warnings.showwarning` that prints a warning as Python does, above the progress bars."""
+    text = warnings.formatwarning(message, category, filename, lineno, line)
+    tqdm.write(text, file=file or sys.stderr, end="")
 
 
 def summary_table(results: Iterable[ModelResult]) -> str:
