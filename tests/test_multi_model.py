@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_varuna import CutPoint, MultiModelTrainer, SpillingStrategy
 from lightning_varuna.multimodel import DeviceScheduler, SweepStopped
 from lightning_varuna.multimodel.scheduler import HOLD_S
-from lightning_varuna.multimodel.trainer import first_fit
+from lightning_varuna.multimodel.trainer import staying_models
 
 
 class MLP(L.LightningModule):
@@ -715,11 +715,15 @@ def test_models_leave_the_device_after_their_turns_unless_kept_there(tmp_path, k
         assert_same_weights(model, reference)
 
 
-def test_models_stay_on_a_gpu_in_the_order_added_while_they_fit():
-    assert first_fit([4, 3, 2, 1], 7) == [True, True, False, False]
-    assert first_fit([4, 5, 2, 1], 7) == [True, False, True, True]
-    assert first_fit([8, 1], 7) == [False, True]
-    assert first_fit([], 7) == []
+def test_the_models_that_stay_on_a_gpu_are_those_that_save_the_most_copies():
+    """Longest first (each step copies a model out and back), the larger first among equals, while they fit."""
+    forever = float("inf")
+    assert staying_models([1, 2, 3, 5], [10, 10, 10, 10], 7) == [False, True, False, True]  # 7 bytes, not 1+2+3
+    assert staying_models([4, 3, 2, 1], [10, 20, 30, 40], 7) == [False, True, True, True]
+    assert staying_models([4, 5, 2, 1], [forever, 100, 100, forever], 7) == [True, False, True, True]
+    assert staying_models([8, 1], [50, 10], 7) == [False, True]
+    assert staying_models([3, 3, 3], [10, 10, 10], 7) == [True, True, False]  # in the order added among equals
+    assert staying_models([], [], 7) == []
 
 
 def test_bad_input_fails_early():

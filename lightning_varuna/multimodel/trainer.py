@@ -54,9 +54,10 @@ class MultiModelTrainer:
         storage_options: fsspec options for every checkpoint URL.
         enable_progress_bar: show one progress bar per model (the models' own Lightning bars are off by default).
         keep_on_device: keep each model that fits its budget in one shard on the device between its turns, instead
-            of spilling it after each. ``None``: on a GPU, the models in the order added while their parameters,
-            gradients and optimizer state (four times their parameters) fit in half of what the GPU has free as
-            `fit` starts; never on the CPU, where host memory is the device's.
+            of spilling it after each. ``None``: on a GPU, the models that save the most copies (the longest, by
+            ``max_steps``, then the largest) while their parameters, gradients and optimizer state (four times
+            their parameters) fit in half of what the GPU has free as `fit` starts; never on the CPU, where host
+            memory is the device's.
     """
 
     def __init__(
@@ -206,14 +207,15 @@ class MultiModelTrainer:
         return [m.trainer for m in self._members]
 
     def _staying_on_the_gpu(self) -> list[bool]:
-        """Which models stay on the GPU between their turns: in the order added, each one whose parameters,
-        gradients and optimizer state still fit, beside those of the models before it, in half of what the GPU has
-        free (the rest for a turn's activations). None on the CPU."""
+        """Which models stay on the GPU between their turns: those that save the most copies (`staying_models`),
+        their parameters, gradients and optimizer state within half of what the GPU has free (the rest for a turn's
+        activations). None on the CPU."""
         if self.scheduler.gpus is None:
             return [False] * len(self._members)
         free = torch.cuda.mem_get_info(self.scheduler.gpus[0])[0]
         sizes = [sum(4 * p.numel() * p.element_size() for p in m.model.parameters()) for m in self._members]
-        stays = first_fit(sizes, free // 2)
+        steps = [m.trainer.max_steps if m.trainer.max_steps > 0 else float("inf") for m in self._members]
+        stays = staying_models(sizes, steps, free // 2)
         rank_zero_info(
             f"MultiModelTrainer: {sum(stays)} of {len(stays)} model(s) stay on the GPU between their turns (their "
             f"state, {format_bytes(sum(s for s, kept in zip(sizes, stays) if kept))}, within half of the "
@@ -364,13 +366,19 @@ class _SweepMemberCallback(pl.Callback):
         )
 
 
-def first_fit(sizes: list[int], room: int) -> list[bool]:
-    """Whether each of ``sizes``, taken in order, still fits in ``room`` beside those before it that did."""
-    taken, fits = 0, []
-    for size in sizes:
-        fits.append(taken + size <= room)
-        taken += size if fits[-1] else 0
-    return fits
+def staying_models(sizes: list[int], steps: list[float], room: int) -> list[bool]:
+    """Whether each model (its state's bytes, its steps: infinite if unknown) stays on the device within ``room``.
+
+    A model that stays saves copying its state out and back every step: its bytes times its steps. Taken by steps,
+    longest first (the larger first among equals, then in the order added), each model stays if it still fits beside
+    those taken before it.
+    """
+    stays = [False] * len(sizes)
+    taken = 0
+    for i in sorted(range(len(sizes)), key=lambda i: (-steps[i], -sizes[i], i)):
+        if taken + sizes[i] <= room:
+            stays[i], taken = True, taken + sizes[i]
+    return stays
 
 
 def _check_one_gpu(devices: int) -> None:
