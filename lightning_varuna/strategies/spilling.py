@@ -30,6 +30,7 @@ from lightning_varuna.checkpoint.state import (
 )
 from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.discovery import buffers_kept
+from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
 from lightning_varuna.spilling.checkpoints import checkpoint_pieces, load_model, load_optimizer
@@ -40,6 +41,7 @@ from lightning_varuna.spilling.shards import ShardedModel
 from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
+from lightning_varuna.strategies.model_summary import forget_whole_model_summaries, summarize_whole_model
 from lightning_varuna.strategies.optimizers import torch_optimizer
 
 __all__ = ["SpillingStrategy"]
@@ -191,6 +193,7 @@ class SpillingStrategy(SingleDeviceStrategy):
                 "SpillingStrategy does not support `precision='16-mixed'` yet: its grad scaler would need every "
                 "shard's gradients at once. Use `precision='bf16-mixed'` or `'32-true'`."
             )
+        summarize_whole_model(trainer, ModelSkeleton(self._module, device=torch.device("meta")))
         if self._sharded is None:
             # Measuring runs the model: training's random numbers and BatchNorm's statistics stay as they are.
             devices = [self.root_device] if self.root_device.type == "cuda" else []
@@ -388,6 +391,9 @@ class SpillingStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         """The model gets its parameters back (in host memory) for whatever follows ``fit``."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:
+            forget_whole_model_summaries(trainer)
         if self._sharded is not None:
             self._sharded.restore(torch.device("cpu"))  # host memory: the whole model may not fit the device
             self._sharded = None

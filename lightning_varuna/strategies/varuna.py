@@ -70,6 +70,7 @@ from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.failures import Failure, FailureNotice, PeerFailure
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_varuna.strategies.model_summary import forget_whole_model_summaries, summarize_whole_model
 from lightning_varuna.strategies.one_batch import check_stages_read_one_batch
 from lightning_varuna.strategies.optimizers import torch_optimizer
 from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
@@ -391,6 +392,7 @@ class VarunaStrategy(ParallelStrategy):
             if not self.micro_batch_size:
                 self._choose_micro_batch_size(trainer)
             self._stages = self._partition(trainer)
+        summarize_whole_model(trainer, self._stages.skeleton)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._check_iterable_batches = True
@@ -767,6 +769,8 @@ class VarunaStrategy(ParallelStrategy):
         """
         trainer = getattr(self.lightning_module, "_trainer", None)
         normal_end = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+        if trainer is not None:
+            forget_whole_model_summaries(trainer)
         try:
             if self._step_results is not None and normal_end:  # after an error, a peer may never receive them
                 self._step_results.flush(self._stop_if_job_ended)
