@@ -36,6 +36,10 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as 
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector as CheckpointConnector
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs as dataloader_init_args
 
+# The exception that ends a `fit` run by the tuner (`Tuner.lr_find`) normally, on every rank: not a failure.
+# tests/test_lightning_integration.py.
+from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerExitException
+
 # Private attributes and formats read or changed:
 # - `trainer._checkpoint_connector` (its class is swapped for the extended connector): strategies/launchers.py.
 # - `loop._data_source.dataloader()`: the first batch of the running loop, to trace the model at start-up, and
@@ -57,6 +61,7 @@ __all__ = [
     "CheckpointConnector",
     "MultiProcessingLauncherBase",
     "SubprocessScriptLauncherBase",
+    "TunerExitException",
     "dataloader_init_args",
     "default_process_group_backend",
     "distributed_is_initialized",

@@ -102,3 +102,42 @@ def test_sbatch_example_trains(tmp_path, slurm):
     assert state == "COMPLETED", output[-4000:]
     assert "VarunaStrategy: 2 stage(s)" in output
     assert "final metrics" in output
+
+
+LR_FIND = """
+import sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+import torch
+from lightning.pytorch.tuner import Tuner
+from torch.utils.data import DataLoader, DistributedSampler
+from models import TinyLM, token_dataset
+from lightning_varuna import VarunaStrategy
+
+torch.manual_seed(0)
+model, data = TinyLM(), token_dataset(64)
+pipelined = {pipelined}
+loader = DataLoader(data, batch_size=4, sampler=None if pipelined else DistributedSampler(data, 1, 0, seed=0))
+strategy = VarunaStrategy(pipeline_parallel_size=2) if pipelined else "auto"
+trainer = L.Trainer(accelerator="cpu", devices=2 if pipelined else 1, strategy=strategy, max_steps=3, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False)
+found = Tuner(trainer).lr_find(model, train_dataloaders=loader, min_lr=1e-4, max_lr=1.0, num_training=12)
+trainer.fit(model, loader)
+if trainer.global_rank == 0:
+    print("suggested", found.suggestion(), "lr", model.lr, "steps", trainer.global_step)
+"""
+
+
+def test_the_learning_rate_finder_runs_before_a_pipelined_fit(tmp_path):
+    """`Tuner.lr_find` ends its search by a control-flow exception on every rank, which is not a failure of the job:
+    the suggestion is plain Lightning's, and the fit after it trains."""
+    outputs = []
+    for pipelined in (False, True):
+        script = tmp_path / f"lr_find_{pipelined}.py"
+        script.write_text(LR_FIND.format(tests=os.path.dirname(__file__), pipelined=pipelined))
+        proc = run_job([str(script)], tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        outputs.append(re.search(r"suggested (\S+) lr (\S+) steps (\d+)", proc.stdout).groups())  # type: ignore[union-attr]
+    plain, pipelined_run = outputs
+    assert pipelined_run == plain
+    assert pipelined_run[2] == "3"

@@ -28,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_varuna._lightning_private import set_num_threads_if_needed
+from lightning_varuna._lightning_private import TunerExitException, set_num_threads_if_needed
 from lightning_varuna._torch_private import default_store
 
 __all__ = ["Failure", "FailureNotice", "PeerFailure", "ReportFirstFailure"]
@@ -135,7 +135,7 @@ class ReportFirstFailure:
         try:
             return function(*args, **kwargs)
         except BaseException as error:
-            if observer is None:
+            if observer is None or isinstance(error, TunerExitException):  # the tuner's normal end, on every rank
                 raise
             observer.stop()
             killed = _wait_for(self.procs, _CHILDREN_GRACE_S)
