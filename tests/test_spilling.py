@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
 from models import DIM, VOCAB, Block, TinyLM, token_dataset
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -393,6 +393,26 @@ def test_a_segment_larger_than_the_budget_is_named():
         ValueError, match=r"The segment between `cuts\.3` and the end needs .* KiB on the device .*Add CutPoints"
     ):
         fit(TinyLM(), SpillingStrategy(memory_budget="60KB"))
+
+
+def test_a_model_compiled_whole_is_refused():
+    with pytest.raises(ValueError, match=r"compiled whole .*self\.net = torch\.compile\(net\)"):
+        fit(torch.compile(TinyLM()), SpillingStrategy(memory_budget=BUDGETS[2]))
+
+
+@pytest.mark.parametrize("averaging", [StochasticWeightAveraging, EMAWeightAveraging], ids=["swa", "ema"])
+def test_weight_averaging_needs_the_model_on_the_device(averaging):
+    """Averaging callbacks copy every parameter after each step: refused for a spilled model, with what to change;
+    a model that stays on the device in one shard averages as plain Lightning does."""
+    kwargs = {"swa_lrs": 0.01, "swa_epoch_start": 1} if averaging is StochasticWeightAveraging else {}
+    with pytest.raises(ValueError, match=rf"`{averaging.__name__}` averages every parameter .*2 shard"):
+        fit(TinyLM(), SpillingStrategy(memory_budget=BUDGETS[2]), callbacks=[averaging(**kwargs)])
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    fit(reference, "auto", callbacks=[averaging(**kwargs)], max_steps=-1, max_epochs=3)
+    fit(model, SpillingStrategy(memory_budget=BUDGETS[1]), callbacks=[averaging(**kwargs)], max_steps=-1, max_epochs=3)
+    assert_same_model(model, reference)
 
 
 def test_a_budget_below_what_stays_on_the_device():

@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
@@ -187,6 +188,12 @@ class SpillingStrategy(SingleDeviceStrategy):
                 f"SpillingStrategy runs on the CPU or a CUDA GPU; `{self.root_device}` is not supported. "
                 "Use `Trainer(accelerator='cpu')` or `'gpu'`."
             )
+        if self._module._compiler_ctx is not None:
+            raise ValueError(
+                "SpillingStrategy cannot train a LightningModule compiled whole (`torch.compile(model)`): its forward "
+                "runs shard by shard, over parameters that are spilled between their turns. Pass the module itself; "
+                "compiling its parts inside it (`self.net = torch.compile(net)`) works."
+            )
         super().setup(trainer)
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(
@@ -203,6 +210,8 @@ class SpillingStrategy(SingleDeviceStrategy):
         optimizer = self.optimizers[0] if self.optimizers else None
         if len(self.optimizers) > 1:
             raise ValueError("SpillingStrategy trains with one optimizer; `configure_optimizers` returned several.")
+        if not self._sharded.stays:
+            _refuse_callbacks_reading_every_weight(trainer, len(self.shards))
         self._sharded.spill_all(optimizer, fill=self._parked.unpark if self._parked is not None else None)
         self._parked = None
         self.optimizer_in_backward = self._can_step_in_backward(trainer)
@@ -408,6 +417,17 @@ class SpillingStrategy(SingleDeviceStrategy):
             self.checkpoint_io.teardown()
             return
         super().teardown()
+
+
+def _refuse_callbacks_reading_every_weight(trainer: pl.Trainer, shards: int) -> None:
+    """Weight averaging (SWA, EMA) copies every parameter after each step, where spilled ones hold no elements."""
+    averaging = [c for c in trainer.callbacks if isinstance(c, (StochasticWeightAveraging, WeightAveraging))]  # type: ignore[attr-defined]
+    if averaging:
+        raise ValueError(
+            f"`{type(averaging[0]).__name__}` averages every parameter of the model after each step, but "
+            f"SpillingStrategy keeps them spilled there ({shards} shard(s), not staying on the device). Give the model "
+            "a `memory_budget` that holds it in one shard, or train it with VarunaStrategy, or without the callback."
+        )
 
 
 class _ShardwiseOptimizer:
