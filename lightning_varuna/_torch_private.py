@@ -14,7 +14,7 @@ import torch
 # (a data-dependent guard torch.export cannot trace): `partition.tracing` replaces it while a model is traced.
 # tests/test_real_models.py.
 import torch.nn.modules.transformer as transformer_module
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
 # One flat buffer from many gradients and views of it back: the gradient all-reduce of each step.
 # tests/test_parity.py.
@@ -39,6 +39,7 @@ from torch.export.unflatten import _disable_interpreter as generated_code_module
 
 # Renames a value of an FX graph (keeping names unique) when its name would shadow `self` in the generated code of a
 # stage's submodule (Hugging Face BERT's `attention.self`). tests/test_real_models.py.
+from torch.fx.graph import _PyTreeCodeGen
 from torch.fx.node import Node
 
 # The base of BatchNorm and InstanceNorm, whose running statistics each data-parallel replica updates from its own
@@ -58,6 +59,15 @@ def changes_inputs_in_place(target: object) -> bool:
     """Whether the target of an FX node is an ATen operation that changes an input in place (its schema says so;
     torch has no public way to ask). tests/test_spilling_real_models.py (torch 2.11)."""
     return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+
+
+def take_flat_inputs(graph_module: fx.GraphModule) -> None:
+    """Make ``graph_module``'s forward take the leaves of its inputs: torch's pipeline split can leave the model's
+    pytree input spec (a dict batch) on a stage with one input placeholder, whose forward then expects the whole
+    structure. FX's codegen has no public setter. tests/test_spilling.py (a dict batch)."""
+    if isinstance(graph_module.graph._codegen, _PyTreeCodeGen):
+        graph_module.graph._codegen = fx.graph.CodeGen()
+        graph_module.recompile()
 
 
 def register_cuda_device_guard() -> None:
@@ -94,6 +104,7 @@ __all__ = [
     "register_cuda_device_guard",
     "rename_node",
     "storage_users",
+    "take_flat_inputs",
     "transformer_module",
     "unflatten_dense_tensors",
 ]

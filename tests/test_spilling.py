@@ -130,6 +130,36 @@ def test_a_model_with_its_batch_size_built_in_trains_like_one_device():
     assert_same_model(model, reference)
 
 
+class DictBatchLM(TinyLM):
+    """Called with the whole batch as a dict, as `self.model(**batch)` calls a Hugging Face model with its labels:
+    the first shard reads one entry of it."""
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(batch["idx"])
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        idx, y = batch
+        loss = F.cross_entropy(self({"idx": idx, "labels": y}).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        idx, y = batch
+        self.log("val_loss", F.cross_entropy(self({"idx": idx, "labels": y}).flatten(0, 1), y.flatten()))
+
+
+def test_a_dict_batch_of_which_the_first_shard_reads_one_entry_trains_like_one_device():
+    torch.manual_seed(0)
+    reference = DictBatchLM()
+    model = copy.deepcopy(reference)
+    expected = fit(reference, "auto")
+    strategy = SpillingStrategy(memory_budget=BUDGETS[5])
+    trainer = fit(model, strategy)
+    assert len(strategy.shards) == 5
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
 def test_a_model_that_fits_in_one_shard_runs_whole():
     """Not cut into traced segments: the model's own modules run, so a module's backward hook runs too (a traced
     segment keeps only the forward's tensor operations), and it trains like one device."""

@@ -23,6 +23,7 @@ from lightning_varuna._torch_private import (
     generated_code_modules,
     has_backward_hooks,
     rename_node,
+    take_flat_inputs,
 )
 from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.partition.skeleton import ModelSkeleton
@@ -291,6 +292,8 @@ def _warn_of_backward_hooks(module: nn.Module) -> None:
 
 
 def _bound(stage_module: nn.Module, skeleton: ModelSkeleton, real_tensors: dict[str, Tensor]) -> nn.Module:
+    if isinstance(stage_module, fx.GraphModule):
+        take_flat_inputs(stage_module)  # a stage is called with the leaves of its inputs
     _make_generated_code_safe(stage_module)
     _bind_real_tensors(stage_module, skeleton, real_tensors)
     return stage_module
