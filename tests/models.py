@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -78,9 +80,29 @@ class TinyLM(L.LightningModule):
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)]
 
 
+class CountingLM(TinyLM):
+    """TinyLM whose forward reads a buffer it changes: the count of its calls, which divides the embeddings. A
+    forward recomputed for backward must read the count as the first run found it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        keep = (idx != 0).unsqueeze(-1).float()
+        x = self.emb(idx) / self.calls
+        for i, block in enumerate(self.blocks):
+            x = block(x, keep)
+            if i < len(self.cuts):
+                x = self.cuts[i](x)
+        return self.head(x)
+
+
 def model_for(config: dict) -> TinyLM:
-    """The TinyLM a runner config describes (``scheduler``, ``dropout``)."""
-    return TinyLM(scheduler=config.get("scheduler", False), dropout=config.get("dropout", 0.0))
+    """The TinyLM a runner config describes (``scheduler``, ``dropout``, ``counting``: a `CountingLM`)."""
+    model_class = CountingLM if config.get("counting") else TinyLM
+    return model_class(scheduler=config.get("scheduler", False), dropout=config.get("dropout", 0.0))
 
 
 def token_dataset(rows: int, seed: int = 1) -> TensorDataset:

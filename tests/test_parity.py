@@ -58,6 +58,16 @@ SHAPES = {
     "P2xD2-varuna": dict(
         pipeline_parallel_size=2, data_parallel_size=2, batch_size=5, micro_batch_size=2, schedule="varuna"
     ),
+    # a forward that reads a buffer it changes, recomputed by the varuna schedule; one micro-batch a step (a count of
+    # forward calls is then one device's)
+    "P2xD1-varuna-counting": dict(
+        pipeline_parallel_size=2,
+        data_parallel_size=1,
+        batch_size=4,
+        micro_batch_size=4,
+        schedule="varuna",
+        counting=True,
+    ),
     # 5 segments over 3 stages; micro-batches [2, 2, 1]
     "P3xD1-gpipe-uneven": dict(
         pipeline_parallel_size=3, data_parallel_size=1, batch_size=5, micro_batch_size=2, schedule="gpipe"

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
-from models import DIM, VOCAB, Block, TinyLM, token_dataset
+from models import DIM, VOCAB, Block, CountingLM, TinyLM, token_dataset
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -158,6 +158,19 @@ def test_a_dict_batch_of_which_the_first_shard_reads_one_entry_trains_like_one_d
     assert len(strategy.shards) == 5
     torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
     assert_same_model(model, reference)
+
+
+def test_a_forward_that_reads_a_buffer_it_changes_is_recomputed_as_it_ran():
+    """Each shard's forward is recomputed for its backward: it reads the buffer (a count of calls) as the first run
+    found it, and the first run's update stays."""
+    torch.manual_seed(0)
+    reference = CountingLM()
+    model = copy.deepcopy(reference)
+    expected = fit(reference, "auto")
+    trainer = fit(model, SpillingStrategy(memory_budget=BUDGETS[5]))
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+    assert model.calls == reference.calls
 
 
 def test_a_model_that_fits_in_one_shard_runs_whole():

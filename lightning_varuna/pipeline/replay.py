@@ -1,5 +1,6 @@
-"""What running a forward again needs (recomputing activations for backward): the same random numbers, and
-buffers that the replay may update without touching the model's (BatchNorm's running statistics)."""
+"""What running a forward again needs (recomputing activations for backward): the same random numbers, and the
+buffers as the first run found them, which the replay may update without touching the model's (BatchNorm's running
+statistics, a running mean, a counter)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ["RandomState", "generator_states", "scratch_buffers", "states_differ"]
+__all__ = ["BufferState", "RandomState", "generator_states", "states_differ"]
 
 
 def generator_states(device: torch.device) -> list[torch.Tensor]:
@@ -43,19 +44,30 @@ class RandomState:
             yield
 
 
-@contextmanager
-def scratch_buffers(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """Inside the block the ``modules`` hold copies of their buffers, so that a replayed forward leaves the real
-    ones (already updated by the first run) alone; its autograd graph keeps the copies, which nothing changes."""
-    swapped = []
-    for module in modules:
-        for owner in module.modules():
-            for name, buffer in owner._buffers.items():
-                if buffer is not None:
-                    swapped.append((owner, name, buffer))
-                    owner._buffers[name] = buffer.clone()
-    try:
-        yield
-    finally:
-        for owner, name, buffer in swapped:
-            owner._buffers[name] = buffer
+class BufferState:
+    """The buffers of ``modules`` as a forward found them (copies), to replay it as it ran: a forward may read a
+    buffer that it changes (a running mean, a step counter). Taken before the forward. Every buffer is copied: an
+    operation may change one in place without a trace (BatchNorm's running statistics keep their version counter)."""
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self._buffers = [
+            (owner, name, buffer.clone())
+            for module in modules
+            for owner in module.modules()
+            for name, buffer in owner._buffers.items()
+            if buffer is not None
+        ]
+
+    @contextmanager
+    def replayed(self) -> Iterator[None]:
+        """Inside the block the modules hold the copies: the replayed forward reads the buffers as the first run
+        found them, and its own changes to them are dropped (the first run's stay)."""
+        swapped = []
+        for owner, name, copy in self._buffers:
+            swapped.append((owner, name, owner._buffers[name]))
+            owner._buffers[name] = copy
+        try:
+            yield
+        finally:
+            for owner, name, buffer in swapped:
+                owner._buffers[name] = buffer

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
-from lightning_varuna.pipeline.replay import RandomState, scratch_buffers
+from lightning_varuna.pipeline.replay import BufferState, RandomState
 from lightning_varuna.pipeline.schedules import Action, Phase, microbatches_of
 from lightning_varuna.pipeline.waiting import Waiter
 
@@ -73,7 +73,7 @@ class StageRuntime:
         self._recomputed: set[int] = set()
         self.timeline: list[tuple[str, float, float]] | None = None  # when recording: (action, start, end)
         self._compute_start: float | None = None
-        self._stashed: dict[int, tuple[nn.Module, list[Any], RandomState]] = {}
+        self._stashed: dict[int, tuple[nn.Module, list[Any], RandomState, BufferState]] = {}
         self.current_microbatch = 0  # the micro-batch whose forward `run` is running (the user's step calls forward)
         self._waiter: Waiter | None = None
         self._on_wait: Callable[[], None] | None = None
@@ -107,7 +107,8 @@ class StageRuntime:
         recompute = training and microbatch in self._recomputed
         if recompute:
             # Keep only the inputs (and the random state); `recompute` rebuilds the activations later.
-            self._stashed[microbatch] = (module, args, RandomState(self._device))
+            buffers = BufferState([module])
+            self._stashed[microbatch] = (module, args, RandomState(self._device), buffers)
             with torch.no_grad():
                 outputs = _as_tuple(module(*args))
         else:
@@ -129,9 +130,9 @@ class StageRuntime:
 
     def recompute(self, microbatch: int) -> None:
         """Run a forward again from its kept inputs and random state, this time keeping its activations."""
-        module, args, random_state = self._stashed.pop(microbatch)
-        # The forward already updated the buffers (BatchNorm running statistics): the replay must not again.
-        with random_state.replayed(), scratch_buffers([module]):
+        module, args, random_state, buffers = self._stashed.pop(microbatch)
+        # As the forward ran: its random numbers and the buffers it found (it updated them; the replay must not).
+        with random_state.replayed(), buffers.replayed():
             outputs = _as_tuple(module(*args))
         self._sent[microbatch] = self._wire_values(self._graphs[microbatch], outputs)
 

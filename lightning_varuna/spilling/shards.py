@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
-from lightning_varuna.pipeline.replay import RandomState, generator_states, scratch_buffers, states_differ
+from lightning_varuna.pipeline.replay import BufferState, RandomState, generator_states, states_differ
 from lightning_varuna.spilling.segments import Segments, WholeModel
 from lightning_varuna.spilling.store import SpillStore
 
@@ -35,6 +35,7 @@ class Shard:
     params: list[nn.Parameter]
     grad_norm_sq: Tensor | None = None  # the squared norm of its gradients after the last backward
     random_state: RandomState | None = field(default=None, repr=False)  # before its forward (dropout on recompute)
+    buffers: BufferState | None = field(default=None, repr=False)  # as its forward found them (for its recompute)
     random_after: list[Tensor] | None = field(default=None, repr=False)  # the generators' states after its forward
 
     def key(self, part: str) -> str:
@@ -205,6 +206,8 @@ class ShardedModel:
     def _forward_shard(self, shard: Shard, replayable: bool, training: bool, with_graph: bool) -> None:
         self._bring(shard, ("grads",) if with_graph else ())
         shard.random_state = RandomState(self.store.device) if replayable else None
+        recomputed = training and not with_graph
+        shard.buffers = BufferState(self._modules[s] for s in shard.segments) if recomputed else None
         with self._fetching(shard.index + 1, ()), nullcontext() if with_graph else torch.no_grad():
             produced = self._run(shard)
         if replayable:
@@ -271,13 +274,13 @@ class ShardedModel:
         self._boundaries = {}
 
     def _backward_through(self, shard: Shard, replay: bool) -> None:
-        """Run ``shard``'s forward again as it first ran (random numbers, if ``replay``; autocast; BatchNorm's running
-        statistics, already updated by the first run, left alone) and backpropagate the gradients of its outputs."""
+        """Run ``shard``'s forward again as it first ran (random numbers, if ``replay``; autocast; the buffers as it
+        found them, and those it updated left alone) and backpropagate the gradients of its outputs."""
         enabled, dtype = self._autocast
         random_state = shard.random_state if replay else None
         with (
             random_state.replayed() if random_state is not None else nullcontext(),
-            scratch_buffers(self._modules[s] for s in shard.segments),
+            shard.buffers.replayed() if shard.buffers is not None else nullcontext(),
             torch.enable_grad(),
             torch.autocast(self.store.device.type, dtype=dtype, enabled=enabled),
         ):
