@@ -458,6 +458,19 @@ def test_weight_averaging_needs_the_model_on_the_device(averaging):
     assert_same_model(model, reference)
 
 
+class NoGradBlockLM(TinyLM):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.cuts[0](self.blocks[0](self.emb(idx), torch.ones(())))
+        with torch.no_grad():
+            centre = x.mean(0)
+        return self.head(x - centre)
+
+
+def test_a_grad_mode_block_in_the_forward_is_named_with_what_to_use():
+    with pytest.raises(RuntimeError, match=r"a `with torch\.no_grad\(\):` .*Use `\.detach\(\)`"):
+        fit(NoGradBlockLM(), SpillingStrategy(memory_budget=BUDGETS[5]))
+
+
 def test_a_budget_below_what_stays_on_the_device():
     with pytest.raises(ValueError, match=r"less than the .* that stay on the device throughout"):
         fit(TinyLM(), SpillingStrategy(memory_budget="10KB"))

@@ -23,6 +23,8 @@ _TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn") + os.sep
 _OWN_DIR = os.path.dirname(lightning_varuna.__file__) + os.sep
 _MODULE_CALL = nn.Module.__call__.__code__.co_filename  # `Module.__call__` machinery between the model's frames
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
+# A grad-mode block of the forward is traced as a subgraph that torch's pipeline split does not carry over.
+_LOST_SUBGRAPH = re.compile(r"references nonexistent attribute submod_\d+")
 
 
 def _is_causal_as_given(mask: torch.Tensor | None, is_causal: bool | None = None, size: int | None = None) -> bool:
@@ -84,6 +86,13 @@ def untraceable_forward_error(module: nn.Module, error: BaseException) -> Except
             f"Cannot cut {name} into pipeline stages: it returns a `{returned.group(1).rsplit('.', 1)[-1]}`, which "
             "torch.export cannot trace. A cut model's forward may return tensors and tuples, lists, dicts or "
             "ModelOutputs of them: return what the step needs (e.g. `.logits`, `.loss`)."
+        )
+    if _LOST_SUBGRAPH.search(str(cause)):
+        return RuntimeError(
+            f"Cannot cut {name} into pipeline stages: it changes the grad mode inside (a `with torch.no_grad():` or "
+            "`torch.enable_grad()` block, or a reentrant `torch.utils.checkpoint`), which torch's pipeline split "
+            "cannot cut around. Use `.detach()` on what the block computes instead (`centre = h.mean(0).detach()`), "
+            f"and `use_reentrant=False` for checkpoints. ({type(cause).__name__}: {_first_line(cause)})"
         )
     if not frames:
         return RuntimeError(
