@@ -141,3 +141,77 @@ def test_the_learning_rate_finder_runs_before_a_pipelined_fit(tmp_path):
     plain, pipelined_run = outputs
     assert pipelined_run == plain
     assert pipelined_run[2] == "3"
+
+
+FINETUNING = """
+import os
+import sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import BackboneFinetuning
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+from models import DIM, VOCAB, Block, token_dataset
+from lightning_varuna import CutPoint, VarunaStrategy
+
+
+class Finetuned(L.LightningModule):
+    def __init__(self, backbone_blocks):
+        super().__init__()
+        self.backbone = nn.ModuleList([nn.Embedding(VOCAB, DIM), *(Block(DIM) for _ in range(backbone_blocks))])
+        self.top = nn.ModuleList(Block(DIM) for _ in range(4 - backbone_blocks))
+        self.cut = CutPoint()
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx):
+        keep = (idx != 0).unsqueeze(-1).float()
+        x = self.backbone[0](idx)
+        for i, block in enumerate([*self.backbone[1:], *self.top]):
+            x = block(x, keep)
+            if i == 1:
+                x = self.cut(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch[0]).flatten(0, 1), batch[1].flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):  # the trainable parameters only, as Lightning's finetuning docs show
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+
+
+torch.manual_seed(0)
+model, data = Finetuned({backbone_blocks}), token_dataset(32)
+pipelined = {pipelined}
+loader = DataLoader(data, batch_size=8, sampler=None if pipelined else DistributedSampler(data, 1, 0, seed=0))
+strategy = VarunaStrategy(pipeline_parallel_size=2) if pipelined else "auto"
+finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.1)
+trainer = L.Trainer(accelerator="cpu", devices=2 if pipelined else 1, strategy=strategy, max_epochs=3,
+                    callbacks=[finetuning], logger=False, enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(model, loader)
+lrs = [g["lr"] for g in trainer.optimizers[0].param_groups]
+loss = float(trainer.callback_metrics["train_loss"])
+os.write(1, f"rank {{trainer.global_rank}} loss {{loss}} lrs {{lrs}}\\n".encode())  # one write: the ranks share stdout
+"""
+
+
+@pytest.mark.parametrize("backbone_blocks", [2, 1], ids=["backbone-is-stage-0", "backbone-on-both-stages"])
+def test_a_frozen_backbone_is_finetuned_pipelined_as_on_one_device(tmp_path, backbone_blocks):
+    """A frozen first stage gets an optimizer over none of its parameters, and `BackboneFinetuning` later adds the
+    backbone's as a group on every stage: each stage has one device's groups and learning rates, and the loss is one
+    device's."""
+    lines = []
+    for pipelined in (False, True):
+        script = tmp_path / f"finetune_{pipelined}.py"
+        script.write_text(
+            FINETUNING.format(tests=os.path.dirname(__file__), pipelined=pipelined, backbone_blocks=backbone_blocks)
+        )
+        proc = run_job([str(script)], tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        lines.append(sorted(re.findall(r"rank (\d) loss (\S+) lrs (\[[^\]]*\])", proc.stdout)))
+    (plain,), stages = lines
+    assert [lrs for _, _, lrs in stages] == [plain[2]] * 2  # the same groups' learning rates on both stages
+    assert abs(float(stages[0][1]) - float(plain[1])) < 1e-5 * abs(float(plain[1]))

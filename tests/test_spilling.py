@@ -17,7 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    EMAWeightAveraging,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+)
 from models import DIM, VOCAB, Block, CountingLM, TinyLM, token_dataset
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -469,6 +474,21 @@ class NoGradBlockLM(TinyLM):
 def test_a_grad_mode_block_in_the_forward_is_named_with_what_to_use():
     with pytest.raises(RuntimeError, match=r"a `with torch\.no_grad\(\):` .*Use `\.detach\(\)`"):
         fit(NoGradBlockLM(), SpillingStrategy(memory_budget=BUDGETS[5]))
+
+
+class FrozenEmbeddingLM(TinyLM):
+    def configure_optimizers(self) -> torch.optim.Optimizer:  # the trainable parameters only
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+def test_finetuning_that_unfreezes_parameters_outside_the_optimizer_is_refused():
+    """`BaseFinetuning` finds what it unfreezes among the optimizer's parameters by their values, which spilled ones
+    do not hold: an optimizer over the trainable parameters only is refused, with what to build instead."""
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+    model = FrozenEmbeddingLM()
+    model.backbone = model.blocks[0]  # what BackboneFinetuning freezes, then unfreezes
+    with pytest.raises(ValueError, match=r"`BackboneFinetuning` would add .*over all of the model's parameters"):
+        fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), callbacks=[finetuning])
 
 
 def test_a_budget_below_what_stays_on_the_device():

@@ -79,11 +79,14 @@ class ModelSkeleton:
                 table[slot.name] = None
 
     @contextmanager
-    def stand_ins(self, module: nn.Module) -> Iterator[None]:
-        """Fill every slot with a memory-free stand-in of the right shape; restore the real tensors after."""
+    def stand_ins(self, module: nn.Module, missing_only: bool = False) -> Iterator[None]:
+        """Fill every slot (``missing_only``: every empty slot, such as other stages') with a memory-free stand-in of
+        the right shape; restore the real tensors after."""
         saved = [(slot, self._table(module, slot).get(slot.name)) for slot in self._slots]
         made: dict[str, Tensor] = {}
-        for slot in self._slots:
+        for slot, tensor in saved:
+            if missing_only and tensor is not None:
+                continue
             if slot.fqn not in made:
                 spec = self._specs[slot.fqn]
                 if slot.is_parameter:

@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
-from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
@@ -212,6 +212,7 @@ class SpillingStrategy(SingleDeviceStrategy):
             raise ValueError("SpillingStrategy trains with one optimizer; `configure_optimizers` returned several.")
         if not self._sharded.stays:
             _refuse_callbacks_reading_every_weight(trainer, len(self.shards))
+            _refuse_finetuning_of_parameters_outside(trainer, optimizer)
         self._sharded.spill_all(optimizer, fill=self._parked.unpark if self._parked is not None else None)
         self._parked = None
         self.optimizer_in_backward = self._can_step_in_backward(trainer)
@@ -427,6 +428,21 @@ def _refuse_callbacks_reading_every_weight(trainer: pl.Trainer, shards: int) -> 
             f"`{type(averaging[0]).__name__}` averages every parameter of the model after each step, but "
             f"SpillingStrategy keeps them spilled there ({shards} shard(s), not staying on the device). Give the model "
             "a `memory_budget` that holds it in one shard, or train it with VarunaStrategy, or without the callback."
+        )
+
+
+def _refuse_finetuning_of_parameters_outside(trainer: pl.Trainer, optimizer: Any) -> None:
+    """Lightning's `BaseFinetuning` finds the parameters it unfreezes among the optimizer's by their values, which
+    spilled parameters do not hold: all would look alike."""
+    finetuning = [c for c in trainer.callbacks if isinstance(c, BaseFinetuning)]  # type: ignore[attr-defined]
+    if not finetuning or optimizer is None:
+        return
+    held = {id(p) for group in torch_optimizer(optimizer).param_groups for p in group["params"]}
+    if any(id(p) not in held for p in trainer.lightning_module.parameters()):
+        raise ValueError(
+            f"`{type(finetuning[0]).__name__}` would add the parameters it unfreezes to the optimizer, finding them "
+            "by their values, which a spilled model's parameters do not hold. Build the optimizer over all of the "
+            "model's parameters (`self.parameters()`): the frozen ones get no gradients and stay as they are."
         )
 
 

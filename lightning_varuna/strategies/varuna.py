@@ -17,6 +17,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
@@ -393,6 +394,9 @@ class VarunaStrategy(ParallelStrategy):
                 self._choose_micro_batch_size(trainer)
             self._stages = self._partition(trainer)
         summarize_whole_model(trainer, self._stages.skeleton)
+        for callback in _finetuning_callbacks(trainer):  # they add parameter groups as training goes
+            hook = type(callback).on_train_epoch_start.__get__(callback)
+            callback.on_train_epoch_start = self._with_whole_model(hook)  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._check_iterable_batches = True
@@ -407,6 +411,33 @@ class VarunaStrategy(ParallelStrategy):
             stop_on_sigterm_without_broadcasts(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """`configure_optimizers` sees the whole model (memory-free stand-ins of the other stages' parameters), and
+        each of its parameter groups then keeps this stage's parameters, maybe none: every stage has the groups of
+        one device (for schedulers and callbacks that index them), and a stage whose parameters are all frozen gets
+        an optimizer over none rather than an error."""
+        with self._whole_model_for_optimizers():
+            super().setup_optimizers(trainer)
+
+    def _with_whole_model(self, hook: Callable[..., None]) -> Callable[..., None]:
+        def run(*args: Any, **kwargs: Any) -> None:
+            with self._whole_model_for_optimizers():
+                hook(*args, **kwargs)
+
+        return run
+
+    @contextmanager
+    def _whole_model_for_optimizers(self) -> Iterator[None]:
+        """Inside, the other stages' parameters have stand-ins; after, the optimizers' groups hold none of them."""
+        module = self._module
+        with self._stage_plan().skeleton.stand_ins(module, missing_only=True):
+            yield
+        own = {id(p) for p in module.parameters()}
+        for optimizer in self.optimizers:
+            for group in torch_optimizer(optimizer).param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in own]
 
     def _choose_micro_batch_size(self, trainer: pl.Trainer) -> None:
         """The default ``micro_batch_size``, from the replica's batch and the number of stages (logged once)."""
@@ -771,6 +802,8 @@ class VarunaStrategy(ParallelStrategy):
         normal_end = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         if trainer is not None:
             forget_whole_model_summaries(trainer)
+            for callback in _finetuning_callbacks(trainer):
+                vars(callback).pop("on_train_epoch_start", None)
         try:
             if self._step_results is not None and normal_end:  # after an error, a peer may never receive them
                 self._step_results.flush(self._stop_if_job_ended)
@@ -787,3 +820,7 @@ class VarunaStrategy(ParallelStrategy):
 StrategyRegistry.register(
     VarunaStrategy.strategy_name, VarunaStrategy, description=(VarunaStrategy.__doc__ or "").splitlines()[0]
 )
+
+
+def _finetuning_callbacks(trainer: pl.Trainer) -> list[BaseFinetuning]:
+    return [c for c in trainer.callbacks if isinstance(c, BaseFinetuning)]  # type: ignore[attr-defined]
