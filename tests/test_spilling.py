@@ -491,6 +491,22 @@ def test_finetuning_that_unfreezes_parameters_outside_the_optimizer_is_refused()
         fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), callbacks=[finetuning])
 
 
+class RootRunningMeanLM(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(DIM))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.cuts[0](self.blocks[0](self.emb(idx), torch.ones(())))
+        self.mean.copy_(0.5 * self.mean + 0.5 * x.mean((0, 1)).detach())
+        return self.head(x - self.mean)
+
+
+def test_a_buffer_of_the_model_itself_changed_in_place_is_named_with_what_to_do():
+    with pytest.raises(TypeError, match=r"changes a buffer of the model itself in place .*in a submodule"):
+        fit(RootRunningMeanLM(), SpillingStrategy(memory_budget=BUDGETS[5]))
+
+
 def test_a_budget_below_what_stays_on_the_device():
     with pytest.raises(ValueError, match=r"less than the .* that stay on the device throughout"):
         fit(TinyLM(), SpillingStrategy(memory_budget="10KB"))

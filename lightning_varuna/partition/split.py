@@ -272,12 +272,28 @@ def _split_traced(
             {skeleton.canonical(name) for name, _ in m.named_parameters(remove_duplicate=False)} for m in stage_modules
         ],
     )
+    _check_every_stage_input_is_fed(module, stage_modules, pipeline_graph)
     if pipeline_graph.num_stages != len(boundaries) + 1:
         raise ValueError(
             f"Cutting at {len(boundaries)} CutPoint(s) gave {pipeline_graph.num_stages} stages instead of "
             f"{len(boundaries) + 1}: some stage has no computation. Put work between consecutive CutPoints."
         )
     return pipeline_graph, stage_modules
+
+
+def _check_every_stage_input_is_fed(module: nn.Module, stage_modules: list[nn.Module], graph: PipelineGraph) -> None:
+    """torch's pipeline split makes a buffer of the model itself that its forward changes in place an input of the
+    stage, which no earlier stage gives it."""
+    for stage_module, inputs in zip(stage_modules, graph.stage_inputs):
+        assert isinstance(stage_module.graph, fx.Graph)
+        unfed = [n.name for n in stage_module.graph.nodes if n.op == "placeholder"][len(inputs) :]
+        if unfed:
+            raise TypeError(
+                f"Cannot cut `{type(module).__name__}.forward` into pipeline stages: it changes a buffer of the model "
+                f"itself in place (`{unfed[0]}` in the trace, as `self.mean.copy_(...)` makes), which torch's pipeline "
+                "split does not carry into its stage. Keep the buffer in a submodule that updates it in its own "
+                "forward, as BatchNorm does."
+            )
 
 
 def _warn_of_backward_hooks(module: nn.Module) -> None:
