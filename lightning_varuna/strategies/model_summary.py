@@ -8,47 +8,32 @@ that input for the layers' sizes, which fails on a model that is not whole here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelSummary
 
 from lightning_varuna.partition.skeleton import ModelSkeleton
+from lightning_varuna.strategies.callback_hooks import run_hook_inside
 
-__all__ = ["forget_whole_model_summaries", "summarize_whole_model"]
+__all__ = ["summarize_whole_model"]
 
 
 def summarize_whole_model(trainer: pl.Trainer, skeleton: ModelSkeleton) -> None:
     """Make ``trainer``'s model summaries count every parameter of the model ``skeleton`` describes: while one
     summarizes, every parameter and buffer has a memory-free stand-in of its shape. No example input
-    (``example_input_array``) runs through the model then: the summary has no layer sizes or FLOPs."""
-    for callback in _summaries(trainer):
-        callback.on_fit_start = partial(  # type: ignore[method-assign]
-            _summarize, type(callback).on_fit_start.__get__(callback), skeleton
-        )
+    (``example_input_array``) runs through the model then: the summary has no layer sizes or FLOPs. Undone by
+    `restore_callback_hooks`."""
+    run_hook_inside(trainer, ModelSummary, "on_fit_start", lambda pl_module: _whole(skeleton, pl_module))
 
 
-def forget_whole_model_summaries(trainer: pl.Trainer) -> None:
-    """Give ``trainer``'s model summaries back their own behaviour (after `summarize_whole_model`)."""
-    for callback in _summaries(trainer):
-        vars(callback).pop("on_fit_start", None)
-
-
-def _summaries(trainer: pl.Trainer) -> list[ModelSummary]:
-    return [c for c in trainer.callbacks if isinstance(c, ModelSummary)]  # type: ignore[attr-defined]
-
-
-def _summarize(
-    on_fit_start: Callable[[pl.Trainer, pl.LightningModule], None],
-    skeleton: ModelSkeleton,
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-) -> None:
+@contextmanager
+def _whole(skeleton: ModelSkeleton, pl_module: pl.LightningModule) -> Iterator[None]:
     example = pl_module.example_input_array
     pl_module.example_input_array = None
     try:
         with skeleton.stand_ins(pl_module):
-            on_fit_start(trainer, pl_module)
+            yield
     finally:
         pl_module.example_input_array = example

@@ -40,9 +40,10 @@ from lightning_varuna.spilling.packing import SegmentMemory, parse_bytes
 from lightning_varuna.spilling.planning import plan_shards
 from lightning_varuna.spilling.shards import ShardedModel
 from lightning_varuna.storage import Storage
+from lightning_varuna.strategies.callback_hooks import callbacks_of, restore_callback_hooks
 from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
-from lightning_varuna.strategies.model_summary import forget_whole_model_summaries, summarize_whole_model
+from lightning_varuna.strategies.model_summary import summarize_whole_model
 from lightning_varuna.strategies.optimizers import torch_optimizer
 
 __all__ = ["SpillingStrategy"]
@@ -403,7 +404,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         """The model gets its parameters back (in host memory) for whatever follows ``fit``."""
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None:
-            forget_whole_model_summaries(trainer)
+            restore_callback_hooks(trainer)
         if self._sharded is not None:
             self._sharded.restore(torch.device("cpu"))  # host memory: the whole model may not fit the device
             self._sharded = None
@@ -422,7 +423,7 @@ class SpillingStrategy(SingleDeviceStrategy):
 
 def _refuse_callbacks_reading_every_weight(trainer: pl.Trainer, shards: int) -> None:
     """Weight averaging (SWA, EMA) copies every parameter after each step, where spilled ones hold no elements."""
-    averaging = [c for c in trainer.callbacks if isinstance(c, (StochasticWeightAveraging, WeightAveraging))]  # type: ignore[attr-defined]
+    averaging = callbacks_of(trainer, (StochasticWeightAveraging, WeightAveraging))
     if averaging:
         raise ValueError(
             f"`{type(averaging[0]).__name__}` averages every parameter of the model after each step, but "
@@ -434,7 +435,7 @@ def _refuse_callbacks_reading_every_weight(trainer: pl.Trainer, shards: int) -> 
 def _refuse_finetuning_of_parameters_outside(trainer: pl.Trainer, optimizer: Any) -> None:
     """Lightning's `BaseFinetuning` finds the parameters it unfreezes among the optimizer's by their values, which
     spilled parameters do not hold: all would look alike."""
-    finetuning = [c for c in trainer.callbacks if isinstance(c, BaseFinetuning)]  # type: ignore[attr-defined]
+    finetuning = callbacks_of(trainer, BaseFinetuning)
     if not finetuning or optimizer is None:
         return
     held = {id(p) for group in torch_optimizer(optimizer).param_groups for p in group["params"]}

@@ -67,11 +67,12 @@ from lightning_varuna.profiling.profile import ModelProfile, segment_costs
 from lightning_varuna.profiling.segments import measure_segments
 from lightning_varuna.profiling.simulator import Config
 from lightning_varuna.storage import Storage
+from lightning_varuna.strategies.callback_hooks import restore_callback_hooks, run_hook_inside
 from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.failures import Failure, FailureNotice, PeerFailure
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
-from lightning_varuna.strategies.model_summary import forget_whole_model_summaries, summarize_whole_model
+from lightning_varuna.strategies.model_summary import summarize_whole_model
 from lightning_varuna.strategies.one_batch import check_stages_read_one_batch
 from lightning_varuna.strategies.optimizers import torch_optimizer
 from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
@@ -394,9 +395,8 @@ class VarunaStrategy(ParallelStrategy):
                 self._choose_micro_batch_size(trainer)
             self._stages = self._partition(trainer)
         summarize_whole_model(trainer, self._stages.skeleton)
-        for callback in _finetuning_callbacks(trainer):  # they add parameter groups as training goes
-            hook = type(callback).on_train_epoch_start.__get__(callback)
-            callback.on_train_epoch_start = self._with_whole_model(hook)  # type: ignore[method-assign]
+        # Finetuning callbacks add parameter groups as training goes, as `configure_optimizers` makes them.
+        run_hook_inside(trainer, BaseFinetuning, "on_train_epoch_start", lambda _: self._whole_model_for_optimizers())
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._check_iterable_batches = True
@@ -420,13 +420,6 @@ class VarunaStrategy(ParallelStrategy):
         an optimizer over none rather than an error."""
         with self._whole_model_for_optimizers():
             super().setup_optimizers(trainer)
-
-    def _with_whole_model(self, hook: Callable[..., None]) -> Callable[..., None]:
-        def run(*args: Any, **kwargs: Any) -> None:
-            with self._whole_model_for_optimizers():
-                hook(*args, **kwargs)
-
-        return run
 
     @contextmanager
     def _whole_model_for_optimizers(self) -> Iterator[None]:
@@ -801,9 +794,7 @@ class VarunaStrategy(ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         normal_end = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         if trainer is not None:
-            forget_whole_model_summaries(trainer)
-            for callback in _finetuning_callbacks(trainer):
-                vars(callback).pop("on_train_epoch_start", None)
+            restore_callback_hooks(trainer)
         try:
             if self._step_results is not None and normal_end:  # after an error, a peer may never receive them
                 self._step_results.flush(self._stop_if_job_ended)
@@ -820,7 +811,3 @@ class VarunaStrategy(ParallelStrategy):
 StrategyRegistry.register(
     VarunaStrategy.strategy_name, VarunaStrategy, description=(VarunaStrategy.__doc__ or "").splitlines()[0]
 )
-
-
-def _finetuning_callbacks(trainer: pl.Trainer) -> list[BaseFinetuning]:
-    return [c for c in trainer.callbacks if isinstance(c, BaseFinetuning)]  # type: ignore[attr-defined]
