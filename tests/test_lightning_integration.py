@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import sys
@@ -144,6 +145,7 @@ def test_the_learning_rate_finder_runs_before_a_pipelined_fit(tmp_path):
 
 
 FINETUNING = """
+import ast
 import os
 import sys
 sys.path.insert(0, {tests!r})
@@ -215,3 +217,108 @@ def test_a_frozen_backbone_is_finetuned_pipelined_as_on_one_device(tmp_path, bac
     (plain,), stages = lines
     assert [lrs for _, _, lrs in stages] == [plain[2]] * 2  # the same groups' learning rates on both stages
     assert abs(float(stages[0][1]) - float(plain[1])) < 1e-5 * abs(float(plain[1]))
+
+
+EPOCH_END = """
+import ast
+import os
+import sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+from models import DIM, VOCAB, Block, token_dataset
+from lightning_varuna import CutPoint, VarunaStrategy
+
+
+class KeepsOutputs(L.LightningModule):
+    \"\"\"Keeps step outputs and metric states for its epoch-end hooks, as Lightning's docs show.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(DIM) for _ in range(4))
+        self.cut = CutPoint()
+        self.head = nn.Linear(DIM, VOCAB)
+        self.accuracy = torchmetrics.classification.MulticlassAccuracy(VOCAB)
+        self.f1 = torchmetrics.classification.MulticlassF1Score(VOCAB, average="macro")
+        self.train_losses, self.val_losses = [], []
+
+    def forward(self, idx):
+        keep = (idx != 0).unsqueeze(-1).float()
+        x = self.embedding(idx)
+        for i, block in enumerate(self.blocks):
+            x = block(x, keep)
+            if i == 1:
+                x = self.cut(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch[0]).flatten(0, 1), batch[1].flatten())
+        self.train_losses.append(loss.detach())
+        return loss
+
+    def on_train_epoch_end(self):
+        self.log("train_epoch_loss", torch.stack(self.train_losses).mean(), sync_dist=True)
+        self.train_losses.clear()
+
+    def validation_step(self, batch, batch_idx):
+        logits = self(batch[0]).flatten(0, 1)
+        self.val_losses.append(F.cross_entropy(logits, batch[1].flatten()))
+        self.accuracy.update(logits, batch[1].flatten())
+        self.f1.update(logits, batch[1].flatten())
+
+    def on_validation_epoch_end(self):
+        self.log("val_loss", torch.stack(self.val_losses).mean(), sync_dist=True)
+        self.log("val_loss_gathered", self.all_gather(torch.stack(self.val_losses)).mean())
+        self.log("val_accuracy", self.accuracy.compute())
+        self.log("val_f1", self.f1)
+        self.accuracy.reset()
+        self.val_losses.clear()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+torch.manual_seed(0)
+model, data = KeepsOutputs(), token_dataset(32)
+replicas = {replicas}
+pipelined = replicas > 0
+sampler = None if pipelined else DistributedSampler(data, 1, 0, seed=0)
+loader = DataLoader(data, batch_size=8 // max(replicas, 1), sampler=sampler)
+strategy = VarunaStrategy(pipeline_parallel_size=2, data_parallel_size=replicas) if pipelined else "auto"
+trainer = L.Trainer(accelerator="cpu", devices=2 * replicas if pipelined else 1, strategy=strategy, max_epochs=2,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(model, loader, DataLoader(data, batch_size=8 // max(replicas, 1)))
+metrics = sorted((name, float(value)) for name, value in trainer.callback_metrics.items())
+os.write(1, f"rank {{trainer.global_rank}} {{metrics}}\\n".encode())  # one write: the ranks share stdout
+"""
+
+
+def test_epoch_end_hooks_read_what_the_steps_kept_as_on_one_device(tmp_path):
+    """Step outputs appended to a list, a metric updated by the steps and computed by hand or logged whole, and
+    `self.all_gather` / `sync_dist` in the epoch-end hooks: two stages and two replicas log one device's values on
+    every rank (the steps' state is on the last stages; the hooks ran there and sent what they logged)."""
+    runs = []
+    for replicas in (0, 2):
+        script = tmp_path / f"epoch_end_{replicas}.py"
+        script.write_text(EPOCH_END.format(tests=os.path.dirname(__file__), replicas=replicas))
+        proc = run_job([str(script)], tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs.append(dict(re.findall(r"rank (\d) (\[.*\])", proc.stdout)))
+    (plain,), pipelined = runs[0].values(), runs[1]
+    assert sorted(pipelined) == ["0", "1", "2", "3"]
+    expected = ast.literal_eval(plain)
+    assert [name for name, _ in expected] == [
+        "train_epoch_loss",
+        "val_accuracy",
+        "val_f1",
+        "val_loss",
+        "val_loss_gathered",
+    ]
+    for metrics in pipelined.values():
+        for (name, value), (expected_name, expected_value) in zip(ast.literal_eval(metrics), expected, strict=True):
+            assert name == expected_name and value == pytest.approx(expected_value, rel=1e-5), name

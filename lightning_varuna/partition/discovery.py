@@ -29,7 +29,9 @@ def observe_cutpoints(module: nn.Module, batch_size: int, on_call: Any = None) -
         if name in order:
             raise ValueError(
                 f"CutPoint `{name}` was called twice in one forward. Each CutPoint marks one place: "
-                "create one CutPoint instance per call site (e.g. one per block in an `nn.ModuleList`)."
+                "create one CutPoint instance per call site (e.g. one per block in an `nn.ModuleList`). If it sits "
+                "in a module the forward calls more than once (a layer whose weights are shared between depths, as "
+                "in ALBERT), put the CutPoints outside that module, between its calls."
             )
         if not isinstance(x, Tensor):
             raise TypeError(

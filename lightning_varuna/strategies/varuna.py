@@ -43,6 +43,7 @@ from lightning_varuna.checkpoint.single_file import stage_checkpoint
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
 from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.plan import plan_stage
+from lightning_varuna.pipeline.epoch_end import LastStageEpochEnds, metrics_synced_over
 from lightning_varuna.pipeline.gradients import (
     StepGradients,
     agree_on_overflow,
@@ -186,6 +187,8 @@ class VarunaStrategy(ParallelStrategy):
         self.topology: Topology | None = None
         self._groups = PipelineGroups(None, None, (None, None))
         self._step_results: StepResults | None = None
+        self._epoch_ends: LastStageEpochEnds | None = None
+        self._collective_group: dist.ProcessGroup | None = None  # of collectives the user calls (None: all ranks)
         self._stages: Stage | None = None
         self._step_gradients = StepGradients()
         self._sync_gradients = True  # False while Lightning accumulates a batch without an optimizer step
@@ -317,7 +320,11 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if distributed_is_initialized():
-            dist.barrier()
+            dist.barrier(self._collective_group)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return super().all_gather(tensor, self._user_group(group), sync_grads)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -330,8 +337,15 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if isinstance(tensor, Tensor):
-            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, self._user_group(group), reduce_op=reduce_op)
         return tensor
+
+    def _user_group(self, group: Any | None) -> Any | None:
+        """The group of a collective that user code calls over all ranks (``group`` None or WORLD, as
+        ``LightningModule.all_gather`` passes it): all ranks', or the last stages' inside an epoch-end hook."""
+        if self._collective_group is not None and group in (None, dist.group.WORLD):
+            return self._collective_group
+        return group
 
     @property
     def _module(self) -> pl.LightningModule:
@@ -395,6 +409,11 @@ class VarunaStrategy(ParallelStrategy):
                 self._choose_micro_batch_size(trainer)
             self._stages = self._partition(trainer)
         summarize_whole_model(trainer, self._stages.skeleton)
+        assert self.topology is not None
+        if self.topology.pipeline_parallel_size > 1:
+            self._epoch_ends = LastStageEpochEnds(
+                self._module, self.topology.is_last_stage, self._collectives_over_last_stages, self._exchange_results
+            )
         # Finetuning callbacks add parameter groups as training goes, as `configure_optimizers` makes them.
         run_hook_inside(trainer, BaseFinetuning, "on_train_epoch_start", lambda _: self._whole_model_for_optimizers())
         if trainer.state.fn == TrainerFn.FITTING:
@@ -402,7 +421,6 @@ class VarunaStrategy(ParallelStrategy):
             self._check_iterable_batches = True
         self.setup_precision_plugin()
         scaler = getattr(self.precision_plugin, "scaler", None)
-        assert self.topology is not None
         if scaler is not None and not self.topology.is_last_stage:
             # Only the last stage scales a loss; scaling nothing gives the others' scalers the scale unscale_ needs.
             scaler.scale(torch.zeros((), device=self.root_device))
@@ -569,10 +587,25 @@ class VarunaStrategy(ParallelStrategy):
             outputs = step.run(
                 batch, self.micro_batch_size, actions[topo.pp_rank], training=backward, on_wait=self._stop_if_job_ended
             )
-            assert self._step_results is not None
-            summary, outputs = self._step_results.exchange((step.recorder.summary(), outputs), self._stop_if_job_ended)
+            summary, outputs = self._exchange_results((step.recorder.summary(), outputs))
         replay(module, summary, self.root_device)
         return tree_map(lambda t: t.to(self.root_device) if isinstance(t, Tensor) else t, outputs)
+
+    def _exchange_results(self, results: Any) -> Any:
+        """Send ``results`` from the last stage to the replica's other stages (see `StepResults`)."""
+        assert self._step_results is not None
+        return self._step_results.exchange(results, self._stop_if_job_ended)
+
+    @contextmanager
+    def _collectives_over_last_stages(self) -> Iterator[None]:
+        """Inside, the collectives that user code calls (``self.all_gather``, ``sync_dist``, a metric's
+        ``compute()``) run over the last stages of the replicas: an epoch-end hook runs there alone (`epoch_end`)."""
+        self._collective_group = self._groups.replicas
+        try:
+            with metrics_synced_over(self._module, self._groups.replicas):
+                yield
+        finally:
+            self._collective_group = None
 
     @contextmanager
     def _failures_reported(self) -> Iterator[None]:
@@ -795,6 +828,9 @@ class VarunaStrategy(ParallelStrategy):
         normal_end = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         if trainer is not None:
             restore_callback_hooks(trainer)
+        if self._epoch_ends is not None:
+            self._epoch_ends.restore()
+            self._epoch_ends = None
         try:
             if self._step_results is not None and normal_end:  # after an error, a peer may never receive them
                 self._step_results.flush(self._stop_if_job_ended)
