@@ -219,8 +219,7 @@ def test_a_frozen_backbone_is_finetuned_pipelined_as_on_one_device(tmp_path, bac
     assert abs(float(stages[0][1]) - float(plain[1])) < 1e-5 * abs(float(plain[1]))
 
 
-EPOCH_END = """
-import ast
+METRICS = """
 import os
 import sys
 sys.path.insert(0, {tests!r})
@@ -235,7 +234,8 @@ from lightning_varuna import CutPoint, VarunaStrategy
 
 
 class KeepsOutputs(L.LightningModule):
-    \"\"\"Keeps step outputs and metric states for its epoch-end hooks, as Lightning's docs show.\"\"\"
+    \"\"\"Logs torchmetrics objects per step and per epoch, and keeps step outputs for its epoch-end hooks, as
+    Lightning's docs show.\"\"\"
 
     def __init__(self):
         super().__init__()
@@ -243,9 +243,11 @@ class KeepsOutputs(L.LightningModule):
         self.blocks = nn.ModuleList(Block(DIM) for _ in range(4))
         self.cut = CutPoint()
         self.head = nn.Linear(DIM, VOCAB)
+        self.train_f1 = torchmetrics.classification.MulticlassF1Score(VOCAB, average="macro")
         self.accuracy = torchmetrics.classification.MulticlassAccuracy(VOCAB)
         self.f1 = torchmetrics.classification.MulticlassF1Score(VOCAB, average="macro")
-        self.train_losses, self.val_losses = [], []
+        self.auroc = torchmetrics.classification.MulticlassAUROC(VOCAB)  # float and integer list states
+        self.train_losses, self.val_losses, self.step_f1 = [], [], []
 
     def forward(self, idx):
         keep = (idx != 0).unsqueeze(-1).float()
@@ -257,9 +259,15 @@ class KeepsOutputs(L.LightningModule):
         return self.head(x)
 
     def training_step(self, batch, batch_idx):
-        loss = F.cross_entropy(self(batch[0]).flatten(0, 1), batch[1].flatten())
+        logits = self(batch[0]).flatten(0, 1)
+        loss = F.cross_entropy(logits, batch[1].flatten())
+        self.train_f1(logits, batch[1].flatten())
+        self.log("train_f1", self.train_f1, on_step=True, on_epoch=True)
         self.train_losses.append(loss.detach())
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.step_f1.append(float(self.trainer.callback_metrics["train_f1_step"]))
 
     def on_train_epoch_end(self):
         self.log("train_epoch_loss", torch.stack(self.train_losses).mean(), sync_dist=True)
@@ -270,6 +278,8 @@ class KeepsOutputs(L.LightningModule):
         self.val_losses.append(F.cross_entropy(logits, batch[1].flatten()))
         self.accuracy.update(logits, batch[1].flatten())
         self.f1.update(logits, batch[1].flatten())
+        self.auroc.update(logits, batch[1].flatten())
+        self.log("val_auroc", self.auroc)
 
     def on_validation_epoch_end(self):
         self.log("val_loss", torch.stack(self.val_losses).mean(), sync_dist=True)
@@ -293,32 +303,36 @@ strategy = VarunaStrategy(pipeline_parallel_size=2, data_parallel_size=replicas)
 trainer = L.Trainer(accelerator="cpu", devices=2 * replicas if pipelined else 1, strategy=strategy, max_epochs=2,
                     logger=False, enable_checkpointing=False, enable_progress_bar=False)
 trainer.fit(model, loader, DataLoader(data, batch_size=8 // max(replicas, 1)))
-metrics = sorted((name, float(value)) for name, value in trainer.callback_metrics.items())
-os.write(1, f"rank {{trainer.global_rank}} {{metrics}}\\n".encode())  # one write: the ranks share stdout
+metrics = sorted((name, float(value)) for name, value in trainer.callback_metrics.items() if name != "train_f1")
+os.write(1, f"rank {{trainer.global_rank}} {{metrics}} {{model.step_f1}}\\n".encode())  # one write: shared stdout
 """
 
 
-def test_epoch_end_hooks_read_what_the_steps_kept_as_on_one_device(tmp_path):
-    """Step outputs appended to a list, a metric updated by the steps and computed by hand or logged whole, and
-    `self.all_gather` / `sync_dist` in the epoch-end hooks: two stages and two replicas log one device's values on
-    every rank (the steps' state is on the last stages; the hooks ran there and sent what they logged)."""
-    runs = []
-    for replicas in (0, 2):
-        script = tmp_path / f"epoch_end_{replicas}.py"
-        script.write_text(EPOCH_END.format(tests=os.path.dirname(__file__), replicas=replicas))
+def test_torchmetrics_and_epoch_end_hooks_log_what_one_device_logs(tmp_path):
+    """torchmetrics objects logged per step (F1: the batch's, not a mean of its micro-batches') and for the epoch
+    (AUROC, whose states are float scores and integer targets), step outputs kept in a list for the epoch-end hooks,
+    a metric computed by hand there, `self.all_gather` and `sync_dist`: two stages, with one replica and with two,
+    log one device's values on every rank (the steps' state is on the last stages: the epoch-end hooks run there
+    and send what they log). Per step, two replicas log each its own half batch, as under DDP."""
+    runs = {}
+    for replicas in (0, 1, 2):
+        script = tmp_path / f"metrics_{replicas}.py"
+        script.write_text(METRICS.format(tests=os.path.dirname(__file__), replicas=replicas))
         proc = run_job([str(script)], tmp_path, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        runs.append(dict(re.findall(r"rank (\d) (\[.*\])", proc.stdout)))
-    (plain,), pipelined = runs[0].values(), runs[1]
-    assert sorted(pipelined) == ["0", "1", "2", "3"]
-    expected = ast.literal_eval(plain)
-    assert [name for name, _ in expected] == [
-        "train_epoch_loss",
-        "val_accuracy",
-        "val_f1",
-        "val_loss",
-        "val_loss_gathered",
-    ]
-    for metrics in pipelined.values():
-        for (name, value), (expected_name, expected_value) in zip(ast.literal_eval(metrics), expected, strict=True):
-            assert name == expected_name and value == pytest.approx(expected_value, rel=1e-5), name
+        runs[replicas] = {
+            rank: (ast.literal_eval(metrics), ast.literal_eval(steps))
+            for rank, metrics, steps in re.findall(r"rank (\d) (\[.*\]) (\[.*\])", proc.stdout)
+        }
+    (expected, expected_steps) = runs[0]["0"]
+    names = ["train_epoch_loss", "train_f1_epoch", "train_f1_step", "val_accuracy", "val_auroc", "val_f1", "val_loss"]
+    assert [name for name, _ in expected] == [*names, "val_loss_gathered"]
+    for replicas, ranks in (1, ["0", "1"]), (2, ["0", "1", "2", "3"]):
+        assert sorted(runs[replicas]) == ranks
+        for metrics, steps in runs[replicas].values():
+            for (name, value), (expected_name, expected_value) in zip(metrics, expected, strict=True):
+                assert name == expected_name, name
+                if replicas == 1 or name != "train_f1_step":
+                    assert value == pytest.approx(expected_value, rel=1e-5), name
+            if replicas == 1:
+                assert steps == pytest.approx(expected_steps, rel=1e-5)

@@ -6,10 +6,14 @@ default) with the micro-batch sizes as weights (the loss becomes the mean over t
 rows), a max or a min. They are sent to every stage of the replica and logged there once, so that rank 0 (a first
 stage) and its loggers see them too.
 
-A torchmetrics metric logged for the epoch only (``validation_step``'s default) is logged as the metric itself on
-every stage: its state, updated on the last stage only, is gathered from all ranks when Lightning computes it at
-the epoch's end (torchmetrics syncs a metric over the process group), which gives the epoch's value exactly, also
-for metrics that are not means over rows (F1, AUROC).
+A torchmetrics metric object is logged as the metric itself on every stage: its state, updated on the last stage
+only, is gathered from all ranks when Lightning computes it at the epoch's end (torchmetrics syncs a metric over the
+process group), which gives the epoch's value exactly, also for metrics that are not means over rows (F1, AUROC).
+The other stages' metrics hold no rows but are given empty states of the last stage's types, which torchmetrics
+needs to gather states of several types (AUROC's float scores and integer targets). Its value per step is computed
+from what its states gained in the step, which is the whole batch's value (for states that are sums or lists of
+rows: F1, AUROC, accuracy, a mean); a metric with other states (a running max) is reported by its micro-batch
+values combined as a logged number's.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_sum
 
 __all__ = ["LogRecorder", "MetricAt", "replay"]
 
@@ -45,9 +50,12 @@ class _Entry:
 
 @dataclass(frozen=True)
 class MetricAt:
-    """A logged torchmetrics metric, by its name among the module's submodules."""
+    """A logged torchmetrics metric, by its name among the module's submodules; ``step_value``: its value for the
+    step (None: not logged per step); ``list_states``: the dtype and row shape of each of its list states."""
 
     path: str
+    step_value: float | None = None
+    list_states: dict[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,9 +65,10 @@ class LogRecorder:
 
     training: bool = True
     entries: dict[str, _Entry] = field(default_factory=dict)
-    metrics: dict[str, MetricAt] = field(default_factory=dict)
+    metrics: dict[str, Metric] = field(default_factory=dict)
     weight: float = 1.0
     _module: pl.LightningModule | None = None
+    _states_before: dict[int, dict[str, Tensor | int]] = field(default_factory=dict)  # id(metric) -> its states
 
     @contextmanager
     def capture(self, module: pl.LightningModule) -> Iterator[None]:
@@ -70,19 +79,19 @@ class LogRecorder:
 
         module.log = log  # type: ignore[method-assign,assignment]
         self._module = module
+        self._states_before = {id(m): _states_of(m) for m in module.modules() if isinstance(m, Metric)}
         try:
             yield
         finally:
             del module.log
 
     def record(self, name: str, value: Any, kwargs: dict[str, Any]) -> None:
-        if isinstance(value, Metric) and self._for_the_epoch_only(kwargs):
-            path = self._path_of(value)
-            if path is not None:
-                self.metrics[name] = MetricAt(path)
-                self.entries.setdefault(name, _Entry(kwargs))
-                return
         if isinstance(value, Metric):
+            if self._path_of(value) is not None:
+                self.metrics[name] = value
+                if not self._per_step(kwargs):
+                    self.entries.setdefault(name, _Entry(kwargs))
+                    return
             value = value._forward_cache if value._forward_cache is not None else value.compute()
         if isinstance(value, Tensor):
             value = value.detach().float().item()
@@ -94,15 +103,31 @@ class LogRecorder:
         modules = self._module.named_modules() if self._module is not None else ()
         return next((path for path, module in modules if module is metric), None)
 
-    def _for_the_epoch_only(self, kwargs: dict[str, Any]) -> bool:
-        return kwargs.get("on_epoch", not self.training) and not kwargs.get("on_step", self.training)
+    def _per_step(self, kwargs: dict[str, Any]) -> bool:
+        return kwargs.get("on_step", self.training)
 
     def summary(self) -> list[tuple[str, float | MetricAt, dict[str, Any]]]:
         """``(name, batch value or metric, log kwargs)`` for every logged name, in the order first logged."""
         return [
-            (name, self.metrics[name] if name in self.metrics else entry.batch_value(), entry.kwargs)
+            (name, self._metric_at(name, entry) if name in self.metrics else entry.batch_value(), entry.kwargs)
             for name, entry in self.entries.items()
         ]
+
+    def _metric_at(self, name: str, entry: _Entry) -> MetricAt:
+        metric = self.metrics[name]
+        path = self._path_of(metric)
+        assert path is not None
+        lists = {
+            state: (value[0].dtype, tuple(value[0].shape[1:]))
+            for state, value in metric.metric_state.items()
+            if isinstance(value, list) and value and isinstance(value[0], Tensor)
+        }
+        step_value = None
+        if entry.values:
+            before = self._states_before.get(id(metric))
+            step_value = _value_over_what_was_added(metric, before) if before is not None else None
+            step_value = entry.batch_value() if step_value is None else step_value
+        return MetricAt(path, step_value, lists)
 
 
 def replay(
@@ -113,6 +138,56 @@ def replay(
         if isinstance(value, MetricAt):
             metric = module.get_submodule(value.path)
             assert isinstance(metric, Metric)
+            _hold_no_rows_of_the_same_types(metric, value.list_states, device)
+            if value.step_value is not None:
+                # What Lightning logs for the step: the batch's value on every stage (``sync_dist``: the mean over
+                # the replicas', as for a number; the global batch's for a mean over rows).
+                step_value = torch.tensor(value.step_value, device=device)
+                if kwargs.get("sync_dist"):
+                    step_value = module.trainer.strategy.reduce(step_value, kwargs.get("sync_dist_group"), "mean")
+                metric._forward_cache = step_value  # type: ignore[assignment]
             module.log(name, metric, **kwargs)
         else:
             module.log(name, torch.tensor(value, device=device), **kwargs)
+
+
+def _states_of(metric: Metric) -> dict[str, Tensor | int]:
+    """What a metric holds now: its tensor states (copied) and the lengths of its list states."""
+    return {name: len(v) if isinstance(v, list) else v.clone() for name, v in metric.metric_state.items()}
+
+
+def _value_over_what_was_added(metric: Metric, before: dict[str, Tensor | int]) -> float | None:
+    """The metric computed (on this rank) over the rows added to its states since they were ``before``; None where
+    that cannot be told apart (a state that is not a sum or a list of rows) or the value is not one number."""
+    added: dict[str, Any] = {}
+    for name, value in metric.metric_state.items():
+        if isinstance(value, list):
+            added[name] = value[before[name] :]
+        elif metric._reductions[name] is dim_zero_sum:
+            added[name] = value - before[name]
+        else:
+            return None
+    if not added:
+        return None
+    kept = {name: getattr(metric, name) for name in added}
+    try:
+        for name, value in added.items():
+            setattr(metric, name, value)
+        result = type(metric).compute(metric)  # the class's own compute: neither synced nor cached
+    finally:
+        for name, value in kept.items():
+            setattr(metric, name, value)
+    return float(result) if isinstance(result, Tensor) and result.numel() == 1 else None
+
+
+def _hold_no_rows_of_the_same_types(
+    metric: Metric, list_states: dict[str, tuple[torch.dtype, tuple[int, ...]]], device: torch.device
+) -> None:
+    """Give a metric that was never updated here an empty tensor of the last stage's type in each list state (in
+    place of the float32 that torchmetrics would gather for it), and count it as updated (it holds no rows, rightly:
+    no "compute before update" warning)."""
+    for state, (dtype, row_shape) in list_states.items():
+        value = getattr(metric, state)
+        if not value:
+            value.append(torch.empty((0, *row_shape), dtype=dtype, device=device))
+    metric._update_count = max(metric._update_count, 1)
