@@ -227,6 +227,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from models import DIM, VOCAB, Block, token_dataset
@@ -289,6 +290,10 @@ class KeepsOutputs(L.LightningModule):
         self.accuracy.reset()
         self.val_losses.clear()
 
+    def on_before_optimizer_step(self, optimizer):
+        self.log_dict(grad_norm(self, norm_type=2))  # each stage sees its own parameters' gradients
+        self.log("head_grad_max", grad_norm(self.head, "inf").get("grad_inf_norm_total", -1.0))
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
@@ -308,12 +313,13 @@ os.write(1, f"rank {{trainer.global_rank}} {{metrics}} {{model.step_f1}}\\n".enc
 """
 
 
-def test_torchmetrics_and_epoch_end_hooks_log_what_one_device_logs(tmp_path):
+def test_torchmetrics_epoch_ends_and_gradient_norms_log_what_one_device_logs(tmp_path):
     """torchmetrics objects logged per step (F1: the batch's, not a mean of its micro-batches') and for the epoch
     (AUROC, whose states are float scores and integer targets), step outputs kept in a list for the epoch-end hooks,
-    a metric computed by hand there, `self.all_gather` and `sync_dist`: two stages, with one replica and with two,
-    log one device's values on every rank (the steps' state is on the last stages: the epoch-end hooks run there
-    and send what they log). Per step, two replicas log each its own half batch, as under DDP."""
+    a metric computed by hand there, `self.all_gather` and `sync_dist`, and Lightning's `grad_norm` in
+    `on_before_optimizer_step`: two stages, with one replica and with two, log one device's values on every rank
+    (the steps' state is on the last stages: the epoch-end hooks run there and send what they log; each stage logs
+    its own gradients' norms, merged). Per step, two replicas log each its own half batch's F1, as under DDP."""
     runs = {}
     for replicas in (0, 1, 2):
         script = tmp_path / f"metrics_{replicas}.py"
@@ -325,8 +331,10 @@ def test_torchmetrics_and_epoch_end_hooks_log_what_one_device_logs(tmp_path):
             for rank, metrics, steps in re.findall(r"rank (\d) (\[.*\]) (\[.*\])", proc.stdout)
         }
     (expected, expected_steps) = runs[0]["0"]
-    names = ["train_epoch_loss", "train_f1_epoch", "train_f1_step", "val_accuracy", "val_auroc", "val_f1", "val_loss"]
-    assert [name for name, _ in expected] == [*names, "val_loss_gathered"]
+    assert {
+        *("train_epoch_loss", "train_f1_epoch", "train_f1_step", "val_accuracy", "val_auroc", "val_f1", "val_loss"),
+        *("val_loss_gathered", "grad_2.0_norm_total", "grad_2.0_norm/embedding.weight", "head_grad_max"),
+    } <= {name for name, _ in expected}
     for replicas, ranks in (1, ["0", "1"]), (2, ["0", "1", "2", "3"]):
         assert sorted(runs[replicas]) == ranks
         for metrics, steps in runs[replicas].values():

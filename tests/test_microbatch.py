@@ -15,6 +15,7 @@ from lightning_varuna.pipeline.microbatch import (
     microbatch_sizes,
     split_microbatches,
 )
+from lightning_varuna.pipeline.module_hooks import merge_stage_logs
 from lightning_varuna.pipeline.step_logging import LogRecorder
 
 
@@ -155,3 +156,14 @@ def test_logged_values_combine_over_micro_batches_as_their_reduce_fx():
             module.log("low", peak, reduce_fx=torch.min)
     values = {name: value for name, value, _ in recorder.summary()}
     assert values == pytest.approx({"loss": 2.0, "rows": 4.0, "peak": 0.9, "low": 0.2})
+
+
+def test_values_the_stages_log_merge_into_one_device_values():
+    """Names one stage logs keep its value; Lightning's `grad_norm` totals combine as norms of all the stages'
+    gradients; another name logged on several stages is the last stage's."""
+    first = [("grad_2.0_norm_total", 3.0, {}), ("grad_inf_norm_total", 5.0, {}), ("lr", 0.1, {}), ("a", 1.0, {})]
+    last = [("grad_2.0_norm_total", 4.0, {}), ("grad_inf_norm_total", 2.0, {}), ("lr", 0.2, {}), ("b", 7.0, {})]
+    merged = {name: value for name, value, _ in merge_stage_logs([first, last])}
+    assert merged == pytest.approx(
+        {"grad_2.0_norm_total": 5.0, "grad_inf_norm_total": 5.0, "lr": 0.2, "a": 1.0, "b": 7.0}
+    )

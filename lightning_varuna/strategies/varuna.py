@@ -43,7 +43,6 @@ from lightning_varuna.checkpoint.single_file import stage_checkpoint
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
 from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.plan import plan_stage
-from lightning_varuna.pipeline.epoch_end import LastStageEpochEnds, metrics_synced_over
 from lightning_varuna.pipeline.gradients import (
     StepGradients,
     agree_on_overflow,
@@ -57,6 +56,7 @@ from lightning_varuna.pipeline.microbatch import (
     microbatch_sizes,
     split_microbatches,
 )
+from lightning_varuna.pipeline.module_hooks import PipelinedModuleHooks, metrics_synced_over
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step import MicroBatchedStep, capture_forward_inputs
@@ -187,7 +187,7 @@ class VarunaStrategy(ParallelStrategy):
         self.topology: Topology | None = None
         self._groups = PipelineGroups(None, None, (None, None))
         self._step_results: StepResults | None = None
-        self._epoch_ends: LastStageEpochEnds | None = None
+        self._module_hooks: PipelinedModuleHooks | None = None
         self._collective_group: dist.ProcessGroup | None = None  # of collectives the user calls (None: all ranks)
         self._stages: Stage | None = None
         self._step_gradients = StepGradients()
@@ -411,8 +411,12 @@ class VarunaStrategy(ParallelStrategy):
         summarize_whole_model(trainer, self._stages.skeleton)
         assert self.topology is not None
         if self.topology.pipeline_parallel_size > 1:
-            self._epoch_ends = LastStageEpochEnds(
-                self._module, self.topology.is_last_stage, self._collectives_over_last_stages, self._exchange_results
+            self._module_hooks = PipelinedModuleHooks(
+                self._module,
+                self.topology.is_last_stage,
+                self._collectives_over_last_stages,
+                self._exchange_results,
+                self._gather_from_stages,
             )
         # Finetuning callbacks add parameter groups as training goes, as `configure_optimizers` makes them.
         run_hook_inside(trainer, BaseFinetuning, "on_train_epoch_start", lambda _: self._whole_model_for_optimizers())
@@ -596,10 +600,16 @@ class VarunaStrategy(ParallelStrategy):
         assert self._step_results is not None
         return self._step_results.exchange(results, self._stop_if_job_ended)
 
+    def _gather_from_stages(self, obj: Any) -> list[Any]:
+        """What every stage of this replica gives, in stage order."""
+        gathered: list[Any] = [None] * self._stage_plan().runtime.num_stages
+        dist.all_gather_object(gathered, obj, group=self._groups.stages)
+        return gathered
+
     @contextmanager
     def _collectives_over_last_stages(self) -> Iterator[None]:
         """Inside, the collectives that user code calls (``self.all_gather``, ``sync_dist``, a metric's
-        ``compute()``) run over the last stages of the replicas: an epoch-end hook runs there alone (`epoch_end`)."""
+        ``compute()``) run over the last stages of the replicas: an epoch-end hook runs there alone (`module_hooks`)."""
         self._collective_group = self._groups.replicas
         try:
             with metrics_synced_over(self._module, self._groups.replicas):
@@ -828,9 +838,9 @@ class VarunaStrategy(ParallelStrategy):
         normal_end = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         if trainer is not None:
             restore_callback_hooks(trainer)
-        if self._epoch_ends is not None:
-            self._epoch_ends.restore()
-            self._epoch_ends = None
+        if self._module_hooks is not None:
+            self._module_hooks.restore()
+            self._module_hooks = None
         try:
             if self._step_results is not None and normal_end:  # after an error, a peer may never receive them
                 self._step_results.flush(self._stop_if_job_ended)

@@ -1,0 +1,130 @@
+"""Run the LightningModule's own hooks that read what only some stages hold, and log what they log on every stage.
+
+- **Epoch-end hooks** (``on_train_epoch_end``, ``on_validation_epoch_end``, ...) run on the last stage only. Only
+  the last stage runs the code of a step that comes after ``self(...)``, so what the steps keep for the epoch's end
+  (outputs appended to a list, a metric they update) is the last stage's alone: on the other stages the list is
+  empty. The values the hooks log are sent to the replica's other stages and logged there too, as a step's are
+  (`step_logging`), so that rank 0's loggers, the checkpoint monitors and a ``sync_dist`` reduction see them
+  everywhere. What the hooks gather themselves (``self.all_gather``, a torchmetrics metric's ``compute()``) is
+  gathered over the last stages of the replicas (``inside``), which hold all of it.
+- **on_before_optimizer_step** runs on every stage, each seeing its own parameters' gradients. The values it logs
+  on the stages are merged and logged on every stage: a name one stage logs is that stage's value, Lightning's
+  ``grad_norm`` total (``grad_{p}_norm_total``) is the p-norm of the stages' totals (the norm over all gradients),
+  and another name that several stages log is the last stage's value.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torchmetrics import Metric
+
+from lightning_varuna.pipeline.step_logging import LogRecorder, MetricAt, replay
+
+__all__ = ["EPOCH_END_HOOKS", "PipelinedModuleHooks", "merge_stage_logs", "metrics_synced_over"]
+
+EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end", "on_predict_epoch_end")
+_GRAD_NORM_TOTAL = re.compile(r"grad_(.+)_norm_total")  # the key of Lightning's `grad_norm` total
+
+Logged = list[tuple[str, float | MetricAt, dict[str, Any]]]  # a `LogRecorder.summary`
+
+
+class PipelinedModuleHooks:
+    """Makes the hooks that ``module`` overrides run as the module docstring says, until `restore`.
+
+    Args:
+        module: the LightningModule.
+        is_last_stage: whether this rank holds the last stage.
+        inside: a context for an epoch-end hook on the last stage (collectives over the last stages).
+        exchange: on the last stage, sends what it is given to the other stages and returns it; elsewhere,
+            returns what the last stage sent.
+        gather: what each stage of the replica gives, in stage order (every stage calls it).
+    """
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        is_last_stage: bool,
+        inside: Callable[[], AbstractContextManager[Any]],
+        exchange: Callable[[Any], Any],
+        gather: Callable[[Any], list[Any]],
+    ) -> None:
+        self.module, self.is_last_stage, self.inside = module, is_last_stage, inside
+        self.exchange, self.gather = exchange, gather
+        for name in EPOCH_END_HOOKS:
+            self._wrap(name, self._on_last_stage)
+        self._wrap("on_before_optimizer_step", self._on_every_stage)
+
+    def _wrap(self, name: str, run: Callable[..., None]) -> None:
+        if is_overridden(name, self.module):
+            setattr(self.module, name, _Wrapped(run, getattr(type(self.module), name).__get__(self.module)))
+
+    def _on_last_stage(self, hook: Callable[..., None], *args: Any) -> None:
+        logged = None
+        if self.is_last_stage:
+            recorder = LogRecorder(training=False)  # an epoch-end hook logs for the epoch by default
+            with recorder.capture(self.module), self.inside():
+                hook(*args)
+            logged = recorder.summary()
+        replay(self.module, self.exchange(logged), self.module.device)
+
+    def _on_every_stage(self, hook: Callable[..., None], *args: Any) -> None:
+        recorder = LogRecorder()
+        with recorder.capture(self.module):
+            hook(*args)
+        replay(self.module, merge_stage_logs(self.gather(recorder.summary())), self.module.device)
+
+    def restore(self) -> None:
+        """Give the module its own hooks back."""
+        for name in [name for name, value in vars(self.module).items() if isinstance(value, _Wrapped)]:
+            delattr(self.module, name)
+
+
+class _Wrapped:
+    """A module's own hook, run by ``run(hook, *args)``."""
+
+    def __init__(self, run: Callable[..., None], hook: Callable[..., None]) -> None:
+        self.run, self.hook = run, hook
+
+    def __call__(self, *args: Any) -> None:
+        self.run(self.hook, *args)
+
+
+def merge_stage_logs(stages: list[Logged]) -> Logged:
+    """The values the stages logged (in stage order) as one stage's: see the module docstring."""
+    merged: dict[str, tuple[float | MetricAt, dict[str, Any]]] = {}
+    for logged in stages:
+        for name, value, kwargs in logged:
+            total = _GRAD_NORM_TOTAL.fullmatch(name)
+            if name in merged and total is not None and isinstance(value, float):
+                before = merged[name][0]
+                assert isinstance(before, float)
+                value = _norm_of_norms(before, value, float(total.group(1)))
+            merged[name] = value, kwargs
+    return [(name, value, kwargs) for name, (value, kwargs) in merged.items()]
+
+
+def _norm_of_norms(a: float, b: float, p: float) -> float:
+    """The p-norm of two vectors put together, from their p-norms."""
+    return max(a, b) if math.isinf(p) else (a**p + b**p) ** (1 / p)
+
+
+@contextmanager
+def metrics_synced_over(module: pl.LightningModule, group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Inside, the torchmetrics metrics of ``module`` gather their state over ``group`` when computed."""
+    metrics = [m for m in module.modules() if isinstance(m, Metric)]
+    before = [m.process_group for m in metrics]
+    for metric in metrics:
+        metric.process_group = group
+    try:
+        yield
+    finally:
+        for metric, group_before in zip(metrics, before, strict=True):
+            metric.process_group = group_before
