@@ -220,6 +220,7 @@ def test_a_frozen_backbone_is_finetuned_pipelined_as_on_one_device(tmp_path, bac
 
 
 METRICS = """
+import copy
 import os
 import sys
 sys.path.insert(0, {tests!r})
@@ -266,6 +267,9 @@ class KeepsOutputs(L.LightningModule):
         self.log("train_f1", self.train_f1, on_step=True, on_epoch=True)
         self.train_losses.append(loss.detach())
         return loss
+
+    def on_train_start(self):
+        copy.deepcopy(self)  # as weight averaging of one's own copies the module, its wrapped hooks included
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.step_f1.append(float(self.trainer.callback_metrics["train_f1_step"]))

@@ -96,6 +96,11 @@ class _Wrapped:
     def __call__(self, *args: Any) -> None:
         self.run(self.hook, *args)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Wrapped:
+        # A copy of the module (a callback's averaged model) shares the wrapper rather than copy the strategy's
+        # process groups; Lightning runs the hooks of the trained module only.
+        return self
+
 
 def merge_stage_logs(stages: list[Logged]) -> Logged:
     """The values the stages logged (in stage order) as one stage's: see the module docstring."""
