@@ -40,9 +40,12 @@ class MicroBatchedStep:
     ``stage`` under the schedule ``actions`` (this stage's list).
 
     Args:
-        loss_weight: the factor each micro-batch's loss gets on top of its share of the batch's rows (training):
-            1 / (replicas x accumulated batches), so that the summed gradients are the mean.
+        loss_weight: the factor each micro-batch's loss gets on top of its share of the batch's items (training):
+            this replica's share of the items of all replicas / accumulated batches, so that the summed gradients
+            are the mean.
         scale_loss: the grad scaler's ``scale`` (fp16), or None.
+        loss_items: the number of items a (micro-)batch's loss is the mean of (None: its rows); a micro-batch's
+            loss and logged values are weighted by its share of the batch's items.
     """
 
     def __init__(
@@ -55,10 +58,12 @@ class MicroBatchedStep:
         *,
         loss_weight: float = 1.0,
         scale_loss: Callable[[Tensor], Tensor] | None = None,
+        loss_items: Callable[[Any], Any] | None = None,
     ) -> None:
         self.module, self.stage, self.step_name = module, stage, step_name
         self.rest, self.kwargs = rest, kwargs
         self.loss_weight, self.scale_loss = loss_weight, scale_loss
+        self.loss_items = loss_items or batch_size_of
         self.recorder = LogRecorder(training=step_name == "training_step")
         self._microbatches: list[Any] = []
         self._weights: list[float] = []
@@ -70,8 +75,13 @@ class MicroBatchedStep:
     ) -> Any:
         """Run the step on every micro-batch; return the merged step output on the last stage (None elsewhere)."""
         self._microbatches = split_microbatches(batch, micro_batch_size)
-        total = batch_size_of(batch)
-        self._weights = [batch_size_of(mb) / total for mb in self._microbatches]
+        items = [float(self.loss_items(mb)) for mb in self._microbatches]
+        if sum(items) <= 0:
+            raise ValueError(
+                f"`loss_items` counted {items} items in the micro-batches of a batch: a loss needs at least one item "
+                "in its batch (a batch whose labels are all ignored has no mean); leave such batches out."
+            )
+        self._weights = [count / sum(items) for count in items]
         self._forwards = [0] * len(self._microbatches)  # calls of `self(...)` per micro-batch: the pipeline runs one
         self._training = training
         runtime = self.stage.runtime
@@ -115,7 +125,7 @@ class MicroBatchedStep:
                 f"`training_step` returned {type(step_output).__name__}; with VarunaStrategy it must return the "
                 "loss tensor or a dict with a `loss` tensor on every batch."
             )
-        # Weighted by the micro-batch's share of all rows of the optimizer step (over replicas and accumulated
+        # Weighted by the micro-batch's share of all items of the optimizer step (over replicas and accumulated
         # batches): the summed gradients are the mean, scaled as one device scales them (same fp16 overflows).
         loss = loss * (self._weights[m] * self.loss_weight)
         return self.scale_loss(loss) if self.scale_loss is not None else loss

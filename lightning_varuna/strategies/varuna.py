@@ -113,6 +113,11 @@ class VarunaStrategy(ParallelStrategy):
         global_batch_size: rows per optimizer step over all replicas. The training DataLoader is re-batched to
             ``global_batch_size / data_parallel_size`` rows per replica, so a job that restarts at another world
             size trains the same model. Default: DataLoader batch x data_parallel_size.
+        loss_items: the number of items the loss of a batch is the mean of, as a function of the batch (default:
+            its rows). Micro-batches are weighted by it, in the gradients and in the values logged, so that a loss
+            that is a mean over tokens, some of them ignored, trains and logs the global batch's mean as one device
+            does: ``loss_items=lambda batch: (batch["labels"] != -100).sum()``. (With rows, each micro-batch's own
+            token mean would count by its rows.)
         checkpoint_tempdir: a fast local folder: a checkpoint save writes there and training continues while a
             background thread uploads it to its URL (Varuna's ``tempdir``). Default: write to the URL directly.
         storage_options: fsspec options (credentials, ``endpoint_url``...) for every checkpoint URL.
@@ -135,6 +140,7 @@ class VarunaStrategy(ParallelStrategy):
         profile_repeats: int = 3,
         profile: str | None = None,
         global_batch_size: int | None = None,
+        loss_items: Callable[[Any], int | Tensor] | None = None,
         checkpoint_tempdir: str | None = None,
         storage_options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -180,6 +186,12 @@ class VarunaStrategy(ParallelStrategy):
         self.profile_repeats = profile_repeats
         self.profile = profile
         self.global_batch_size = global_batch_size
+        if loss_items is not None and not callable(loss_items):
+            raise ValueError(
+                f"`VarunaStrategy(loss_items={loss_items!r})` must be a function of a batch that returns how many "
+                'items its loss is the mean of, e.g. `lambda batch: (batch["labels"] != -100).sum()`.'
+            )
+        self.loss_items = loss_items
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -584,8 +596,9 @@ class VarunaStrategy(ParallelStrategy):
             step_name,
             args[1:],
             kwargs,
-            loss_weight=1 / (topo.data_parallel_size * module.trainer.accumulate_grad_batches),
+            loss_weight=self._share_of_items(batch) / module.trainer.accumulate_grad_batches if backward else 1.0,
             scale_loss=scaler.scale if scaler is not None else None,
+            loss_items=self.loss_items,
         )
         with self._failures_reported():
             outputs = step.run(
@@ -594,6 +607,18 @@ class VarunaStrategy(ParallelStrategy):
             summary, outputs = self._exchange_results((step.recorder.summary(), outputs))
         replay(module, summary, self.root_device)
         return tree_map(lambda t: t.to(self.root_device) if isinstance(t, Tensor) else t, outputs)
+
+    def _share_of_items(self, batch: Any) -> float:
+        """This replica's share of the items (`loss_items`) of every replica's batch, on the last stage (where
+        losses are weighted): 1 / replicas for rows, which every replica has as many of."""
+        topo = self.topology
+        assert topo is not None
+        if self.loss_items is None or topo.data_parallel_size == 1 or not topo.is_last_stage:
+            return 1 / topo.data_parallel_size
+        items = torch.as_tensor(self.loss_items(batch), dtype=torch.float64, device=self.root_device)
+        every_replica = items.clone()
+        dist.all_reduce(every_replica, group=self._groups.replicas)
+        return float(items / every_replica)
 
     def _exchange_results(self, results: Any) -> Any:
         """Send ``results`` from the last stage to the replica's other stages (see `StepResults`)."""
