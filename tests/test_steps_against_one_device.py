@@ -15,13 +15,13 @@ from conftest import run_job
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
 
-def run_one_device_and_pipelined(tmp_path: Path, template: str) -> dict[int, dict[str, tuple[Any, Any]]]:
-    """Run ``template`` on one device (replicas 0) and on two stages with one and two replicas; what each rank
-    printed (``rank R <python literal> <python literal>``) by replicas and rank."""
+def run_one_device_and_pipelined(tmp_path: Path, template: str, **fields: str) -> dict[int, dict[str, tuple[Any, Any]]]:
+    """Run ``template`` (with ``fields``) on one device (replicas 0) and on two stages with one and two replicas;
+    what each rank printed (``rank R <python literal> <python literal>``) by replicas and rank."""
     runs = {}
     for replicas in (0, 1, 2):
         script = tmp_path / f"run_{replicas}.py"
-        script.write_text(template.format(tests=os.path.dirname(__file__), replicas=replicas))
+        script.write_text(template.format(tests=os.path.dirname(__file__), replicas=replicas, **fields))
         proc = run_job([str(script)], tmp_path, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[replicas] = {
@@ -39,7 +39,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 from models import DIM, SEQ, VOCAB, Block
 from lightning_varuna import CutPoint, VarunaStrategy
 
@@ -64,8 +64,7 @@ class TokenMean(L.LightningModule):
         return self.head(x)
 
     def training_step(self, batch, batch_idx):
-        ids, labels = batch
-        loss = F.cross_entropy(self(ids).flatten(0, 1), labels.flatten())
+        loss = F.cross_entropy(self(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten())
         self.log("train_loss", loss)
         return loss
 
@@ -80,7 +79,8 @@ torch.manual_seed(0)
 model = TokenMean()
 ids = torch.randint(0, VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(1))
 labelled = torch.arange(SEQ) < (1 + torch.arange(32) % SEQ).unsqueeze(1)  # 1 to SEQ tokens per row have labels
-data = TensorDataset(ids, torch.where(labelled, (ids * 3 + 1) % VOCAB, -100))
+labels = torch.where(labelled, (ids * 3 + 1) % VOCAB, -100)
+data = [{{"input_ids": ids[i], "labels": labels[i]}} for i in range(32)]
 replicas = {replicas}
 pipelined = replicas > 0
 sampler = None if pipelined else DistributedSampler(data, 1, 0, seed=0)
@@ -88,7 +88,7 @@ loader = DataLoader(data, batch_size=8 // max(replicas, 1), sampler=sampler)
 strategy = "auto"
 if pipelined:
     strategy = VarunaStrategy(pipeline_parallel_size=2, data_parallel_size=replicas, micro_batch_size=2,
-                              loss_items=lambda batch: (batch[1] != -100).sum())
+                              loss_items={loss_items})
 trainer = L.Trainer(accelerator="cpu", devices=2 * replicas if pipelined else 1, strategy=strategy, max_epochs=2,
                     logger=False, enable_checkpointing=False, enable_progress_bar=False)
 trainer.fit(model, loader)
@@ -97,12 +97,15 @@ os.write(1, f"rank {{trainer.global_rank}} {{model.losses}} {{weights}}\\n".enco
 """
 
 
+COUNT_LABELLED = 'lambda batch: (batch["labels"] != -100).sum()'
+
+
 def test_a_mean_over_labelled_tokens_trains_pipelined_as_on_one_device(tmp_path):
     """A loss that is the mean over the tokens that have a label, micro-batches holding different numbers of them:
     with `loss_items` counting them, each micro-batch counts by its tokens (not its rows), and two stages train
     one device's model on the whole batch's mean, with one replica (and log its losses) and with two (each replica
     logs its own half batch's mean, as under DDP)."""
-    runs = run_one_device_and_pipelined(tmp_path, TOKEN_MEAN)
+    runs = run_one_device_and_pipelined(tmp_path, TOKEN_MEAN, loss_items=COUNT_LABELLED)
     expected_losses, expected_weights = runs[0]["0"]
     assert runs[1]["1"][0] == pytest.approx(expected_losses, rel=1e-5)
     for replicas, ranks in (1, ["0", "1"]), (2, ["0", "1", "2", "3"]):
@@ -234,3 +237,12 @@ def test_torchmetrics_epoch_ends_and_gradient_norms_log_what_one_device_logs(tmp
                     assert value == pytest.approx(expected_value, rel=1e-5), name
             if replicas == 1:
                 assert steps == pytest.approx(expected_steps, rel=1e-5)
+
+
+def test_labels_without_a_label_and_no_loss_items_are_warned_of(tmp_path):
+    """Hugging Face's -100 in a batch's labels, micro-batches counted by rows: the log says to pass `loss_items`."""
+    script = tmp_path / "rows.py"
+    script.write_text(TOKEN_MEAN.format(tests=os.path.dirname(__file__), replicas=1, loss_items=None))
+    proc = run_job([str(script)], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert 'pass `VarunaStrategy(loss_items=lambda batch: (batch["labels"] != -100).sum())`' in proc.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ __all__ = [
     "batch_size_of",
     "default_micro_batch_size",
     "first_rows",
+    "has_ignored_labels",
     "merge_microbatches",
     "microbatch_sizes",
     "split_microbatches",
@@ -31,6 +33,13 @@ def batch_size_of(batch: Any) -> int:
         if isinstance(leaf, Tensor) and leaf.dim() > 0:
             return leaf.shape[0]
     raise TypeError("The batch holds no tensor with a batch dimension; cannot split it into micro-batches.")
+
+
+def has_ignored_labels(batch: Any) -> bool:
+    """Whether ``batch`` is a mapping whose ``"labels"`` tensor holds -100, Hugging Face's (and cross-entropy's) mark
+    of a token without a label: a loss that is a mean over the labelled tokens then differs from a mean over rows."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    return isinstance(labels, Tensor) and bool((labels == -100).any())
 
 
 def microbatch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:

@@ -53,6 +53,7 @@ from lightning_varuna.pipeline.gradients import (
 from lightning_varuna.pipeline.microbatch import (
     batch_size_of,
     default_micro_batch_size,
+    has_ignored_labels,
     microbatch_sizes,
     split_microbatches,
 )
@@ -550,8 +551,14 @@ class VarunaStrategy(ParallelStrategy):
         self._check_micro_batch_size(rows)
         self._check_global_batch(rows)
         assert self.topology is not None
-        if self._check_iterable_batches:  # the first batch of a fit from a user's IterableDataset (`one_batch`)
+        if self._check_iterable_batches:  # the first batch of a fit (`one_batch`, and ignored labels)
             self._check_iterable_batches = False
+            if self.loss_items is None and rows > self.micro_batch_size and has_ignored_labels(args[0]):
+                rank_zero_warn(
+                    'The batch\'s "labels" hold -100 (tokens without a label): if the loss is a mean over the '
+                    "labelled tokens, micro-batches counted by rows do not train on the batch's mean; pass "
+                    '`VarunaStrategy(loss_items=lambda batch: (batch["labels"] != -100).sum())`.'
+                )
             loader = self._module.trainer.train_dataloader
             if (
                 isinstance(getattr(loader, "dataset", None), IterableDataset)
