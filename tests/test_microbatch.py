@@ -15,7 +15,7 @@ from lightning_varuna.pipeline.microbatch import (
     microbatch_sizes,
     split_microbatches,
 )
-from lightning_varuna.pipeline.module_hooks import merge_stage_logs
+from lightning_varuna.pipeline.module_hooks import differing_names, merge_stage_logs
 from lightning_varuna.pipeline.step_logging import LogRecorder
 
 
@@ -167,3 +167,4 @@ def test_values_the_stages_log_merge_into_one_device_values():
     assert merged == pytest.approx(
         {"grad_2.0_norm_total": 5.0, "grad_inf_norm_total": 5.0, "lr": 0.2, "a": 1.0, "b": 7.0}
     )
+    assert differing_names([first, last]) == {"lr"}  # a warning names it

@@ -163,6 +163,7 @@ class KeepsOutputs(L.LightningModule):
         loss = F.cross_entropy(logits, batch[1].flatten())
         self.train_f1(logits, batch[1].flatten())
         self.log("train_f1", self.train_f1, on_step=True, on_epoch=True)
+        self.log("rows", float(len(batch[0])), reduce_fx="sum", sync_dist=True)  # the global batch's
         self.train_losses.append(loss.detach())
         return loss
 
@@ -188,8 +189,10 @@ class KeepsOutputs(L.LightningModule):
         self.log("val_loss", torch.stack(self.val_losses).mean(), sync_dist=True)
         self.log("val_loss_gathered", self.all_gather(torch.stack(self.val_losses)).mean())
         self.log("val_accuracy", self.accuracy.compute())
+        self.log("val_accuracy_whole", self.accuracy)  # computed again at the epoch's end
         self.log("val_f1", self.f1)
-        self.accuracy.reset()
+        self.log("val_epoch", float(self.trainer.strategy.broadcast(self.current_epoch)))
+        self.log("val_global_zero", float(self.trainer.is_global_zero), reduce_fx="sum", sync_dist=True)
         self.val_losses.clear()
 
     def on_before_optimizer_step(self, optimizer):
@@ -218,15 +221,17 @@ os.write(1, f"rank {{trainer.global_rank}} {{metrics}} {{model.step_f1}}\\n".enc
 def test_torchmetrics_epoch_ends_and_gradient_norms_log_what_one_device_logs(tmp_path):
     """torchmetrics objects logged per step (F1: the batch's, not a mean of its micro-batches') and for the epoch
     (AUROC, whose states are float scores and integer targets), step outputs kept in a list for the epoch-end hooks,
-    a metric computed by hand there, `self.all_gather` and `sync_dist`, and Lightning's `grad_norm` in
-    `on_before_optimizer_step`: two stages, with one replica and with two, log one device's values on every rank
-    (the steps' state is on the last stages: the epoch-end hooks run there and send what they log; each stage logs
-    its own gradients' norms, merged). Per step, two replicas log each its own half batch's F1, as under DDP."""
+    a metric computed by hand there (and logged whole), `self.all_gather`, `sync_dist` means and sums, a broadcast
+    and `is_global_zero` there, and Lightning's `grad_norm` in `on_before_optimizer_step`: two stages, with one
+    replica and with two, log one device's values on every rank (the steps' state is on the last stages: the
+    epoch-end hooks run there and send what they log; each stage logs its own gradients' norms, merged). Per step,
+    two replicas log each its own half batch's F1, as under DDP."""
     runs = run_one_device_and_pipelined(tmp_path, METRICS)
     (expected, expected_steps) = runs[0]["0"]
     assert {
         *("train_epoch_loss", "train_f1_epoch", "train_f1_step", "val_accuracy", "val_auroc", "val_f1", "val_loss"),
         *("val_loss_gathered", "grad_2.0_norm_total", "grad_2.0_norm/embedding.weight", "head_grad_max"),
+        *("rows", "val_accuracy_whole", "val_epoch", "val_global_zero"),
     } <= {name for name, _ in expected}
     for replicas, ranks in (1, ["0", "1"]), (2, ["0", "1", "2", "3"]):
         assert sorted(runs[replicas]) == ranks

@@ -10,7 +10,9 @@
 - **on_before_optimizer_step** runs on every stage, each seeing its own parameters' gradients. The values it logs
   on the stages are merged and logged on every stage: a name one stage logs is that stage's value, Lightning's
   ``grad_norm`` total (``grad_{p}_norm_total``) is the p-norm of the stages' totals (the norm over all gradients),
-  and another name that several stages log is the last stage's value.
+  and another name that several stages log is the last stage's value (a warning names it where the stages'
+  values differ). A ``sync_dist`` value is reduced over the replicas of the stage (`replay`), and inside an
+  epoch-end hook the last stage of replica 0 is the global zero (``self.print``, ``trainer.is_global_zero``).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_varuna.pipeline.step_logging import LogRecorder, MetricAt, replay
 
-__all__ = ["EPOCH_END_HOOKS", "PipelinedModuleHooks", "merge_stage_logs", "metrics_synced_over"]
+__all__ = ["EPOCH_END_HOOKS", "PipelinedModuleHooks", "differing_names", "merge_stage_logs", "metrics_synced_over"]
 
 EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end", "on_predict_epoch_end")
 _GRAD_NORM_TOTAL = re.compile(r"grad_(.+)_norm_total")  # the key of Lightning's `grad_norm` total
@@ -46,6 +49,7 @@ class PipelinedModuleHooks:
         exchange: on the last stage, sends what it is given to the other stages and returns it; elsewhere,
             returns what the last stage sent.
         gather: what each stage of the replica gives, in stage order (every stage calls it).
+        sync_group: the group of this stage's replicas, over which a ``sync_dist`` value is reduced (`replay`).
     """
 
     def __init__(
@@ -55,9 +59,11 @@ class PipelinedModuleHooks:
         inside: Callable[[], AbstractContextManager[Any]],
         exchange: Callable[[Any], Any],
         gather: Callable[[Any], list[Any]],
+        sync_group: Any | None,
     ) -> None:
         self.module, self.is_last_stage, self.inside = module, is_last_stage, inside
-        self.exchange, self.gather = exchange, gather
+        self.exchange, self.gather, self.sync_group = exchange, gather, sync_group
+        self._warned: set[str] = set()  # names `on_before_optimizer_step` logs differently on the stages
         for name in EPOCH_END_HOOKS:
             self._wrap(name, self._on_last_stage)
         self._wrap("on_before_optimizer_step", self._on_every_stage)
@@ -73,13 +79,27 @@ class PipelinedModuleHooks:
             with recorder.capture(self.module), self.inside():
                 hook(*args)
             logged = recorder.summary()
-        replay(self.module, self.exchange(logged), self.module.device)
+            for metric in self.module.modules():
+                if isinstance(metric, Metric):
+                    # A value the hook computed over the last stages only; computed again (over every rank, as
+                    # on the other stages) if Lightning computes the metric at the epoch's end.
+                    metric._computed = None
+        replay(self.module, self.exchange(logged), self.module.device, self.sync_group)
 
     def _on_every_stage(self, hook: Callable[..., None], *args: Any) -> None:
         recorder = LogRecorder()
         with recorder.capture(self.module):
             hook(*args)
-        replay(self.module, merge_stage_logs(self.gather(recorder.summary())), self.module.device)
+        stages = self.gather(recorder.summary())
+        differing = differing_names(stages) - self._warned
+        if differing:
+            self._warned |= differing
+            rank_zero_warn(
+                f"`on_before_optimizer_step` logged {sorted(differing)} with a different value on each pipeline "
+                "stage (each sees its own parameters' gradients); the last stage's is logged. For gradient norms "
+                "over the whole model log Lightning's `grad_norm(self, norm_type)` dict, whose total is merged."
+            )
+        replay(self.module, merge_stage_logs(stages), self.module.device, self.sync_group)
 
     def restore(self) -> None:
         """Give the module its own hooks back."""
@@ -114,6 +134,16 @@ def merge_stage_logs(stages: list[Logged]) -> Logged:
                 value = _norm_of_norms(before, value, float(total.group(1)))
             merged[name] = value, kwargs
     return [(name, value, kwargs) for name, (value, kwargs) in merged.items()]
+
+
+def differing_names(stages: list[Logged]) -> set[str]:
+    """Names that several stages logged with different numbers (other than Lightning's `grad_norm` totals)."""
+    values: dict[str, set[float]] = {}
+    for logged in stages:
+        for name, value, _ in logged:
+            if isinstance(value, float) and not _GRAD_NORM_TOTAL.fullmatch(name):
+                values.setdefault(name, set()).add(value)
+    return {name for name, seen in values.items() if len(seen) > 1}
 
 
 def _norm_of_norms(a: float, b: float, p: float) -> float:

@@ -131,10 +131,17 @@ class LogRecorder:
 
 
 def replay(
-    module: pl.LightningModule, summary: list[tuple[str, float | MetricAt, dict[str, Any]]], device: torch.device
+    module: pl.LightningModule,
+    summary: list[tuple[str, float | MetricAt, dict[str, Any]]],
+    device: torch.device,
+    sync_group: Any | None = None,
 ) -> None:
-    """Log the batch values and metrics of ``summary`` through the real ``LightningModule.log``."""
+    """Log the batch values and metrics of ``summary`` through the real ``LightningModule.log``; a ``sync_dist``
+    value that names no group is reduced over ``sync_group``: the replicas of this rank's stage, since every stage
+    logs its replica's value (over all ranks, a sum would count each replica once per stage)."""
     for name, value, kwargs in summary:
+        if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None and sync_group is not None:
+            kwargs = {**kwargs, "sync_dist_group": sync_group}
         if isinstance(value, MetricAt):
             metric = module.get_submodule(value.path)
             assert isinstance(metric, Metric)

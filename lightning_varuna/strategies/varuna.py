@@ -344,7 +344,12 @@ class VarunaStrategy(ParallelStrategy):
         if not distributed_is_initialized():
             return obj
         objects = [obj]
-        dist.broadcast_object_list(objects, src, group=_group.WORLD)
+        if self._collective_group is None:
+            dist.broadcast_object_list(objects, src, group=_group.WORLD)
+        else:  # inside an epoch-end hook, from the last stage of ``src``'s replica
+            assert self.topology is not None
+            last_stage = self.topology.replica_ranks()[src // self.topology.pipeline_parallel_size]
+            dist.broadcast_object_list(objects, last_stage, group=self._collective_group)
         return objects[0]
 
     @override
@@ -352,6 +357,15 @@ class VarunaStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return sync_ddp_if_available(tensor, self._user_group(group), reduce_op=reduce_op)
         return tensor
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        """Rank 0; inside an epoch-end hook, which runs on the last stages alone, the last stage of replica 0 (so that
+        the hook's ``self.print`` and ``if self.trainer.is_global_zero:`` run once, as on one device)."""
+        if self._collective_group is not None and self.topology is not None:
+            return self.global_rank == self.topology.replica_ranks()[0]
+        return super().is_global_zero
 
     def _user_group(self, group: Any | None) -> Any | None:
         """The group of a collective that user code calls over all ranks (``group`` None or WORLD, as
@@ -430,6 +444,7 @@ class VarunaStrategy(ParallelStrategy):
                 self._collectives_over_last_stages,
                 self._exchange_results,
                 self._gather_from_stages,
+                self._groups.replicas,
             )
         # Finetuning callbacks add parameter groups as training goes, as `configure_optimizers` makes them.
         run_hook_inside(trainer, BaseFinetuning, "on_train_epoch_start", lambda _: self._whole_model_for_optimizers())
@@ -612,7 +627,7 @@ class VarunaStrategy(ParallelStrategy):
                 batch, self.micro_batch_size, actions[topo.pp_rank], training=backward, on_wait=self._stop_if_job_ended
             )
             summary, outputs = self._exchange_results((step.recorder.summary(), outputs))
-        replay(module, summary, self.root_device)
+        replay(module, summary, self.root_device, self._groups.replicas)
         return tree_map(lambda t: t.to(self.root_device) if isinstance(t, Tensor) else t, outputs)
 
     def _share_of_items(self, batch: Any) -> float:
