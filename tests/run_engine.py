@@ -167,7 +167,7 @@ def two_stages_two_replicas(out: Path) -> None:
     loss = step.run((idx, y), MICRO_BATCH, actions, training=True, on_wait=lambda: None)
     result["step"] = {
         "loss": loss,
-        "logged": {name: value for name, value, _ in step.recorder.summary()},
+        "logged": {name: getattr(value, "step_value", value) for name, value, _ in step.recorder.summary()},
         "grads": grads_of(model),
     }
     reduce(stage, groups, replicas)

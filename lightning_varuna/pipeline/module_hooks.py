@@ -49,7 +49,6 @@ class PipelinedModuleHooks:
         exchange: on the last stage, sends what it is given to the other stages and returns it; elsewhere,
             returns what the last stage sent.
         gather: what each stage of the replica gives, in stage order (every stage calls it).
-        sync_group: the group of this stage's replicas, over which a ``sync_dist`` value is reduced (`replay`).
     """
 
     def __init__(
@@ -59,10 +58,9 @@ class PipelinedModuleHooks:
         inside: Callable[[], AbstractContextManager[Any]],
         exchange: Callable[[Any], Any],
         gather: Callable[[Any], list[Any]],
-        sync_group: Any | None,
     ) -> None:
         self.module, self.is_last_stage, self.inside = module, is_last_stage, inside
-        self.exchange, self.gather, self.sync_group = exchange, gather, sync_group
+        self.exchange, self.gather = exchange, gather
         self._warned: set[str] = set()  # names `on_before_optimizer_step` logs differently on the stages
         for name in EPOCH_END_HOOKS:
             self._wrap(name, self._on_last_stage)
@@ -84,7 +82,7 @@ class PipelinedModuleHooks:
                     # A value the hook computed over the last stages only; computed again (over every rank, as
                     # on the other stages) if Lightning computes the metric at the epoch's end.
                     metric._computed = None
-        replay(self.module, self.exchange(logged), self.module.device, self.sync_group)
+        replay(self.module, self.exchange(logged), self.module.device)
 
     def _on_every_stage(self, hook: Callable[..., None], *args: Any) -> None:
         recorder = LogRecorder()
@@ -99,7 +97,7 @@ class PipelinedModuleHooks:
                 "stage (each sees its own parameters' gradients); the last stage's is logged. For gradient norms "
                 "over the whole model log Lightning's `grad_norm(self, norm_type)` dict, whose total is merged."
             )
-        replay(self.module, merge_stage_logs(stages), self.module.device, self.sync_group)
+        replay(self.module, merge_stage_logs(stages), self.module.device)
 
     def restore(self) -> None:
         """Give the module its own hooks back."""

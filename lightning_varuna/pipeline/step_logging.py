@@ -29,7 +29,12 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_sum
 
-__all__ = ["LogRecorder", "MetricAt", "replay"]
+__all__ = ["STAGE_REPLICAS", "LogRecorder", "MetricAt", "replay"]
+
+# The ``sync_dist_group`` of a replayed value: the strategy reduces it over the replicas of the rank's stage. A name
+# rather than the process group, which is made again at every set-up: Lightning requires a value logged again (in
+# the next fit of the same Trainer) to name the same group.
+STAGE_REPLICAS = "the replicas of this rank's pipeline stage"
 
 
 @dataclass
@@ -131,17 +136,14 @@ class LogRecorder:
 
 
 def replay(
-    module: pl.LightningModule,
-    summary: list[tuple[str, float | MetricAt, dict[str, Any]]],
-    device: torch.device,
-    sync_group: Any | None = None,
+    module: pl.LightningModule, summary: list[tuple[str, float | MetricAt, dict[str, Any]]], device: torch.device
 ) -> None:
     """Log the batch values and metrics of ``summary`` through the real ``LightningModule.log``; a ``sync_dist``
-    value that names no group is reduced over ``sync_group``: the replicas of this rank's stage, since every stage
-    logs its replica's value (over all ranks, a sum would count each replica once per stage)."""
+    value that names no group is reduced over `STAGE_REPLICAS` (every stage logs its replica's value: over all
+    ranks, a sum would count each replica once per stage)."""
     for name, value, kwargs in summary:
-        if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None and sync_group is not None:
-            kwargs = {**kwargs, "sync_dist_group": sync_group}
+        if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
+            kwargs = {**kwargs, "sync_dist_group": STAGE_REPLICAS}
         if isinstance(value, MetricAt):
             metric = module.get_submodule(value.path)
             assert isinstance(metric, Metric)

@@ -61,7 +61,7 @@ from lightning_varuna.pipeline.module_hooks import PipelinedModuleHooks, metrics
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step import MicroBatchedStep, capture_forward_inputs
-from lightning_varuna.pipeline.step_logging import replay
+from lightning_varuna.pipeline.step_logging import STAGE_REPLICAS, replay
 from lightning_varuna.pipeline.step_results import StepResults
 from lightning_varuna.pipeline.topology import PipelineGroups, Topology
 from lightning_varuna.profiling.autoconfig import choose_configs, format_ranking
@@ -369,7 +369,10 @@ class VarunaStrategy(ParallelStrategy):
 
     def _user_group(self, group: Any | None) -> Any | None:
         """The group of a collective that user code calls over all ranks (``group`` None or WORLD, as
-        ``LightningModule.all_gather`` passes it): all ranks', or the last stages' inside an epoch-end hook."""
+        ``LightningModule.all_gather`` passes it): all ranks', or the last stages' inside an epoch-end hook; for
+        `STAGE_REPLICAS` (a replayed ``sync_dist`` value), the replicas of this rank's stage."""
+        if group == STAGE_REPLICAS:
+            return self._groups.replicas
         if self._collective_group is not None and group in (None, dist.group.WORLD):
             return self._collective_group
         return group
@@ -444,7 +447,6 @@ class VarunaStrategy(ParallelStrategy):
                 self._collectives_over_last_stages,
                 self._exchange_results,
                 self._gather_from_stages,
-                self._groups.replicas,
             )
         # Finetuning callbacks add parameter groups as training goes, as `configure_optimizers` makes them.
         run_hook_inside(trainer, BaseFinetuning, "on_train_epoch_start", lambda _: self._whole_model_for_optimizers())
@@ -627,7 +629,7 @@ class VarunaStrategy(ParallelStrategy):
                 batch, self.micro_batch_size, actions[topo.pp_rank], training=backward, on_wait=self._stop_if_job_ended
             )
             summary, outputs = self._exchange_results((step.recorder.summary(), outputs))
-        replay(module, summary, self.root_device, self._groups.replicas)
+        replay(module, summary, self.root_device)
         return tree_map(lambda t: t.to(self.root_device) if isinstance(t, Tensor) else t, outputs)
 
     def _share_of_items(self, batch: Any) -> float:
