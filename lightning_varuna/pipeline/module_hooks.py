@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
+from lightning_varuna.hook_wrapping import restore_hooks, wrap_hook
 from lightning_varuna.pipeline.step_logging import LogRecorder, MetricAt, replay
 
 __all__ = ["EPOCH_END_HOOKS", "PipelinedModuleHooks", "differing_names", "merge_stage_logs", "metrics_synced_over"]
@@ -68,7 +69,7 @@ class PipelinedModuleHooks:
 
     def _wrap(self, name: str, run: Callable[..., None]) -> None:
         if is_overridden(name, self.module):
-            setattr(self.module, name, _Wrapped(run, getattr(type(self.module), name).__get__(self.module)))
+            wrap_hook(self.module, name, run)
 
     def _on_last_stage(self, hook: Callable[..., None], *args: Any) -> None:
         logged = None
@@ -101,23 +102,7 @@ class PipelinedModuleHooks:
 
     def restore(self) -> None:
         """Give the module its own hooks back."""
-        for name in [name for name, value in vars(self.module).items() if isinstance(value, _Wrapped)]:
-            delattr(self.module, name)
-
-
-class _Wrapped:
-    """A module's own hook, run by ``run(hook, *args)``."""
-
-    def __init__(self, run: Callable[..., None], hook: Callable[..., None]) -> None:
-        self.run, self.hook = run, hook
-
-    def __call__(self, *args: Any) -> None:
-        self.run(self.hook, *args)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Wrapped:
-        # A copy of the module (a callback's averaged model) shares the wrapper rather than copy the strategy's
-        # process groups; Lightning runs the hooks of the trained module only.
-        return self
+        restore_hooks(self.module)
 
 
 def merge_stage_logs(stages: list[Logged]) -> Logged:

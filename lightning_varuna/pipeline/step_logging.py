@@ -70,7 +70,7 @@ class LogRecorder:
 
     training: bool = True
     entries: dict[str, _Entry] = field(default_factory=dict)
-    metrics: dict[str, Metric] = field(default_factory=dict)
+    metrics: dict[str, str] = field(default_factory=dict)  # the name logged -> the metric's path in the module
     weight: float = 1.0
     _module: pl.LightningModule | None = None
     _states_before: dict[int, dict[str, Tensor | int]] = field(default_factory=dict)  # id(metric) -> its states
@@ -92,8 +92,9 @@ class LogRecorder:
 
     def record(self, name: str, value: Any, kwargs: dict[str, Any]) -> None:
         if isinstance(value, Metric):
-            if self._path_of(value) is not None:
-                self.metrics[name] = value
+            path = self.metrics.get(name) or self._path_of(value)  # once a step: a walk over every module
+            if path is not None:
+                self.metrics[name] = path
                 if not self._per_step(kwargs):
                     self.entries.setdefault(name, _Entry(kwargs))
                     return
@@ -119,9 +120,10 @@ class LogRecorder:
         ]
 
     def _metric_at(self, name: str, entry: _Entry) -> MetricAt:
-        metric = self.metrics[name]
-        path = self._path_of(metric)
-        assert path is not None
+        assert self._module is not None
+        path = self.metrics[name]
+        metric = self._module.get_submodule(path)
+        assert isinstance(metric, Metric)
         lists = {
             state: (value[0].dtype, tuple(value[0].shape[1:]))
             for state, value in metric.metric_state.items()

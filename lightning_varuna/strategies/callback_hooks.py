@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
+
+from lightning_varuna.hook_wrapping import restore_hooks, wrap_hook
 
 __all__ = ["callbacks_of", "restore_callback_hooks", "run_hook_inside"]
 
@@ -29,24 +32,22 @@ def run_hook_inside(
     """Make the ``hook`` of each callback of these ``kinds`` run inside ``context(pl_module)`` until
     `restore_callback_hooks`."""
     for callback in callbacks_of(trainer, kinds):
-        setattr(callback, hook, _Inside(getattr(type(callback), hook).__get__(callback), context))
+        wrap_hook(callback, hook, partial(_inside, context))
 
 
 def restore_callback_hooks(trainer: pl.Trainer) -> None:
     """Give every callback its own hooks back (after `run_hook_inside`)."""
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        for name in [name for name, value in vars(callback).items() if isinstance(value, _Inside)]:
-            delattr(callback, name)
+        restore_hooks(callback)
 
 
-class _Inside:
-    """A callback's own hook, run inside a context."""
-
-    def __init__(
-        self, hook: Callable[..., Any], context: Callable[[pl.LightningModule], AbstractContextManager[None]]
-    ) -> None:
-        self.hook, self.context = hook, context
-
-    def __call__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any) -> Any:
-        with self.context(pl_module):
-            return self.hook(trainer, pl_module, *args, **kwargs)
+def _inside(
+    context: Callable[[pl.LightningModule], AbstractContextManager[None]],
+    hook: Callable[..., Any],
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    with context(pl_module):
+        return hook(trainer, pl_module, *args, **kwargs)
