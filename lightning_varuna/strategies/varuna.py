@@ -117,8 +117,9 @@ class VarunaStrategy(ParallelStrategy):
         loss_items: the number of items the loss of a batch is the mean of, as a function of the batch (default:
             its rows). Micro-batches are weighted by it, in the gradients and in the values logged, so that a loss
             that is a mean over tokens, some of them ignored, trains and logs the global batch's mean as one device
-            does: ``loss_items=lambda batch: (batch["labels"] != -100).sum()``. (With rows, each micro-batch's own
-            token mean would count by its rows.)
+            does: ``loss_items=lambda batch: (batch["labels"] != -100).sum()``, and for a causal LM, whose loss is
+            over each next token, ``batch["labels"][:, 1:]``. (With rows, each micro-batch's own token mean would
+            count by its rows.)
         checkpoint_tempdir: a fast local folder: a checkpoint save writes there and training continues while a
             background thread uploads it to its URL (Varuna's ``tempdir``). Default: write to the URL directly.
         storage_options: fsspec options (credentials, ``endpoint_url``...) for every checkpoint URL.
@@ -574,7 +575,8 @@ class VarunaStrategy(ParallelStrategy):
                 rank_zero_warn(
                     'The batch\'s "labels" hold -100 (tokens without a label): if the loss is a mean over the '
                     "labelled tokens, micro-batches counted by rows do not train on the batch's mean; pass "
-                    '`VarunaStrategy(loss_items=lambda batch: (batch["labels"] != -100).sum())`.'
+                    '`VarunaStrategy(loss_items=lambda batch: (batch["labels"] != -100).sum())` (for a causal LM, '
+                    'which predicts each next token: `batch["labels"][:, 1:]`).'
                 )
             loader = self._module.trainer.train_dataloader
             if (
