@@ -168,3 +168,14 @@ def test_values_the_stages_log_merge_into_one_device_values():
         {"grad_2.0_norm_total": 5.0, "grad_inf_norm_total": 5.0, "lr": 0.2, "a": 1.0, "b": 7.0}
     )
     assert differing_names([first, last]) == {"lr"}  # a warning names it
+
+
+def test_a_weight_tied_across_stages_counts_once_in_the_gradient_norm_total():
+    """Each stage holding a tied weight logs its norm (of the gradient summed over the stages), and its total
+    includes it: the merged total counts it once, as one device's `grad_norm` over the module's parameters."""
+    first = [("grad_2.0_norm/tok.weight", 3.0, {}), ("grad_2.0_norm/a", 4.0, {}), ("grad_2.0_norm_total", 5.0, {})]
+    last = [("grad_2.0_norm/tok.weight", 3.0, {}), ("grad_2.0_norm/b", 12.0, {})]
+    last.append(("grad_2.0_norm_total", (3.0**2 + 12.0**2) ** 0.5, {}))
+    merged = {name: value for name, value, _ in merge_stage_logs([first, last])}
+    assert merged["grad_2.0_norm_total"] == pytest.approx(13.0)  # sqrt(3² + 4² + 12²)
+    assert merged["grad_2.0_norm/tok.weight"] == 3.0

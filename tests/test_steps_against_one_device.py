@@ -143,6 +143,7 @@ class KeepsOutputs(L.LightningModule):
         self.blocks = nn.ModuleList(Block(DIM) for _ in range(4))
         self.cut = CutPoint()
         self.head = nn.Linear(DIM, VOCAB)
+        self.head.weight = self.embedding.weight  # tied across the stages: its norm counts once in the total
         self.train_f1 = torchmetrics.classification.MulticlassF1Score(VOCAB, average="macro")
         self.accuracy = torchmetrics.classification.MulticlassAccuracy(VOCAB)
         self.f1 = torchmetrics.classification.MulticlassF1Score(VOCAB, average="macro")

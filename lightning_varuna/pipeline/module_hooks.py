@@ -9,10 +9,11 @@
   gathered over the last stages of the replicas (``inside``), which hold all of it.
 - **on_before_optimizer_step** runs on every stage, each seeing its own parameters' gradients. The values it logs
   on the stages are merged and logged on every stage: a name one stage logs is that stage's value, Lightning's
-  ``grad_norm`` total (``grad_{p}_norm_total``) is the p-norm of the stages' totals (the norm over all gradients),
-  and another name that several stages log is the last stage's value (a warning names it where the stages'
-  values differ). A ``sync_dist`` value is reduced over the replicas of the stage (`replay`), and inside an
-  epoch-end hook the last stage of replica 0 is the global zero (``self.print``, ``trainer.is_global_zero``).
+  ``grad_norm`` total (``grad_{p}_norm_total``) is the p-norm of the stages' totals (the norm over all gradients,
+  a weight tied across stages counted once), and another name that several stages log is the last stage's value
+  (a warning names it where the stages' values differ). A ``sync_dist`` value is reduced over the replicas of the
+  stage (`replay`), and inside an epoch-end hook the last stage of replica 0 is the global zero (``self.print``,
+  ``trainer.is_global_zero``).
 """
 
 from __future__ import annotations
@@ -116,7 +117,33 @@ def merge_stage_logs(stages: list[Logged]) -> Logged:
                 assert isinstance(before, float)
                 value = _norm_of_norms(before, value, float(total.group(1)))
             merged[name] = value, kwargs
+    for name, (value, kwargs) in merged.items():
+        total = _GRAD_NORM_TOTAL.fullmatch(name)
+        if total is not None and isinstance(value, float):
+            merged[name] = _counting_shared_once(value, float(total.group(1)), _repeats(stages, name)), kwargs
     return [(name, value, kwargs) for name, (value, kwargs) in merged.items()]
+
+
+def _repeats(stages: list[Logged], total_name: str) -> list[float]:
+    """The norms of a `grad_norm` total's parameters that several stages logged (a weight tied across stages, whose
+    summed gradient each holder has), once for each holder after the first."""
+    prefix = total_name.removesuffix("_total")
+    seen: set[str] = set()
+    repeats = []
+    for logged in stages:
+        for name, value, _ in logged:
+            if name.startswith(prefix) and name != total_name and isinstance(value, float):
+                if name in seen:
+                    repeats.append(value)
+                seen.add(name)
+    return repeats
+
+
+def _counting_shared_once(total: float, p: float, repeats: list[float]) -> float:
+    """A p-norm of norms less the norms counted more than once."""
+    if math.isinf(p) or not repeats:
+        return total
+    return max(total**p - sum(norm**p for norm in repeats), 0.0) ** (1 / p)
 
 
 def differing_names(stages: list[Logged]) -> set[str]:
