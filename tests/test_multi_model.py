@@ -744,6 +744,8 @@ def test_bad_input_fails_early():
         sweep.add(MLP(8, 2), name="a")
     with pytest.raises(ValueError, match="This `MLP` instance is in the sweep already"):
         sweep.add(model, name="b")
+    with pytest.raises(TypeError, match=r"second argument is the datamodule, and got a DataLoader.*train_dataloaders="):
+        sweep.add(MLP(8, 2), DataLoader(TensorDataset(torch.zeros(4, 8)), batch_size=2))  # as `Trainer.fit` takes it
     with pytest.raises(ValueError, match="No model to fit"):
         MultiModelTrainer().fit()
 

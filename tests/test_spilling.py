@@ -165,6 +165,41 @@ def test_a_dict_batch_of_which_the_first_shard_reads_one_entry_trains_like_one_d
     assert_same_model(model, reference)
 
 
+class BatchesRead(L.Callback):
+    def __init__(self) -> None:
+        self.rows: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any) -> None:
+        self.rows.append(batch[0][:, 0].tolist())
+
+
+@pytest.mark.parametrize("budget", ["1GB", BUDGETS[2]], ids=["whole", "cut"])
+def test_a_shuffled_loader_with_a_generator_of_its_own_is_read_in_its_order(budget):
+    """Set-up looks at the first batch without drawing from the DataLoader's generator: training reads the batches
+    in the order that generator gives, as on one device (before, the first epoch read the second's order)."""
+    data = TensorDataset(torch.arange(48).view(12, 4) % VOCAB, torch.arange(48).view(12, 4) % VOCAB)
+    rows = []
+    for strategy in "auto", SpillingStrategy(memory_budget=budget):
+        torch.manual_seed(0)
+        read = BatchesRead()
+        loader = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(123))
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=strategy,
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[read],
+        )
+        trainer.fit(TinyLM(), loader)
+        rows.append(read.rows)
+    assert len(rows[0]) == 6
+    assert rows[1] == rows[0]
+
+
 def test_a_forward_that_reads_a_buffer_it_changes_is_recomputed_as_it_ran():
     """Each shard's forward is recomputed for its backward: it reads the buffer (a count of calls) as the first run
     found it, and the first run's update stays."""

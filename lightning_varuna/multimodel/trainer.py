@@ -108,6 +108,11 @@ class MultiModelTrainer:
             raise ValueError(
                 f"{set_here} are the sweep's: set `accelerator` and `devices` on MultiModelTrainer, not in `add`."
             )
+        if datamodule is not None and not isinstance(datamodule, pl.LightningDataModule):
+            raise TypeError(
+                f"`add`'s second argument is the datamodule, and got a {type(datamodule).__name__}. Pass loaders by "
+                "name: `add(model, train_dataloaders=..., val_dataloaders=...)`."
+            )
         if any(member.model is model for member in self._members):
             raise ValueError(
                 f"This `{type(model).__name__}` instance is in the sweep already: each model trains its own "

@@ -156,8 +156,9 @@ def capture_forward_inputs(module: pl.LightningModule, step_name: str, microbatc
         getattr(module, step_name)(microbatch, 0)
     if not captured:
         raise RuntimeError(
-            f"`{type(module).__name__}.{step_name}` never called `self(...)`; VarunaStrategy pipelines the "
-            "forward call of each step. Call the model once per step, or set `example_input_array`."
+            f"`{type(module).__name__}.{step_name}` never called `self(...)`; VarunaStrategy and SpillingStrategy "
+            "run the forward call of each step in parts (stages or shards). Call the model once per step, or set "
+            "`example_input_array`."
         )
     return captured[0]
 

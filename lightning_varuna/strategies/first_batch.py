@@ -3,9 +3,12 @@ measures the model with before the first step."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 __all__ = ["STEP_OF_FN", "first_batch"]
@@ -31,5 +34,21 @@ def first_batch(trainer: pl.Trainer) -> Any:
     loaders = loop._data_source.dataloader()  # type: ignore[attr-defined]
     loader = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders
     loader = loader[0] if isinstance(loader, (list, tuple)) else loader
-    batch = trainer.precision_plugin.convert_input(next(iter(loader)))
+    with _random_numbers_kept(loader):
+        batch = trainer.precision_plugin.convert_input(next(iter(loader)))
     return trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+
+
+@contextmanager
+def _random_numbers_kept(loader: Any) -> Iterator[None]:
+    """Iterating a DataLoader draws from its generator (or torch's global one) and its sampler's: give them back
+    their states, so that the loop then reads the batches in the order it would have without this look ahead."""
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    owners = (loader, sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
+    generators = {id(g): g for g in (getattr(o, "generator", None) for o in owners) if isinstance(g, torch.Generator)}
+    states = [(generator, generator.get_state()) for generator in generators.values()]
+    with torch.random.fork_rng(devices=[]):
+        yield
+    for generator, state in states:
+        generator.set_state(state)

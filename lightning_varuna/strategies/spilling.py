@@ -189,6 +189,13 @@ class SpillingStrategy(SingleDeviceStrategy):
                 f"SpillingStrategy runs on the CPU or a CUDA GPU; `{self.root_device}` is not supported. "
                 "Use `Trainer(accelerator='cpu')` or `'gpu'`."
             )
+        if not self._module.automatic_optimization:
+            raise TypeError(
+                f"`{type(self._module).__name__}.automatic_optimization = False`: SpillingStrategy runs the forward "
+                "and backward of `training_step` shard by shard itself and needs Lightning's automatic optimization. "
+                "Remove `automatic_optimization = False` (and `manual_backward`), return the loss from "
+                "`training_step`, and set `gradient_clip_val` / `accumulate_grad_batches` on the Trainer."
+            )
         if self._module._compiler_ctx is not None:
             raise ValueError(
                 "SpillingStrategy cannot train a LightningModule compiled whole (`torch.compile(model)`): its forward "
