@@ -53,6 +53,26 @@ class DataDependentBranch(TinyLM):
         return self.head(x)
 
 
+class BranchOnTheStep(TinyLM):
+    def forward(self, idx):
+        if self.global_step >= 3:  # a curriculum: traced once at step 0, this branch would never be taken
+            idx = idx.flip(1)
+        return super().forward(idx)
+
+
+@pytest.mark.parametrize(
+    "strategy", [VarunaStrategy(micro_batch_size=4), SpillingStrategy(memory_budget="85KB")], ids=["varuna", "spilled"]
+)
+def test_a_forward_reading_the_trainer_is_refused_when_cut(strategy):
+    """A cut model runs the operations traced at set-up: a branch on the Trainer's state would keep its first way.
+    (A model that fits in one shard runs its own forward, and reads it every step.)"""
+    with pytest.raises(
+        TypeError, match=r"reads the Trainer's `global_step` at line \d+ of .*test_errors.py \(`if self"
+    ):
+        fit(BranchOnTheStep(), strategy)
+    fit(BranchOnTheStep(), SpillingStrategy(memory_budget="1GB"))
+
+
 @pytest.mark.parametrize(
     ("model", "error", "match"),
     [

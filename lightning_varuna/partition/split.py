@@ -30,6 +30,7 @@ from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.tracing import (
     kv_cache_configs,
     traceable_torch_modules,
+    trainer_reads_refused,
     untraceable_forward_error,
     without_kv_cache,
 )
@@ -242,6 +243,7 @@ def _split_traced(
             generated_code_modules(),
             traceable_torch_modules(),
             without_kv_cache(kv_cache_configs(module)),
+            trainer_reads_refused(module),
         ):
             pipe = pipeline(module, mb_args=args, mb_kwargs=kwargs or None)
     except RuntimeError as error:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -16,11 +17,18 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 import lightning_varuna
 from lightning_varuna._torch_private import transformer_module
 
-__all__ = ["kv_cache_configs", "traceable_torch_modules", "untraceable_forward_error", "without_kv_cache"]
+__all__ = [
+    "kv_cache_configs",
+    "traceable_torch_modules",
+    "trainer_reads_refused",
+    "untraceable_forward_error",
+    "without_kv_cache",
+]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn") + os.sep
 _OWN_DIR = os.path.dirname(lightning_varuna.__file__) + os.sep
+_LIGHTNING_DIR = os.path.dirname(os.path.dirname(pl.__file__)) + os.sep
 _MODULE_CALL = nn.Module.__call__.__code__.co_filename  # `Module.__call__` machinery between the model's frames
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
 # A grad-mode block of the forward is traced as a subgraph that torch's pipeline split does not carry over.
@@ -69,6 +77,46 @@ def without_kv_cache(configs: list[Any]) -> Iterator[None]:
     finally:
         for config in caching:
             config.use_cache = True
+
+
+class _ReadsRecorded:
+    """Stands for the Trainer while a forward is traced, noting each attribute read and the model's line reading it."""
+
+    def __init__(self, trainer: pl.Trainer, reads: dict[str, str]) -> None:
+        object.__setattr__(self, "_trainer", trainer)
+        object.__setattr__(self, "_reads", reads)
+
+    def __getattr__(self, name: str) -> Any:
+        outside = (_TORCH_DIR, _LIGHTNING_DIR, _OWN_DIR, "<")
+        lines = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(outside)]
+        self._reads.setdefault(name, _describe(lines[-1]) if lines else "the forward")
+        return getattr(self._trainer, name)
+
+
+@contextmanager
+def trainer_reads_refused(module: nn.Module) -> Iterator[None]:
+    """Refuse a forward that reads the Trainer's state (``self.global_step``, ``self.current_epoch``,
+    ``self.trainer...``) once traced: the cut model runs the operations traced at set-up, in which such a value
+    stays what it was then (a branch on it would never be taken again)."""
+    trainer = module._trainer if isinstance(module, pl.LightningModule) else None
+    if trainer is None:
+        yield
+        return
+    reads: dict[str, str] = {}
+    module._trainer = _ReadsRecorded(trainer, reads)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module._trainer = trainer
+    if reads:
+        name, where = next(iter(reads.items()))
+        raise TypeError(
+            f"Cannot cut `{type(module).__name__}.forward` into pipeline stages or shards: it reads the Trainer's "
+            f"`{name}` at {where}. A cut model runs the operations traced once at set-up, in which that value stays "
+            "what it was then, and a branch on it is never taken again. Read it in `training_step` and pass the "
+            "forward what it needs as a tensor argument (`self(x, torch.tensor(float(self.global_step >= 100)))`, "
+            "used as `h + flag * f(h)`)."
+        )
 
 
 def untraceable_forward_error(module: nn.Module, error: BaseException) -> Exception:
