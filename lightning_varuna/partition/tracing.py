@@ -98,10 +98,10 @@ def trainer_reads_refused(module: nn.Module) -> Iterator[None]:
     """Refuse a forward that reads the Trainer's state (``self.global_step``, ``self.current_epoch``,
     ``self.trainer...``) once traced: the cut model runs the operations traced at set-up, in which such a value
     stays what it was then (a branch on it would never be taken again)."""
-    trainer = module._trainer if isinstance(module, pl.LightningModule) else None
-    if trainer is None:
+    if not isinstance(module, pl.LightningModule) or module._trainer is None:
         yield
         return
+    trainer = module._trainer
     reads: dict[str, str] = {}
     module._trainer = _ReadsRecorded(trainer, reads)  # type: ignore[assignment]
     try:
