@@ -208,13 +208,16 @@ class ShardedModel:
         shard.random_state = RandomState(self.store.device) if replayable else None
         recomputed = training and not with_graph
         shard.buffers = BufferState(self._modules[s] for s in shard.segments) if recomputed else None
-        with self._fetching(shard.index + 1, ()), nullcontext() if with_graph else torch.no_grad():
+        # In training, with autograd on even where the graph is then dropped: a value crossing to the next shard
+        # needs a gradient only where it would in the whole model, and kernels choose by it (attention takes
+        # another kernel for a mask that needs a gradient, which rounds differently).
+        with self._fetching(shard.index + 1, ()):
             produced = self._run(shard)
         if replayable:
             shard.random_after = generator_states(self.store.device)
         for src, value in produced.items():
             if self._last_consumer.get(src, -1) > shard.index:
-                if training and not with_graph and isinstance(value, Tensor) and value.is_floating_point():
+                if training and not with_graph and isinstance(value, Tensor) and value.requires_grad:
                     value = value.detach().requires_grad_(True)
                 self._boundaries[src] = value
         if not with_graph:
