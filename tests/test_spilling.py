@@ -19,8 +19,10 @@ import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
+    Checkpoint,
     EMAWeightAveraging,
     ModelCheckpoint,
+    OnExceptionCheckpoint,
     StochasticWeightAveraging,
 )
 from models import DIM, VOCAB, Block, CountingLM, TinyLM, token_dataset
@@ -64,7 +66,7 @@ def fit(model: L.LightningModule, strategy: Any, ckpt_path: str | None = None, *
         devices=1,
         strategy=strategy,
         logger=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
@@ -376,6 +378,36 @@ def test_checkpoints_are_written_a_shard_at_a_time_and_resume_exactly(tmp_path):
     continued = fit(resumed, SpillingStrategy(memory_budget=BUDGETS[2]), ckpt_path=path, max_steps=4)
     torch.testing.assert_close(losses(continued), losses(expected)[4:], rtol=1e-5, atol=1e-6)
     assert_same_model(resumed, uninterrupted)
+
+
+class FailsOnce(TinyLM):
+    """Raises in its training step at the batch ``fail_at`` (as a bad batch would), once."""
+
+    fail_at: int | None = 3
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if batch_idx == self.fail_at:
+            self.fail_at = None
+            raise RuntimeError("a bad batch")
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_checkpoint_taken_as_a_step_fails_resumes_with_that_batch(tmp_path):
+    """`OnExceptionCheckpoint` saves as the step fails: the failed batch was not trained, and the resumed run trains
+    it, as an uninterrupted run does (before, it was counted as trained and skipped)."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = FailsOnce()
+    model.load_state_dict(reference.state_dict())
+    options = {"gradient_clip_val": None, "accumulate_grad_batches": 1, "max_steps": 6}
+    expected = fit(reference, "auto", **options)
+    saves = OnExceptionCheckpoint(dirpath=tmp_path)
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), callbacks=[saves], **options)
+    path = str(tmp_path / "on_exception.ckpt")
+    continued = fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), ckpt_path=path, **options)
+    torch.testing.assert_close(losses(continued), losses(expected)[3:], rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
 
 
 def test_a_checkpoint_saved_after_fit_ended_by_max_epochs_resumes_with_the_next_epoch(tmp_path):

@@ -266,9 +266,10 @@ class SpillingStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         rows = batch_size_of(args[0])
         self._batch_size = max(self._batch_size or 0, rows)
-        self._data.advance(rows)
         with self._forward_through_shards():
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+        self._data.advance(rows)  # once its step ran: a checkpoint taken as it fails resumes with this batch
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
