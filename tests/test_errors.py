@@ -118,7 +118,8 @@ import lightning as L
 from torch.utils.data import DataLoader
 from models import TinyLM, token_dataset
 from lightning_varuna import VarunaStrategy
-trainer = L.Trainer(accelerator="cpu", devices={devices}, strategy=VarunaStrategy({strategy}),
+from lightning.pytorch.callbacks import EMAWeightAveraging
+trainer = L.Trainer(accelerator="cpu", devices={devices}, strategy=VarunaStrategy({strategy}), callbacks={callbacks},
                     max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
 trainer.fit(TinyLM(blocks={blocks}), DataLoader(token_dataset(8), batch_size=4))
 """
@@ -136,12 +137,20 @@ trainer.fit(TinyLM(blocks={blocks}), DataLoader(token_dataset(8), batch_size=4))
             r"pipeline_parallel_size=2\)` needs at least 1 CutPoints in the forward, but `TinyLM` calls 0",
         ),
         (2, "global_batch_size=5", 5, r"global_batch_size=5\)` does not split evenly over data_parallel_size=2"),
+        (
+            2,
+            "pipeline_parallel_size=2",
+            5,
+            r"`EMAWeightAveraging` keeps an average of every parameter of the model, but with 2 pipeline stages",
+        ),
     ],
 )
 def test_bad_layout_fails_in_every_process(tmp_path, devices, strategy, blocks, match):
     script = tmp_path / "job.py"
     tests = str(__import__("pathlib").Path(__file__).parent)
-    script.write_text(textwrap.dedent(SCRIPT.format(tests=tests, devices=devices, strategy=strategy, blocks=blocks)))
+    callbacks = "[EMAWeightAveraging()]" if "EMA" in match else "[]"
+    text = SCRIPT.format(tests=tests, devices=devices, strategy=strategy, blocks=blocks, callbacks=callbacks)
+    script.write_text(textwrap.dedent(text))
     proc = run_job([str(script)], tmp_path, timeout=300)
     assert proc.returncode != 0
     assert __import__("re").search(match, proc.stderr), proc.stderr[-3000:]

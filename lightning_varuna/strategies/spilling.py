@@ -436,7 +436,7 @@ def _refuse_callbacks_reading_every_weight(trainer: pl.Trainer, shards: int) -> 
         raise ValueError(
             f"`{type(averaging[0]).__name__}` averages every parameter of the model after each step, but "
             f"SpillingStrategy keeps them spilled there ({shards} shard(s), not staying on the device). Give the model "
-            "a `memory_budget` that holds it in one shard, or train it with VarunaStrategy, or without the callback."
+            "a `memory_budget` that holds it in one shard, or train it without the callback."
         )
 
 

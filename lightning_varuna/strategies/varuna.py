@@ -17,7 +17,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
@@ -69,7 +69,7 @@ from lightning_varuna.profiling.profile import ModelProfile, segment_costs
 from lightning_varuna.profiling.segments import measure_segments
 from lightning_varuna.profiling.simulator import Config
 from lightning_varuna.storage import Storage
-from lightning_varuna.strategies.callback_hooks import restore_callback_hooks, run_hook_inside
+from lightning_varuna.strategies.callback_hooks import callbacks_of, restore_callback_hooks, run_hook_inside
 from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.failures import Failure, FailureNotice, PeerFailure
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
@@ -432,6 +432,15 @@ class VarunaStrategy(ParallelStrategy):
                 "pipelined forward and backward of `training_step` itself and needs Lightning's automatic "
                 "optimization. Remove `automatic_optimization = False` (and `manual_backward`), return the loss from "
                 "`training_step`, and set `gradient_clip_val` / `accumulate_grad_batches` on the Trainer."
+            )
+        assert self.topology is not None
+        averaging = callbacks_of(trainer, (StochasticWeightAveraging, WeightAveraging))
+        if averaging and self.topology.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"`{type(averaging[0]).__name__}` keeps an average of every parameter of the model, but with "
+                f"{self.topology.pipeline_parallel_size} pipeline stages each process holds only its stage's. Train "
+                "with `pipeline_parallel_size=1` (data parallel: every process holds the whole model), or without the "
+                "callback."
             )
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
