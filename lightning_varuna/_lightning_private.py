@@ -28,11 +28,18 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimi
 from lightning.pytorch.core.optimizer import _configure_optimizers as parse_configure_optimizers
 
 # Lightning's process launchers, extended to resume `ckpt_path=None` in a requeued SLURM job and to end a failed job
-# with the failing rank's error (whose `launch` repeats Lightning's, with `set_num_threads_if_needed` above); its
-# checkpoint connector, extended for `ckpt_path="last"` over sharded checkpoints.
-# tests/test_morph.py, tests/test_checkpoint_resume.py.
+# with the failing rank's error (whose `launch` repeats Lightning's, with `set_num_threads_if_needed` above).
+# tests/test_morph.py, tests/test_failures.py.
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncherBase
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncherBase
+
+# What Lightning does when a run fails (the callbacks' `on_exception`, the strategy's, the loggers' end): the main
+# process of a failed job runs it before it waits for the others, which save `OnExceptionCheckpoint`'s checkpoint
+# with it. tests/test_failures.py.
+from lightning.pytorch.trainer.call import _interrupt as interrupt
+
+# Lightning's checkpoint connector, extended for `ckpt_path="last"` over sharded checkpoints, and the arguments a
+# DataLoader was made with. tests/test_checkpoint_resume.py, tests/test_morph.py.
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector as CheckpointConnector
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs as dataloader_init_args
 
@@ -68,6 +75,7 @@ __all__ = [
     "default_process_group_backend",
     "distributed_is_initialized",
     "init_dist_connection",
+    "interrupt",
     "optimizer_to_device",
     "optimizers_to_device",
     "parse_configure_optimizers",

@@ -4,6 +4,7 @@ ranks that wait for a pipeline message leave on SIGTERM."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -166,3 +167,67 @@ def _children(pid: int) -> list[int]:
 def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+ON_EXCEPTION = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from torch.utils.data import DataLoader
+from models import TinyLM, token_dataset
+from lightning_varuna import VarunaStrategy
+
+
+class FailsOnce(TinyLM):
+    def training_step(self, batch, batch_idx):
+        if {fail!r} and self.global_step == 3:
+            raise RuntimeError("a bad batch")
+        return super().training_step(batch, batch_idx)
+
+
+class Losses(L.Callback):
+    losses = []
+
+    def on_train_batch_end(self, trainer, *args):
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+L.seed_everything(0)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=VarunaStrategy(pipeline_parallel_size=2), max_steps=6,
+                    callbacks=[Losses(), OnExceptionCheckpoint({folder!r})], logger=False, enable_progress_bar=False)
+try:
+    trainer.fit(FailsOnce(), DataLoader(token_dataset(48), batch_size=8), ckpt_path={ckpt_path!r})
+finally:
+    with open(os.path.join({folder!r}, f"losses{{trainer.global_rank}}.json"), "w") as file:
+        json.dump(Losses.losses, file)
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_step_leaves_an_on_exception_checkpoint_that_resumes_with_that_batch(tmp_path):
+    """Under `Trainer(devices=N)` the main process saves `OnExceptionCheckpoint`'s checkpoint with the others before
+    it waits for them to end (before, it waited first and then killed them, waiting in the save for it: no
+    checkpoint); the job ends with the step's error, and the run resumed from the checkpoint trains the failed
+    batch, as an uninterrupted run does (before, it skipped it)."""
+    tests = os.path.dirname(__file__)
+    runs = {}
+    for name, fail, ckpt_path in [
+        ("whole", False, None),
+        ("failed", True, None),
+        ("resumed", False, str(tmp_path / "failed" / "on_exception.ckpt")),
+    ]:
+        folder = tmp_path / name
+        folder.mkdir()
+        script = tmp_path / f"{name}.py"
+        script.write_text(ON_EXCEPTION.format(tests=tests, fail=fail, folder=str(folder), ckpt_path=ckpt_path))
+        proc = run_job([str(script)], tmp_path, timeout=300)
+        assert (proc.returncode != 0) == fail, proc.stderr[-3000:]
+        runs[name] = [json.loads((folder / f"losses{rank}.json").read_text()) for rank in (0, 1)]
+        if fail:
+            assert "RuntimeError: a bad batch" in proc.stderr.rstrip().splitlines()[-1], proc.stderr[-3000:]
+    whole, failed, resumed = runs["whole"], runs["failed"], runs["resumed"]
+    assert len(whole[0]) == 6 and len(failed[0]) == 3
+    for rank in (0, 1):
+        assert failed[rank] == pytest.approx(whole[rank][:3], rel=1e-6)
+        assert resumed[rank] == pytest.approx(whole[rank][3:], rel=1e-6)

@@ -7,7 +7,8 @@ failed rank breaks; either way they raise `PeerFailure`, which quotes the notice
 closed by peer".
 
 Under Lightning's launch (``Trainer(devices=N)``) the main process is rank 0 and starts the others: its
-`ReportFirstFailure` launcher waits for them to end before it raises, so the last error on screen is the failing
+`ReportFirstFailure` launcher runs the callbacks' ``on_exception`` with them (`OnExceptionCheckpoint` saves with
+every process), then waits for them to end before it raises, so the last error on screen is the failing
 rank's (in a `PeerFailure` if another rank failed). Lightning's own launcher kills every process as soon as one
 failed, often before rank 0 printed anything; here that is the last resort after a grace period.
 """
@@ -28,8 +29,9 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_varuna._lightning_private import TunerExitException, set_num_threads_if_needed
+from lightning_varuna._lightning_private import TunerExitException, interrupt, set_num_threads_if_needed
 from lightning_varuna._torch_private import default_store
+from lightning_varuna.hook_wrapping import wrap_hook
 
 __all__ = ["Failure", "FailureNotice", "PeerFailure", "ReportFirstFailure"]
 
@@ -137,6 +139,8 @@ class ReportFirstFailure:
         except BaseException as error:
             if observer is None or isinstance(error, TunerExitException):  # the tuner's normal end, on every rank
                 raise
+            if trainer is not None:
+                _handle_failure_with_the_others(trainer, error)
             observer.stop()
             killed = _wait_for(self.procs, _CHILDREN_GRACE_S)
             # The strategy's notice of this run (VarunaStrategy's), if it has one.
@@ -167,6 +171,22 @@ class ReportFirstFailure:
         if killed[local_rank] == signal.SIGKILL:
             cause += " (the kernel's out-of-memory killer sends it: `dmesg` shows whether it did)"
         return PeerFailure(Failure(rank, where, cause), error)
+
+
+def _handle_failure_with_the_others(trainer: Any, error: BaseException) -> None:
+    """Run what Lightning runs when a run fails (the callbacks' ``on_exception``: `OnExceptionCheckpoint` saves,
+    with every process) now, while the other processes are there; Lightning's own call, after ``launch`` raises,
+    then finds the callbacks' part done (until the strategy's teardown gives them their hooks back)."""
+    try:
+        interrupt(trainer, error)
+    except Exception as failure:  # noqa: BLE001 - the job's own error is still the one to end with
+        log.warning(f"Handling the job's failure failed too: {failure!r}")
+    for callback in trainer.callbacks:
+        wrap_hook(callback, "on_exception", _done)
+
+
+def _done(hook: Any, *args: Any, **kwargs: Any) -> None:
+    """A hook that has run already."""
 
 
 def _wait_for(procs: list[subprocess.Popen], timeout_s: float) -> dict[int, int]:
