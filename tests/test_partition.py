@@ -339,6 +339,8 @@ def test_split_tinylm_into_three_stages(tinylm_split):
     assert graph.output_sources == [Source(2, 0)]
     assert graph.stage_outputs[2] == [TensorMeta(torch.Size([BATCH, SEQ, VOCAB]), torch.float32)]
     assert TensorMeta(torch.Size([BATCH, SEQ, DIM]), torch.float32) in graph.stage_outputs[0]
+    # The padding mask every block reads is made from the inputs: no gradient flows back into it (none is sent).
+    assert TensorMeta(torch.Size([BATCH, SEQ, 1]), torch.float32, needs_grad=False) in graph.stage_outputs[0]
 
     # The tied embedding / head weight lives on the first and the last stage.
     assert "emb.weight" in graph.stage_parameters[0]
@@ -382,7 +384,7 @@ def test_stages_run_by_hand_reproduce_the_model(tinylm_split):
         expected = model(idx)
         (actual,), outputs = run_by_hand(graph, stages, [idx])
     for stage_index, out in enumerate(outputs):
-        assert [TensorMeta(t.shape, t.dtype) for t in out] == graph.stage_outputs[stage_index]
+        assert [(t.shape, t.dtype) for t in out] == [(m.shape, m.dtype) for m in graph.stage_outputs[stage_index]]
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 

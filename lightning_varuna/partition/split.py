@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import pipeline
 from torch.utils._pytree import tree_leaves
 
@@ -48,8 +49,11 @@ class Source:
 
 @dataclass(frozen=True)
 class TensorMeta:
+    """A value one stage passes to another; ``needs_grad``: a gradient flows back into it."""
+
     shape: torch.Size
     dtype: torch.dtype
+    needs_grad: bool = True
 
 
 @dataclass
@@ -108,13 +112,13 @@ def _source_of(node: Any, stage_of: dict[fx.Node, int], placeholders: list[fx.No
     raise TypeError(f"Unexpected node `{node.format_node()}` between pipeline stages.")
 
 
-def _output_metas(stage_module: nn.Module, stage: int) -> list[TensorMeta]:
+def _output_metas(stage_module: nn.Module, stage: int, needs_grad: list[bool]) -> list[TensorMeta]:
     graph = stage_module.graph
     assert isinstance(graph, fx.Graph)
     output = next(n for n in graph.nodes if n.op == "output")
     values = output.args[0]
     values = values if isinstance(values, (tuple, list)) else (values,)
-    metas = []
+    metas: list[TensorMeta] = []
     for value in values:
         fake = value.meta.get("val") if isinstance(value, fx.Node) else value
         if not isinstance(fake, Tensor):
@@ -122,8 +126,30 @@ def _output_metas(stage_module: nn.Module, stage: int) -> list[TensorMeta]:
                 f"Stage {stage} passes a `{type(fake).__name__}` to a later stage; only tensors can cross "
                 "stages. Compute that value from tensors inside the stage that uses it."
             )
-        metas.append(TensorMeta(fake.shape, fake.dtype))
+        metas.append(TensorMeta(fake.shape, fake.dtype, needs_grad[len(metas)]))
     return metas
+
+
+def _outputs_needing_gradients(stage_modules: list[nn.Module], stage_inputs: list[list[Source]], inputs: list) -> list:
+    """Which outputs of each stage a gradient flows back into: those computed from a floating-point parameter (any:
+    a callback may unfreeze a frozen one) by differentiable operations. An attention mask made from the inputs needs
+    none: giving it one would send its gradient back and make attention choose another kernel. Found by running the
+    stages on fake tensors (no computation, no memory)."""
+    frozen = [p for m in stage_modules for p in m.parameters() if p.is_floating_point() and not p.requires_grad]
+    outputs: list[tuple] = []
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.enable_grad():
+            values = [mode.from_tensor(leaf) if isinstance(leaf, Tensor) else leaf for leaf in inputs]
+            for stage_module, sources in zip(stage_modules, stage_inputs):
+                args = [values[src.index] if src.stage is None else outputs[src.stage][src.index] for src in sources]
+                out = stage_module(*args)
+                outputs.append(tuple(out) if isinstance(out, (tuple, list)) else (out,))
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+    return [[isinstance(value, Tensor) and value.requires_grad for value in out] for out in outputs]
 
 
 def _bind_real_tensors(stage_module: nn.Module, skeleton: ModelSkeleton, real: dict[str, Tensor]) -> None:
@@ -262,19 +288,21 @@ def _split_traced(
         )
     stage_nodes = [n for n in graph.nodes if n.op == "call_module"]
     stage_of = {node: k for k, node in enumerate(stage_nodes)}
-    stage_modules = [pipe.split_gm.get_submodule(node.target) for node in stage_nodes]
+    stage_modules = [_runnable(pipe.split_gm.get_submodule(node.target)) for node in stage_nodes]
     output = next(n for n in graph.nodes if n.op == "output")
     outputs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    stage_inputs = [[_source_of(a, stage_of, placeholders) for a in node.args] for node in stage_nodes]
+    _check_every_stage_input_is_fed(module, stage_modules, stage_inputs)
+    needs_grad = _outputs_needing_gradients(stage_modules, stage_inputs, tree_leaves((args, kwargs)))
 
     pipeline_graph = PipelineGraph(
-        stage_inputs=[[_source_of(a, stage_of, placeholders) for a in node.args] for node in stage_nodes],
-        stage_outputs=[_output_metas(m, k) for k, m in enumerate(stage_modules)],
+        stage_inputs=stage_inputs,
+        stage_outputs=[_output_metas(m, k, needs_grad[k]) for k, m in enumerate(stage_modules)],
         output_sources=[_source_of(a, stage_of, placeholders) for a in outputs],
         stage_parameters=[
             {skeleton.canonical(name) for name, _ in m.named_parameters(remove_duplicate=False)} for m in stage_modules
         ],
     )
-    _check_every_stage_input_is_fed(module, stage_modules, pipeline_graph)
     if pipeline_graph.num_stages != len(boundaries) + 1:
         raise ValueError(
             f"Cutting at {len(boundaries)} CutPoint(s) gave {pipeline_graph.num_stages} stages instead of "
@@ -283,10 +311,12 @@ def _split_traced(
     return pipeline_graph, stage_modules
 
 
-def _check_every_stage_input_is_fed(module: nn.Module, stage_modules: list[nn.Module], graph: PipelineGraph) -> None:
+def _check_every_stage_input_is_fed(
+    module: nn.Module, stage_modules: list[nn.Module], stage_inputs: list[list[Source]]
+) -> None:
     """torch's pipeline split makes a buffer of the model itself that its forward changes in place an input of the
     stage, which no earlier stage gives it."""
-    for stage_module, inputs in zip(stage_modules, graph.stage_inputs):
+    for stage_module, inputs in zip(stage_modules, stage_inputs):
         assert isinstance(stage_module.graph, fx.Graph)
         unfed = [n.name for n in stage_module.graph.nodes if n.op == "placeholder"][len(inputs) :]
         if unfed:
@@ -309,10 +339,14 @@ def _warn_of_backward_hooks(module: nn.Module) -> None:
         )
 
 
-def _bound(stage_module: nn.Module, skeleton: ModelSkeleton, real_tensors: dict[str, Tensor]) -> nn.Module:
+def _runnable(stage_module: nn.Module) -> nn.Module:
     if isinstance(stage_module, fx.GraphModule):
         take_flat_inputs(stage_module)  # a stage is called with the leaves of its inputs
     _make_generated_code_safe(stage_module)
+    return stage_module
+
+
+def _bound(stage_module: nn.Module, skeleton: ModelSkeleton, real_tensors: dict[str, Tensor]) -> nn.Module:
     _bind_real_tensors(stage_module, skeleton, real_tensors)
     return stage_module
 

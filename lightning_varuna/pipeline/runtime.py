@@ -163,7 +163,7 @@ class StageRuntime:
         for producer, values in graph.receives(self.stage_index).items():
             for slot, value in enumerate(values):
                 tensor = received[(producer, value)]
-                if _carries_grad(tensor.dtype):
+                if graph.stage_outputs[producer][value].needs_grad and _carries_grad(tensor.dtype):
                     grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
                     self._isend(grad, producer, microbatch, slot, Phase.BACKWARD)
 
@@ -264,7 +264,8 @@ class StageRuntime:
         self._wait([work for *_, work in works])
         received = {}
         for key, buffer, _ in works:
-            if training and _carries_grad(buffer.dtype):
+            producer, value = key
+            if training and graph.stage_outputs[producer][value].needs_grad and _carries_grad(buffer.dtype):
                 buffer.requires_grad_()
             received[key] = buffer
         return received
@@ -274,7 +275,7 @@ class StageRuntime:
         for consumer, values in graph.sends(self.stage_index).items():
             for slot, value in enumerate(values):
                 meta = graph.stage_outputs[self.stage_index][value]
-                if _carries_grad(meta.dtype):
+                if meta.needs_grad and _carries_grad(meta.dtype):
                     buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
                     posted.append(
                         (
