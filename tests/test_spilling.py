@@ -198,6 +198,30 @@ def test_a_value_without_a_gradient_crossing_shards_is_computed_bit_for_bit_as_o
         assert torch.equal(x, y), name
 
 
+class EndsWithACutPoint(TinyLM):
+    """A CutPoint after every layer, the last one included (`cut_after(self.layers)` on a model that ends there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_cut = CutPoint()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.last_cut(super().forward(idx))
+
+
+def test_a_cutpoint_with_no_work_after_it_is_left_out():
+    """It cannot begin a shard (before, set-up failed: 'gave 5 stages instead of 6')."""
+    torch.manual_seed(0)
+    reference = EndsWithACutPoint()
+    model = copy.deepcopy(reference)
+    expected = fit(reference, "auto")
+    strategy = SpillingStrategy(memory_budget=BUDGETS[5])
+    trainer = fit(model, strategy)
+    assert len(strategy.shards) == 5
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
 class BatchesRead(L.Callback):
     def __init__(self) -> None:
         self.rows: list[list[int]] = []

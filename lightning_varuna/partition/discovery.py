@@ -76,14 +76,20 @@ def discover_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = Non
 
 
 def forward_with_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = None) -> tuple[list[str], Any]:
-    """Run one forward without gradients; return the cutpoints it went through, in order, and its output."""
+    """Run one forward without gradients; return the cutpoints it went through, in order, and its output.
+
+    A CutPoint whose output is the forward's output (``cut_after`` on every layer of a model that ends with its last
+    layer) has no work after it: it cannot begin a stage or a shard, and is left out."""
+    seen: list[Tensor] = []
     with (
         torch.no_grad(),
         buffers_kept(module),
         without_kv_cache(kv_cache_configs(module)),
-        observe_cutpoints(module, batch_size_of((args, kwargs))) as order,
+        observe_cutpoints(module, batch_size_of((args, kwargs)), seen.append) as order,
     ):
         output = module(*args, **(kwargs or {}))
+    if order and output is seen[-1]:
+        order.pop()
     uncalled = [name for name, m in module.named_modules() if isinstance(m, CutPoint) and name not in order]
     if uncalled:
         rank_zero_warn(
