@@ -33,11 +33,6 @@ from lightning.pytorch.core.optimizer import _configure_optimizers as parse_conf
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncherBase
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncherBase
 
-# What Lightning does when a run fails (the callbacks' `on_exception`, the strategy's, the loggers' end): the main
-# process of a failed job runs it before it waits for the others, which save `OnExceptionCheckpoint`'s checkpoint
-# with it. tests/test_failures.py.
-from lightning.pytorch.trainer.call import _interrupt as interrupt
-
 # Lightning's checkpoint connector, extended for `ckpt_path="last"` over sharded checkpoints, and the arguments a
 # DataLoader was made with. tests/test_checkpoint_resume.py, tests/test_morph.py.
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector as CheckpointConnector
@@ -75,7 +70,6 @@ __all__ = [
     "default_process_group_backend",
     "distributed_is_initialized",
     "init_dist_connection",
-    "interrupt",
     "optimizer_to_device",
     "optimizers_to_device",
     "parse_configure_optimizers",

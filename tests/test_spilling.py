@@ -405,28 +405,38 @@ def test_checkpoints_are_written_a_shard_at_a_time_and_resume_exactly(tmp_path):
 
 
 class FailsOnce(TinyLM):
-    """Raises in its training step at the batch ``fail_at`` (as a bad batch would), once."""
+    """Raises at the batch ``fail_at`` (as a bad batch would in the step, or running out of memory in the backward),
+    once."""
 
     fail_at: int | None = 3
+    fail_in = "training_step"
+
+    def _fail_here(self, where: str) -> None:
+        if where == self.fail_in and self.global_step == self.fail_at:
+            self.fail_at = None
+            raise RuntimeError(f"failed in {where}")
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if batch_idx == self.fail_at:
-            self.fail_at = None
-            raise RuntimeError("a bad batch")
+        self._fail_here("training_step")
         return super().training_step(batch, batch_idx)
 
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self._fail_here("on_before_backward")
 
-def test_the_checkpoint_taken_as_a_step_fails_resumes_with_that_batch(tmp_path):
-    """`OnExceptionCheckpoint` saves as the step fails: the failed batch was not trained, and the resumed run trains
-    it, as an uninterrupted run does (before, it was counted as trained and skipped)."""
+
+@pytest.mark.parametrize("fail_in", ["training_step", "on_before_backward"])
+def test_the_checkpoint_taken_as_a_step_fails_resumes_with_that_batch(tmp_path, fail_in):
+    """`OnExceptionCheckpoint` saves as the step (or its backward) fails: the failed batch was not trained, and the
+    resumed run trains it, as an uninterrupted run does (before, it was counted as trained and skipped)."""
     torch.manual_seed(0)
     reference = TinyLM()
     model = FailsOnce()
+    model.fail_in = fail_in
     model.load_state_dict(reference.state_dict())
     options = {"gradient_clip_val": None, "accumulate_grad_batches": 1, "max_steps": 6}
     expected = fit(reference, "auto", **options)
     saves = OnExceptionCheckpoint(dirpath=tmp_path)
-    with pytest.raises(RuntimeError, match="a bad batch"):
+    with pytest.raises(RuntimeError, match=f"failed in {fail_in}"):
         fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), callbacks=[saves], **options)
     path = str(tmp_path / "on_exception.ckpt")
     continued = fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), ckpt_path=path, **options)

@@ -112,14 +112,17 @@ def _source_of(node: Any, stage_of: dict[fx.Node, int], placeholders: list[fx.No
     raise TypeError(f"Unexpected node `{node.format_node()}` between pipeline stages.")
 
 
-def _output_metas(stage_module: nn.Module, stage: int, needs_grad: list[bool]) -> list[TensorMeta]:
+def _output_values(stage_module: nn.Module) -> tuple:
+    """The values a stage's graph returns (nodes, or constants)."""
     graph = stage_module.graph
     assert isinstance(graph, fx.Graph)
-    output = next(n for n in graph.nodes if n.op == "output")
-    values = output.args[0]
-    values = values if isinstance(values, (tuple, list)) else (values,)
+    values = next(n for n in graph.nodes if n.op == "output").args[0]
+    return tuple(values) if isinstance(values, (tuple, list)) else (values,)
+
+
+def _output_metas(stage_module: nn.Module, stage: int, needs_grad: list[bool]) -> list[TensorMeta]:
     metas: list[TensorMeta] = []
-    for value in values:
+    for value in _output_values(stage_module):
         fake = value.meta.get("val") if isinstance(value, fx.Node) else value
         if not isinstance(fake, Tensor):
             raise TypeError(
@@ -146,6 +149,8 @@ def _outputs_needing_gradients(stage_modules: list[nn.Module], stage_inputs: lis
                 args = [values[src.index] if src.stage is None else outputs[src.stage][src.index] for src in sources]
                 out = stage_module(*args)
                 outputs.append(tuple(out) if isinstance(out, (tuple, list)) else (out,))
+    except Exception:  # noqa: BLE001 - shapes fake tensors cannot know (`x[mask]`, `nonzero`): every value may need one
+        return [[True] * len(_output_values(m)) for m in stage_modules]
     finally:
         for p in frozen:
             p.requires_grad_(False)

@@ -29,9 +29,9 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_varuna._lightning_private import TunerExitException, interrupt, set_num_threads_if_needed
+from lightning_varuna._lightning_private import TunerExitException, set_num_threads_if_needed
 from lightning_varuna._torch_private import default_store
-from lightning_varuna.hook_wrapping import wrap_hook
+from lightning_varuna.hook_wrapping import restore_hooks, wrap_hook
 
 __all__ = ["Failure", "FailureNotice", "PeerFailure", "ReportFirstFailure"]
 
@@ -134,6 +134,8 @@ class ReportFirstFailure:
             observer = _ChildrenWatch(self.procs)
             observer.start()
         set_num_threads_if_needed(num_processes=self.num_processes)
+        for callback in trainer.callbacks if trainer is not None else ():
+            restore_hooks(callback)  # `on_exception` made a no-op by an earlier failed run, if its teardown did not
         try:
             return function(*args, **kwargs)
         except BaseException as error:
@@ -174,11 +176,14 @@ class ReportFirstFailure:
 
 
 def _handle_failure_with_the_others(trainer: Any, error: BaseException) -> None:
-    """Run what Lightning runs when a run fails (the callbacks' ``on_exception``: `OnExceptionCheckpoint` saves,
-    with every process) now, while the other processes are there; Lightning's own call, after ``launch`` raises,
-    then finds the callbacks' part done (until the strategy's teardown gives them their hooks back)."""
+    """Leave this process's notice for the others (the strategy's ``on_exception``: those waiting for a pipeline
+    message stop), then run the callbacks' ``on_exception`` now, while the others are there (`OnExceptionCheckpoint`
+    saves with every process). Lightning's own calls, after ``launch`` raises, then find the callbacks' part done
+    (until the strategy's teardown gives them their hooks back)."""
     try:
-        interrupt(trainer, error)
+        trainer.strategy.on_exception(error)
+        for callback in trainer.callbacks:
+            callback.on_exception(trainer, trainer.lightning_module, error)
     except Exception as failure:  # noqa: BLE001 - the job's own error is still the one to end with
         log.warning(f"Handling the job's failure failed too: {failure!r}")
     for callback in trainer.callbacks:

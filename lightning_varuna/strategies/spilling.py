@@ -105,6 +105,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage)
         self._loading: SavedTensors | TensorsByName | None = None  # the checkpoint being restored
         self._data = DataProgress()
+        self._rows_in_step = 0  # the batch's, counted as trained once its backward ran
         self._batch_size: int | None = None  # the largest training batch so far
         self._parked: ParkedSegments | None = None  # segments of a meta-device model materialized at set-up
         # A model that fits its budget in one shard stays on the device (a sweep's may not: they share it).
@@ -268,8 +269,16 @@ class SpillingStrategy(SingleDeviceStrategy):
         self._batch_size = max(self._batch_size or 0, rows)
         with self._forward_through_shards():
             output = super().training_step(*args, **kwargs)
-        self._data.advance(rows)  # once its step ran: a checkpoint taken as it fails resumes with this batch
+        self._rows_in_step = rows
+        if output is None:  # a batch the step skips: no backward
+            self._count_trained()
         return output
+
+    def _count_trained(self) -> None:
+        """The batch counts as trained once its backward ran: a checkpoint taken as the step, its backward or a
+        shard's optimizer step in it fails (`OnExceptionCheckpoint`) resumes with this batch."""
+        self._data.advance(self._rows_in_step)
+        self._rows_in_step = 0
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -296,6 +305,7 @@ class SpillingStrategy(SingleDeviceStrategy):
             super(SpillingStrategy, self).backward(loss, optimizer, *args, **kwargs)
 
         self._sharded_model().backward(closure_loss, lightning_backward, self._stepping)
+        self._count_trained()
         return closure_loss
 
     @override
