@@ -170,7 +170,7 @@ def _kill(pid: int) -> None:
 
 
 ON_EXCEPTION = """
-import json, os, sys
+import datetime, json, os, sys
 sys.path.insert(0, {tests!r})
 import lightning as L
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
@@ -186,6 +186,12 @@ class FailsOnce(TinyLM):
         return super().training_step(batch, batch_idx)
 
 
+class Rank0Fails(L.Callback):  # as a logger that writes from rank 0 alone might
+    def on_train_batch_end(self, trainer, *args):
+        if {rank0_fails!r} and trainer.global_rank == 0 and trainer.global_step == 2:
+            raise RuntimeError("a failure on rank 0 alone")
+
+
 class Losses(L.Callback):
     losses = []
 
@@ -194,8 +200,10 @@ class Losses(L.Callback):
 
 
 L.seed_everything(0)
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy=VarunaStrategy(pipeline_parallel_size=2), max_steps=6,
-                    callbacks=[Losses(), OnExceptionCheckpoint({folder!r})], logger=False, enable_progress_bar=False)
+strategy = VarunaStrategy(pipeline_parallel_size=2, timeout=datetime.timedelta(seconds=100))
+callbacks = [Losses(), Rank0Fails(), OnExceptionCheckpoint({folder!r})]
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=6, callbacks=callbacks, logger=False,
+                    enable_progress_bar=False)
 try:
     trainer.fit(FailsOnce(), DataLoader(token_dataset(48), batch_size=8), ckpt_path={ckpt_path!r})
 finally:
@@ -220,7 +228,8 @@ def test_a_failed_step_leaves_an_on_exception_checkpoint_that_resumes_with_that_
         folder = tmp_path / name
         folder.mkdir()
         script = tmp_path / f"{name}.py"
-        script.write_text(ON_EXCEPTION.format(tests=tests, fail=fail, folder=str(folder), ckpt_path=ckpt_path))
+        text = ON_EXCEPTION.format(tests=tests, fail=fail, rank0_fails=False, folder=str(folder), ckpt_path=ckpt_path)
+        script.write_text(text)
         proc = run_job([str(script)], tmp_path, timeout=300)
         assert (proc.returncode != 0) == fail, proc.stderr[-3000:]
         runs[name] = [json.loads((folder / f"losses{rank}.json").read_text()) for rank in (0, 1)]
@@ -231,3 +240,19 @@ def test_a_failed_step_leaves_an_on_exception_checkpoint_that_resumes_with_that_
     for rank in (0, 1):
         assert failed[rank] == pytest.approx(whole[rank][:3], rel=1e-6)
         assert resumed[rank] == pytest.approx(whole[rank][3:], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_failure_on_rank_0_alone_leaves_an_on_exception_checkpoint(tmp_path):
+    """Rank 0 fails outside the pipelined step (a callback of its own): it tells the others before it saves with
+    them (before, they went on to wait for its pipeline messages and it waited in the save until the process
+    group's timeout, leaving no checkpoint)."""
+    script = tmp_path / "job.py"
+    text = ON_EXCEPTION.format(
+        tests=os.path.dirname(__file__), fail=False, rank0_fails=True, folder=str(tmp_path), ckpt_path=None
+    )
+    script.write_text(text)
+    proc = run_job([str(script)], tmp_path, timeout=90)
+    assert proc.returncode != 0
+    assert "RuntimeError: a failure on rank 0 alone" in proc.stderr.rstrip().splitlines()[-1], proc.stderr[-3000:]
+    assert (tmp_path / "on_exception.ckpt").is_dir(), proc.stderr[-3000:]
