@@ -16,6 +16,10 @@ import torch
 import torch.nn.modules.transformer as transformer_module
 from torch import Tensor, fx, nn
 
+# Tensors with shapes and no data, through which autograd still runs: which values crossing pipeline stages a
+# gradient flows into, found by running the stages on them at the trace (`partition.split`). tests/test_partition.py.
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 # One flat buffer from many gradients and views of it back: the gradient all-reduce of each step.
 # tests/test_parity.py.
 from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
@@ -92,6 +96,7 @@ def _storage_references(tensor: Tensor) -> int:
 
 
 __all__ = [
+    "FakeTensorMode",
     "FsspecReader",
     "NormWithRunningStats",
     "FsspecWriter",

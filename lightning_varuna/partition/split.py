@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, fx, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import pipeline
 from torch.utils._pytree import tree_leaves
 
 from lightning_varuna._torch_private import (
+    FakeTensorMode,
     changes_inputs_in_place,
     generated_code_modules,
     has_backward_hooks,
