@@ -49,7 +49,8 @@ class Source:
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """A value one stage passes to another; ``needs_grad``: a gradient flows back into it."""
+    """A value one stage passes to another; ``needs_grad``: a gradient flows back into it (a floating-point value
+    computed from parameters)."""
 
     shape: torch.Size
     dtype: torch.dtype
@@ -112,9 +113,8 @@ def _source_of(node: Any, stage_of: dict[fx.Node, int], placeholders: list[fx.No
     raise TypeError(f"Unexpected node `{node.format_node()}` between pipeline stages.")
 
 
-def _output_values(stage_module: nn.Module) -> tuple:
-    """The values a stage's graph returns (nodes, or constants)."""
-    graph = stage_module.graph
+def _returned(graph: Any) -> tuple:
+    """The values an FX graph returns (nodes, or constants)."""
     assert isinstance(graph, fx.Graph)
     values = next(n for n in graph.nodes if n.op == "output").args[0]
     return tuple(values) if isinstance(values, (tuple, list)) else (values,)
@@ -122,14 +122,15 @@ def _output_values(stage_module: nn.Module) -> tuple:
 
 def _output_metas(stage_module: nn.Module, stage: int, needs_grad: list[bool]) -> list[TensorMeta]:
     metas: list[TensorMeta] = []
-    for value in _output_values(stage_module):
+    for value in _returned(stage_module.graph):
         fake = value.meta.get("val") if isinstance(value, fx.Node) else value
         if not isinstance(fake, Tensor):
             raise TypeError(
                 f"Stage {stage} passes a `{type(fake).__name__}` to a later stage; only tensors can cross "
                 "stages. Compute that value from tensors inside the stage that uses it."
             )
-        metas.append(TensorMeta(fake.shape, fake.dtype, needs_grad[len(metas)]))
+        differentiable = fake.dtype.is_floating_point or fake.dtype.is_complex
+        metas.append(TensorMeta(fake.shape, fake.dtype, differentiable and needs_grad[len(metas)]))
     return metas
 
 
@@ -150,7 +151,7 @@ def _outputs_needing_gradients(stage_modules: list[nn.Module], stage_inputs: lis
                 out = stage_module(*args)
                 outputs.append(tuple(out) if isinstance(out, (tuple, list)) else (out,))
     except Exception:  # noqa: BLE001 - shapes fake tensors cannot know (`x[mask]`, `nonzero`): every value may need one
-        return [[True] * len(_output_values(m)) for m in stage_modules]
+        return [[True] * len(_returned(m.graph)) for m in stage_modules]
     finally:
         for p in frozen:
             p.requires_grad_(False)
@@ -294,8 +295,6 @@ def _split_traced(
     stage_nodes = [n for n in graph.nodes if n.op == "call_module"]
     stage_of = {node: k for k, node in enumerate(stage_nodes)}
     stage_modules = [_runnable(pipe.split_gm.get_submodule(node.target)) for node in stage_nodes]
-    output = next(n for n in graph.nodes if n.op == "output")
-    outputs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     stage_inputs = [[_source_of(a, stage_of, placeholders) for a in node.args] for node in stage_nodes]
     _check_every_stage_input_is_fed(module, stage_modules, stage_inputs)
     needs_grad = _outputs_needing_gradients(stage_modules, stage_inputs, tree_leaves((args, kwargs)))
@@ -303,7 +302,7 @@ def _split_traced(
     pipeline_graph = PipelineGraph(
         stage_inputs=stage_inputs,
         stage_outputs=[_output_metas(m, k, needs_grad[k]) for k, m in enumerate(stage_modules)],
-        output_sources=[_source_of(a, stage_of, placeholders) for a in outputs],
+        output_sources=[_source_of(a, stage_of, placeholders) for a in _returned(graph)],
         stage_parameters=[
             {skeleton.canonical(name) for name, _ in m.named_parameters(remove_duplicate=False)} for m in stage_modules
         ],

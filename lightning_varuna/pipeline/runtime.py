@@ -30,10 +30,6 @@ def _as_tuple(outputs: Any) -> tuple:
     return outputs if isinstance(outputs, tuple) else (outputs,)
 
 
-def _carries_grad(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_complex
-
-
 class StageRuntime:
     """Executes the forwards and backwards of one stage for the micro-batches of a batch.
 
@@ -163,7 +159,7 @@ class StageRuntime:
         for producer, values in graph.receives(self.stage_index).items():
             for slot, value in enumerate(values):
                 tensor = received[(producer, value)]
-                if graph.stage_outputs[producer][value].needs_grad and _carries_grad(tensor.dtype):
+                if graph.stage_outputs[producer][value].needs_grad:
                     grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
                     self._isend(grad, producer, microbatch, slot, Phase.BACKWARD)
 
@@ -265,7 +261,7 @@ class StageRuntime:
         received = {}
         for key, buffer, _ in works:
             producer, value = key
-            if training and graph.stage_outputs[producer][value].needs_grad and _carries_grad(buffer.dtype):
+            if training and graph.stage_outputs[producer][value].needs_grad:
                 buffer.requires_grad_()
             received[key] = buffer
         return received
@@ -275,7 +271,7 @@ class StageRuntime:
         for consumer, values in graph.sends(self.stage_index).items():
             for slot, value in enumerate(values):
                 meta = graph.stage_outputs[self.stage_index][value]
-                if meta.needs_grad and _carries_grad(meta.dtype):
+                if meta.needs_grad:
                     buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
                     posted.append(
                         (
