@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
-from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
@@ -45,6 +45,7 @@ from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.model_summary import summarize_whole_model
 from lightning_varuna.strategies.optimizers import torch_optimizer
+from lightning_varuna.strategies.requirements import WEIGHT_AVERAGING, require_automatic_optimization
 
 __all__ = ["SpillingStrategy"]
 
@@ -190,13 +191,9 @@ class SpillingStrategy(SingleDeviceStrategy):
                 f"SpillingStrategy runs on the CPU or a CUDA GPU; `{self.root_device}` is not supported. "
                 "Use `Trainer(accelerator='cpu')` or `'gpu'`."
             )
-        if not self._module.automatic_optimization:
-            raise TypeError(
-                f"`{type(self._module).__name__}.automatic_optimization = False`: SpillingStrategy runs the forward "
-                "and backward of `training_step` shard by shard itself and needs Lightning's automatic optimization. "
-                "Remove `automatic_optimization = False` (and `manual_backward`), return the loss from "
-                "`training_step`, and set `gradient_clip_val` / `accumulate_grad_batches` on the Trainer."
-            )
+        require_automatic_optimization(
+            self._module, "SpillingStrategy", "the forward and backward of `training_step` shard by shard"
+        )
         if self._module._compiler_ctx is not None:
             raise ValueError(
                 "SpillingStrategy cannot train a LightningModule compiled whole (`torch.compile(model)`): its forward "
@@ -441,7 +438,7 @@ class SpillingStrategy(SingleDeviceStrategy):
 
 def _refuse_callbacks_reading_every_weight(trainer: pl.Trainer, shards: int) -> None:
     """Weight averaging (SWA, EMA) copies every parameter after each step, where spilled ones hold no elements."""
-    averaging = callbacks_of(trainer, (StochasticWeightAveraging, WeightAveraging))
+    averaging = callbacks_of(trainer, WEIGHT_AVERAGING)
     if averaging:
         raise ValueError(
             f"`{type(averaging[0]).__name__}` averages every parameter of the model after each step, but "

@@ -17,7 +17,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
@@ -78,6 +78,7 @@ from lightning_varuna.strategies.model_summary import summarize_whole_model
 from lightning_varuna.strategies.one_batch import check_stages_read_one_batch
 from lightning_varuna.strategies.optimizers import torch_optimizer
 from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
+from lightning_varuna.strategies.requirements import WEIGHT_AVERAGING, require_automatic_optimization
 from lightning_varuna.strategies.sigterm import stop_on_sigterm_without_broadcasts
 
 __all__ = ["VarunaStrategy"]
@@ -426,15 +427,11 @@ class VarunaStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
-        if not self._module.automatic_optimization:
-            raise TypeError(
-                f"`{type(self.lightning_module).__name__}.automatic_optimization = False`: VarunaStrategy runs the "
-                "pipelined forward and backward of `training_step` itself and needs Lightning's automatic "
-                "optimization. Remove `automatic_optimization = False` (and `manual_backward`), return the loss from "
-                "`training_step`, and set `gradient_clip_val` / `accumulate_grad_batches` on the Trainer."
-            )
+        require_automatic_optimization(
+            self._module, "VarunaStrategy", "the pipelined forward and backward of `training_step`"
+        )
         assert self.topology is not None
-        averaging = callbacks_of(trainer, (StochasticWeightAveraging, WeightAveraging))
+        averaging = callbacks_of(trainer, WEIGHT_AVERAGING)
         if averaging and self.topology.pipeline_parallel_size > 1:
             raise ValueError(
                 f"`{type(averaging[0]).__name__}` keeps an average of every parameter of the model, but with "
