@@ -52,7 +52,13 @@ class StepLosses(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def fit(model: L.LightningModule, strategy: Any, ckpt_path: str | None = None, **kwargs: Any) -> L.Trainer:
+def fit(
+    model: L.LightningModule,
+    strategy: Any,
+    ckpt_path: str | None = None,
+    loader: DataLoader | None = None,
+    **kwargs: Any,
+) -> L.Trainer:
     options: dict[str, Any] = {
         "accelerator": "cpu",
         "max_steps": 4,
@@ -73,7 +79,8 @@ def fit(model: L.LightningModule, strategy: Any, ckpt_path: str | None = None, *
         **{**options, **kwargs},
     )
     data = token_dataset(64)
-    trainer.fit(model, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+    loader = loader or DataLoader(data, batch_size=8)
+    trainer.fit(model, loader, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -123,18 +130,24 @@ class RowBiasLM(TinyLM):
         return super().forward(idx) + self.row_bias
 
 
+def check_spilled_like_one_device(model_class: type[L.LightningModule], shards: int) -> None:
+    """A ``model_class`` trained on one device and one spilled in ``shards`` shards, from the same start: the same
+    losses and weights."""
+    torch.manual_seed(0)
+    reference = model_class()
+    model = copy.deepcopy(reference)
+    expected = fit(reference, "auto")
+    strategy = SpillingStrategy(memory_budget=BUDGETS[shards])
+    trainer = fit(model, strategy)
+    assert len(strategy.shards) == shards
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
 def test_a_model_with_its_batch_size_built_in_trains_like_one_device():
     """Set-up finds the CutPoints on two rows of the first batch; a model that cannot run two rows is probed with
     the whole batch."""
-    torch.manual_seed(0)
-    reference = RowBiasLM()
-    model = copy.deepcopy(reference)
-    expected = fit(reference, "auto")
-    strategy = SpillingStrategy(memory_budget=BUDGETS[2])
-    trainer = fit(model, strategy)
-    assert len(strategy.shards) == 2
-    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
-    assert_same_model(model, reference)
+    check_spilled_like_one_device(RowBiasLM, shards=2)
 
 
 class DictBatchLM(TinyLM):
@@ -156,15 +169,7 @@ class DictBatchLM(TinyLM):
 
 
 def test_a_dict_batch_of_which_the_first_shard_reads_one_entry_trains_like_one_device():
-    torch.manual_seed(0)
-    reference = DictBatchLM()
-    model = copy.deepcopy(reference)
-    expected = fit(reference, "auto")
-    strategy = SpillingStrategy(memory_budget=BUDGETS[5])
-    trainer = fit(model, strategy)
-    assert len(strategy.shards) == 5
-    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
-    assert_same_model(model, reference)
+    check_spilled_like_one_device(DictBatchLM, shards=5)
 
 
 class MaskedAttentionLM(TinyLM):
@@ -211,15 +216,7 @@ class EndsWithACutPoint(TinyLM):
 
 def test_a_cutpoint_with_no_work_after_it_is_left_out():
     """It cannot begin a shard (before, set-up failed: 'gave 5 stages instead of 6')."""
-    torch.manual_seed(0)
-    reference = EndsWithACutPoint()
-    model = copy.deepcopy(reference)
-    expected = fit(reference, "auto")
-    strategy = SpillingStrategy(memory_budget=BUDGETS[5])
-    trainer = fit(model, strategy)
-    assert len(strategy.shards) == 5
-    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
-    assert_same_model(model, reference)
+    check_spilled_like_one_device(EndsWithACutPoint, shards=5)
 
 
 class BatchesRead(L.Callback):
@@ -240,18 +237,7 @@ def test_a_shuffled_loader_with_a_generator_of_its_own_is_read_in_its_order(budg
         torch.manual_seed(0)
         read = BatchesRead()
         loader = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(123))
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            strategy=strategy,
-            max_epochs=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[read],
-        )
-        trainer.fit(TinyLM(), loader)
+        fit(TinyLM(), strategy, loader=loader, callbacks=[read], max_steps=-1, max_epochs=2, val_check_interval=1.0)
         rows.append(read.rows)
     assert len(rows[0]) == 6
     assert rows[1] == rows[0]
