@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import random
 import shutil
 import subprocess
 import warnings
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -240,6 +242,43 @@ def test_a_shuffled_loader_with_a_generator_of_its_own_is_read_in_its_order(budg
         fit(TinyLM(), strategy, loader=loader, callbacks=[read], max_steps=-1, max_epochs=2, val_check_interval=1.0)
         rows.append(read.rows)
     assert len(rows[0]) == 6
+    assert rows[1] == rows[0]
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Token rows with one position replaced at random, drawn from Python's and NumPy's global generators (as
+    augmentations commonly are)."""
+
+    def __init__(self) -> None:
+        self.rows = torch.arange(48).view(12, 4) % VOCAB
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = self.rows[i].clone()
+        row[random.randrange(4)] = int(np.random.randint(VOCAB))
+        return row, row
+
+
+@pytest.mark.parametrize("budget", ["1GB", BUDGETS[2]], ids=["whole", "cut"])
+def test_a_dataset_augmented_with_python_and_numpy_random_numbers_reads_as_on_one_device(budget):
+    """Set-up's look at the first batch gives Python's and NumPy's generators back their states: the loop's batches
+    are augmented as on one device (before, each was augmented as the one after it)."""
+    rows = []
+    for strategy in "auto", SpillingStrategy(memory_budget=budget):
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+        read = BatchesRead()
+        fit(
+            TinyLM(),
+            strategy,
+            loader=DataLoader(Augmented(), batch_size=4),
+            callbacks=[read],
+            accumulate_grad_batches=1,
+            limit_val_batches=0,
+        )
+        rows.append(read.rows)
+    assert len(rows[0]) == 4
     assert rows[1] == rows[0]
 
 

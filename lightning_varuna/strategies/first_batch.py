@@ -3,11 +3,13 @@ measures the model with before the first step."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -41,14 +43,18 @@ def first_batch(trainer: pl.Trainer) -> Any:
 
 @contextmanager
 def _random_numbers_kept(loader: Any) -> Iterator[None]:
-    """Iterating a DataLoader draws from its generator (or torch's global one) and its sampler's: give them back
-    their states, so that the loop then reads the batches in the order it would have without this look ahead."""
+    """Iterating a DataLoader draws from its generator (or torch's global one) and its sampler's, and a dataset's
+    augmentations from Python's and NumPy's global ones: give them all back their states, so that the loop then
+    reads the batches in the order, and augmented as, it would have without this look ahead."""
     sampler = getattr(loader, "sampler", None)
     batch_sampler = getattr(loader, "batch_sampler", None)
     owners = (loader, sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
     generators = {id(g): g for g in (getattr(o, "generator", None) for o in owners) if isinstance(g, torch.Generator)}
     states = [(generator, generator.get_state()) for generator in generators.values()]
+    python_state, numpy_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         yield
     for generator, state in states:
         generator.set_state(state)
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
