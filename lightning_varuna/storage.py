@@ -72,6 +72,14 @@ class Storage:
             return []
         return sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False))
 
+    def sizes(self, url: str) -> dict[str, int]:
+        """The files directly under ``url``: name to size in bytes (empty if it does not exist)."""
+        fs, path = self.fs(url)
+        if not fs.isdir(path):
+            return {}
+        entries = fs.ls(path, detail=True)
+        return {posixpath.basename(e["name"].rstrip("/")): int(e["size"]) for e in entries if e["type"] == "file"}
+
     def read_bytes(self, url: str) -> bytes:
         fs, path = self.fs(url)
         return fs.cat_file(path)

@@ -121,16 +121,21 @@ def open_complete(storage: Storage, url: str) -> CheckpointInfo:
             else "it holds no VarunaStrategy checkpoint versions"
         )
         raise IncompleteCheckpointError(f"{url!r} is not a complete checkpoint: {why}. Pick an earlier checkpoint.")
-    present = set(storage.children(info.version_url))
-    needed = {DCP_INDEX, LIGHTNING_STATE}
+    present = storage.sizes(info.version_url)
+    needed = {DCP_INDEX: 1, LIGHTNING_STATE: 1}  # name: the bytes it must hold at least
     if DCP_INDEX in present:
         metadata = storage.dcp_reader(info.version_url).read_metadata()
-        needed |= {item.relative_path for item in metadata.storage_data.values()}
-    missing = sorted(needed - present)
-    if missing:
+        for item in metadata.storage_data.values():
+            needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    damaged = [
+        f"{name} is missing" if name not in present else f"{name} holds {present[name]} of its {size} bytes"
+        for name, size in sorted(needed.items())
+        if present.get(name, 0) < size
+    ]
+    if damaged:
         raise IncompleteCheckpointError(
-            f"Checkpoint {info.version_url!r} is committed but files are missing: {missing}. It was damaged after "
-            "it was written; pick an earlier checkpoint."
+            f"Checkpoint {info.version_url!r} is committed but {', '.join(damaged)}: it was damaged after it was "
+            "written. Pick an earlier checkpoint."
         )
     return info
 
