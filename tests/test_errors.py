@@ -60,17 +60,27 @@ class BranchOnTheStep(TinyLM):
         return super().forward(idx)
 
 
+class ScaledByTheWorld(TinyLM):
+    def forward(self, idx):
+        # Fixed for the whole fit: right at every step once traced.
+        scale = 1.0 if self.trainer.precision == "32-true" else 0.5
+        return super().forward(idx) * scale / self.trainer.world_size**self.trainer.num_nodes
+
+
 @pytest.mark.parametrize(
-    "strategy", [VarunaStrategy(micro_batch_size=4), SpillingStrategy(memory_budget="85KB")], ids=["varuna", "spilled"]
+    "cutting",
+    [lambda: VarunaStrategy(micro_batch_size=4), lambda: SpillingStrategy(memory_budget="85KB")],
+    ids=["varuna", "spilled"],
 )
-def test_a_forward_reading_the_trainer_is_refused_when_cut(strategy):
+def test_a_forward_reading_the_trainer_is_refused_when_cut(cutting):
     """A cut model runs the operations traced at set-up: a branch on the Trainer's state would keep its first way.
     (A model that fits in one shard runs its own forward, and reads it every step.)"""
     with pytest.raises(
         TypeError, match=r"reads the Trainer's `global_step` at line \d+ of .*test_errors.py \(`if self"
     ):
-        fit(BranchOnTheStep(), strategy)
+        fit(BranchOnTheStep(), cutting())
     fit(BranchOnTheStep(), SpillingStrategy(memory_budget="1GB"))
+    fit(ScaledByTheWorld(), cutting())  # reads only what a fit never changes (sizes, precision)
 
 
 @pytest.mark.parametrize(

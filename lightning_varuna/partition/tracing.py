@@ -79,14 +79,38 @@ def without_kv_cache(configs: list[Any]) -> Iterator[None]:
             config.use_cache = True
 
 
+# The Trainer's attributes that stay as they are for a whole fit and are the same in every process (its set-up and
+# configuration): a traced value of one is still right at every step. Not the ranks: a pipelined forward runs in
+# several processes.
+_FIXED_FOR_A_FIT = frozenset(
+    {
+        "accelerator",
+        "accumulate_grad_batches",
+        "default_root_dir",
+        "gradient_clip_algorithm",
+        "gradient_clip_val",
+        "max_epochs",
+        "max_steps",
+        "num_devices",
+        "num_nodes",
+        "precision",
+        "strategy",
+        "world_size",
+    }
+)
+
+
 class _ReadsRecorded:
-    """Stands for the Trainer while a forward is traced, noting each attribute read and the model's line reading it."""
+    """Stands for the Trainer while a forward is traced, noting each read of an attribute that changes during a fit
+    and the model's line reading it."""
 
     def __init__(self, trainer: pl.Trainer, reads: dict[str, str]) -> None:
         object.__setattr__(self, "_trainer", trainer)
         object.__setattr__(self, "_reads", reads)
 
     def __getattr__(self, name: str) -> Any:
+        if name in _FIXED_FOR_A_FIT:
+            return getattr(self._trainer, name)
         outside = (_TORCH_DIR, _LIGHTNING_DIR, _OWN_DIR, "<")
         lines = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(outside)]
         self._reads.setdefault(name, _describe(lines[-1]) if lines else "the forward")
