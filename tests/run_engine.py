@@ -113,7 +113,7 @@ def four_stages(out: Path) -> None:
     idx, y = batch()
     xs, ys = idx.split(MICRO_BATCH), y.split(MICRO_BATCH)
     model, stage = build_stage(topo, groups, xs[0])
-    result: dict[str, Any] = {"pp_rank": topo.pp_rank, "shared": stage.shared.names}
+    result: dict[str, Any] = {"rank": rank, "pp_rank": topo.pp_rank, "shared": stage.shared.names}
     result["names"] = [name for name, _ in model.named_parameters()]
     for schedule in ("gpipe", "1f1b", "varuna"):
         zero_grads(stage)
@@ -143,7 +143,12 @@ def two_stages_two_replicas(out: Path) -> None:
     idx, y = (t.chunk(replicas)[topo.dp_rank] for t in batch())  # this replica's rows
     xs, ys = idx.split(MICRO_BATCH), y.split(MICRO_BATCH)
     model, stage = build_stage(topo, groups, xs[0])
-    result: dict[str, Any] = {"pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "shared": stage.shared.names}
+    result: dict[str, Any] = {
+        "rank": rank,
+        "pp_rank": topo.pp_rank,
+        "dp_rank": topo.dp_rank,
+        "shared": stage.shared.names,
+    }
     result["names"] = [name for name, _ in model.named_parameters()]
     for schedule in ("gpipe", "1f1b"):
         zero_grads(stage)

@@ -34,7 +34,9 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def ranks(job: Path, layout: str) -> list[dict]:
-    return [torch.load(job / f"{layout}-rank{rank}.pt") for rank in range(WORLD)]
+    """What each rank of ``layout`` wrote, replica by replica and in stage order."""
+    results = [torch.load(job / f"{layout}-rank{rank}.pt") for rank in range(WORLD)]
+    return sorted(results, key=lambda r: (r.get("dp_rank", 0), r["pp_rank"]))
 
 
 def reference(idx: Tensor, y: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -98,7 +100,7 @@ def test_runtime_on_four_stages_computes_the_gradients_of_one_process(job, sched
     idx, y = batch()
     loss, logits, grads = reference(idx, y)
     results = ranks(job, "four")
-    assert [r["pp_rank"] for r in results] == list(range(WORLD))
+    assert [r["rank"] for r in results] == [3, 2, 1, 0]  # rank 0 holds the last stage
     shared = set(results[0]["shared"])
     assert shared == {"emb.weight"} and results[-1]["shared"] == ["emb.weight"]
     assert not results[1]["shared"] and not results[2]["shared"]
@@ -136,7 +138,7 @@ def test_runtime_of_each_replica_computes_its_rows_gradients(job, schedule):
     """StageRuntime at 2 stages in each of 2 replicas, before any sum: each replica's stage gradients are one
     process's on that replica's half of the batch, weighted 1/2 (each micro-batch's loss by 1/(2 x 4))."""
     results = ranks(job, "replicas")
-    assert [(r["pp_rank"], r["dp_rank"]) for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [(r["rank"], r["pp_rank"], r["dp_rank"]) for r in results] == [(1, 0, 0), (0, 1, 0), (3, 0, 1), (2, 1, 1)]
     halves = list(zip(*(t.chunk(2) for t in batch())))
     for rank, result in enumerate(results):
         idx, y = halves[result["dp_rank"]]
@@ -180,7 +182,7 @@ def test_clip_grad_norm_across_stages_is_one_process_clipping(job):
 @pytest.mark.slow
 def test_broadcast_buffers_gives_every_replica_the_first_ones(job):
     for rank, result in enumerate(ranks(job, "replicas")):
-        src = result["pp_rank"]  # replica 0's rank of this stage
+        src = 1 - result["pp_rank"]  # replica 0's rank of this stage
         expected = [torch.full((3,), float(src)), torch.arange(4.0) * (src + 1)]
         for got, want in zip(result["buffers"], expected):
             torch.testing.assert_close(got, want, msg=lambda m, r=rank: f"rank {r}: {m}")

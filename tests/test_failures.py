@@ -35,7 +35,7 @@ NO_FORWARD = (
 )
 KILLED = r"PeerFailure: stopped \(RuntimeError: .*\) because rank 1 \(process \d+\) failed: killed by SIGKILL"
 # The other rank may first see its connection to the failed rank break: it quotes that too, in parentheses.
-STOPPED_BY = r"PeerFailure: stopped( \(.*\))? because rank {rank} \(pipeline stage {rank} of replica 0\) failed: "
+STOPPED_BY = r"PeerFailure: stopped( \(.*\))? because rank {rank} \(pipeline stage {stage} of replica 0\) failed: "
 
 
 class TwoForwards(TinyLM):
@@ -95,15 +95,16 @@ def _raise(error: BaseException) -> None:
 @pytest.mark.parametrize(
     ("fault", "ranks", "last_error", "other_rank_says"),
     [
-        # The issue's hang: only the last stage sees the second call; rank 0 waited for its gradients for ever.
-        ("twice", "1", STOPPED_BY.format(rank=1) + SECOND_FORWARD, SECOND_FORWARD),
-        # Rank 0 fails alone and lives on (it started the job): rank 1 learns of it while it waits.
-        ("skip", "0", NO_FORWARD, STOPPED_BY.format(rank=0) + NO_FORWARD),
+        # The issue's hang: only the last stage (rank 0) sees the second call; the first waited for its gradients for
+        # ever. Rank 0 fails alone and lives on (it started the job): rank 1 learns of it while it waits.
+        ("twice", "0", SECOND_FORWARD, STOPPED_BY.format(rank=0, stage=1) + SECOND_FORWARD),
+        # Rank 1 fails alone: rank 0 ends the job with rank 1's error.
+        ("skip", "1", STOPPED_BY.format(rank=1, stage=0) + NO_FORWARD, NO_FORWARD),
         ("skip", "0,1", NO_FORWARD, NO_FORWARD),
         # A rank killed by a signal leaves no notice: rank 0 names it from its exit status.
         ("die", "1", KILLED, None),
     ],
-    ids=["second-forward", "no-forward-on-rank-0", "no-forward-on-all", "killed"],
+    ids=["second-forward", "no-forward-on-rank-1", "no-forward-on-all", "killed"],
 )  # fmt: skip
 def test_a_failing_rank_ends_the_job_with_its_error_last(tmp_path, fault, ranks, last_error, other_rank_says):
     proc = run_job([RUNNER, fault, ranks], tmp_path, timeout=180)
@@ -118,7 +119,7 @@ def test_a_failing_rank_ends_the_job_with_its_error_last(tmp_path, fault, ranks,
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("fault", "stalled_rank", "signalled"),
-    [("stall", 0, "job"), ("stall", 1, "job"), ("slow", 1, "job"), ("stall", 1, "rank 1")],
+    [("stall", 0, "job"), ("stall", 1, "job"), ("slow", 0, "job"), ("stall", 1, "rank 1")],
 )
 def test_sigterm_ends_ranks_that_wait_for_a_pipeline_message(tmp_path, fault, stalled_rank, signalled):
     # ``slow``: the last stage goes on with its step after the signal while the first gives up waiting for it, so

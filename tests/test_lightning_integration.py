@@ -143,6 +143,58 @@ def test_the_learning_rate_finder_runs_before_a_pipelined_fit(tmp_path):
     assert pipelined_run[2] == "3"
 
 
+RANK_ZERO_CODE = """
+import sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_only
+from torch.utils.data import DataLoader
+from models import TinyLM, token_dataset
+from lightning_varuna import VarunaStrategy
+
+
+class LogsItself(TinyLM):
+    \"\"\"Epoch-end hooks that call the logger directly and run rank-zero code, as Lightning's docs show.\"\"\"
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        self.val_rows = [*getattr(self, "val_rows", []), len(batch[0])]
+
+    def on_validation_epoch_end(self):
+        self.logger.log_metrics({{"val_rows_kept": sum(self.val_rows)}}, step=self.global_step)
+        self.val_rows = []
+        self.write_note()
+
+    @rank_zero_only
+    def write_note(self):
+        with open("notes.txt", "a") as notes:
+            notes.write(f"epoch {{self.current_epoch}} by rank {{self.global_rank}}\\n")
+
+
+torch.manual_seed(0)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=VarunaStrategy(pipeline_parallel_size=2), max_epochs=2,
+                    logger=CSVLogger("logs", name="", version=""), enable_checkpointing=False,
+                    enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=2)
+trainer.fit(LogsItself(), DataLoader(token_dataset(16), batch_size=4), DataLoader(token_dataset(16), batch_size=4))
+"""
+
+
+def test_rank_zero_code_in_an_epoch_end_hook_runs_where_the_steps_kept_their_outputs(tmp_path):
+    """Rank 0 holds the last stage, where the steps ran past `self(...)` and the epoch-end hooks run: a logger called
+    directly there and a `@rank_zero_only` method take effect once, with what the steps kept (before, rank 0 was a
+    first stage and skipped the hook, and on the last stage rank-zero code did nothing)."""
+    script = tmp_path / "rank_zero_code.py"
+    script.write_text(RANK_ZERO_CODE.format(tests=os.path.dirname(__file__)))
+    proc = run_job([str(script)], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / "notes.txt").read_text().splitlines() == ["epoch 0 by rank 0", "epoch 1 by rank 0"]
+    metrics = (tmp_path / "logs" / "metrics.csv").read_text().splitlines()
+    kept = [row.split(",")[metrics[0].split(",").index("val_rows_kept")] for row in metrics[1:]]
+    assert [value for value in kept if value] == ["8", "8"]  # the rows of the 2 validation batches of 4
+
+
 FINETUNING = """
 import ast
 import os

@@ -132,7 +132,7 @@ def test_a_model_in_double_precision_trains_pipelined_like_one_device(tmp_path):
     """``precision="64-true"``: the model's parameters and its float batches are doubles, from the start-up trace on."""
     train(tmp_path, ["bn_mlp"], 2, 1, precision="64-true")
     assert_trained_like_one_device(tmp_path / "bn_mlp", "bn_mlp", 2, 1, precision="64-true")
-    assert torch.load(tmp_path / "bn_mlp" / "rank0.pt")["inp.weight"].dtype == torch.float64
+    assert torch.load(tmp_path / "bn_mlp" / "rank1.pt")["inp.weight"].dtype == torch.float64  # the first stage
 
 
 def train(out_dir: Path, models: list[str], pp: int, dp: int, steps: int = STEPS, **config: object) -> None:

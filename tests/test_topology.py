@@ -11,7 +11,7 @@ P, D = 2, 3
 
 @pytest.mark.parametrize(
     ("rank", "pp_rank", "dp_rank"),
-    [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1), (4, 0, 2), (5, 1, 2)],
+    [(0, 1, 0), (1, 0, 0), (2, 1, 1), (3, 0, 1), (4, 1, 2), (5, 0, 2)],
 )
 def test_ranks_of_p2_d3(rank, pp_rank, dp_rank):
     topo = Topology.from_world(P * D, rank, P, None)
@@ -19,17 +19,18 @@ def test_ranks_of_p2_d3(rank, pp_rank, dp_rank):
     assert topo.pp_rank == pp_rank
     assert topo.dp_rank == dp_rank
     assert topo.is_last_stage == (pp_rank == P - 1)
-    # The stages of one replica are neighbouring ranks; one stage's replicas are P apart.
-    assert topo.stage_ranks() == [2 * dp_rank, 2 * dp_rank + 1]
-    assert topo.replica_ranks() == [pp_rank, pp_rank + 2, pp_rank + 4]
+    # The stages of one replica are neighbouring ranks, the last first (rank 0 holds replica 0's last stage); one
+    # stage's replicas are P apart.
+    assert topo.stage_ranks() == [2 * dp_rank + 1, 2 * dp_rank]
+    assert topo.replica_ranks() == [1 - pp_rank, 3 - pp_rank, 5 - pp_rank]
     assert rank in topo.stage_ranks()
     assert rank in topo.replica_ranks()
 
 
 def test_explicit_group_arguments():
     topo = Topology(pipeline_parallel_size=P, data_parallel_size=D, rank=0)
-    assert [topo.stage_ranks(d) for d in range(D)] == [[0, 1], [2, 3], [4, 5]]
-    assert [topo.replica_ranks(p) for p in range(P)] == [[0, 2, 4], [1, 3, 5]]
+    assert [topo.stage_ranks(d) for d in range(D)] == [[1, 0], [3, 2], [5, 4]]
+    assert [topo.replica_ranks(p) for p in range(P)] == [[1, 3, 5], [0, 2, 4]]
 
 
 @pytest.mark.parametrize(("pp", "dp"), [(1, 1), (1, 4), (4, 1), (2, 3), (3, 2), (4, 2)])

@@ -4,16 +4,16 @@
   the last stage runs the code of a step that comes after ``self(...)``, so what the steps keep for the epoch's end
   (outputs appended to a list, a metric they update) is the last stage's alone: on the other stages the list is
   empty. The values the hooks log are sent to the replica's other stages and logged there too, as a step's are
-  (`step_logging`), so that rank 0's loggers, the checkpoint monitors and a ``sync_dist`` reduction see them
-  everywhere. What the hooks gather themselves (``self.all_gather``, a torchmetrics metric's ``compute()``) is
-  gathered over the last stages of the replicas (``inside``), which hold all of it.
+  (`step_logging`), so that every rank's checkpoint monitors and a ``sync_dist`` reduction see them. Rank 0 holds
+  the last stage of replica 0 (`Topology`), so rank-zero code in the hooks (loggers, ``@rank_zero_only``) runs.
+  What the hooks gather themselves (``self.all_gather``, a torchmetrics metric's ``compute()``) is gathered over
+  the last stages of the replicas (``inside``), which hold all of it.
 - **on_before_optimizer_step** runs on every stage, each seeing its own parameters' gradients. The values it logs
   on the stages are merged and logged on every stage: a name one stage logs is that stage's value, Lightning's
   ``grad_norm`` total (``grad_{p}_norm_total``) is the p-norm of the stages' totals (the norm over all gradients,
   a weight tied across stages counted once), and another name that several stages log is the last stage's value
   (a warning names it where the stages' values differ). A ``sync_dist`` value is reduced over the replicas of the
-  stage (`replay`), and inside an epoch-end hook the last stage of replica 0 is the global zero (``self.print``,
-  ``trainer.is_global_zero``).
+  stage (`replay`).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Only the last stage sees the loss, and ``training_step`` runs once per micro-batch there. The values a
 step logs are recorded per micro-batch and combined as the value's ``reduce_fx`` combines steps: a mean (the
 default) with the micro-batch sizes as weights (the loss becomes the mean over the whole batch), a sum (a count of
-rows), a max or a min. They are sent to every stage of the replica and logged there once, so that rank 0 (a first
-stage) and its loggers see them too.
+rows), a max or a min. They are sent to every stage of the replica and logged there once, so that every rank's
+checkpoint monitors and callbacks see them (rank 0, whose loggers write them, holds a last stage).
 
 A torchmetrics metric object is logged as the metric itself on every stage: its state, updated on the last stage
 only, is gathered from all ranks when Lightning computes it at the epoch's end (torchmetrics syncs a metric over the

@@ -1,7 +1,9 @@
 """Rank arithmetic of a pipeline x data-parallel job and the process groups it needs.
 
-Global rank ``r`` runs stage ``r % P`` of replica ``r // P``: the stages of one replica are neighbours,
-so point-to-point traffic stays on a node and only the gradient all-reduce crosses nodes.
+Global rank ``r`` runs stage ``P - 1 - r % P`` of replica ``r // P``: the stages of one replica are neighbours,
+so point-to-point traffic stays on a node and only the gradient all-reduce crosses nodes. They are numbered from
+the last, so that rank 0 holds the last stage of replica 0: the one that computes the loss and runs the epoch-end
+hooks, where the user's rank-zero code (loggers, ``@rank_zero_only``, ``self.print``) sees what it logs.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class Topology:
     @property
     def pp_rank(self) -> int:
         """The pipeline stage this rank runs."""
-        return self.rank % self.pipeline_parallel_size
+        return self.pipeline_parallel_size - 1 - self.rank % self.pipeline_parallel_size
 
     @property
     def dp_rank(self) -> int:
@@ -57,12 +59,15 @@ class Topology:
     def stage_ranks(self, dp_rank: int | None = None) -> list[int]:
         """Global ranks of the stages of one replica (default: this rank's), in stage order."""
         dp_rank = self.dp_rank if dp_rank is None else dp_rank
-        return [dp_rank * self.pipeline_parallel_size + s for s in range(self.pipeline_parallel_size)]
+        return [self._rank_of(dp_rank, s) for s in range(self.pipeline_parallel_size)]
 
     def replica_ranks(self, pp_rank: int | None = None) -> list[int]:
         """Global ranks that hold the same stage in every replica (default: this rank's stage)."""
         pp_rank = self.pp_rank if pp_rank is None else pp_rank
-        return [d * self.pipeline_parallel_size + pp_rank for d in range(self.data_parallel_size)]
+        return [self._rank_of(d, pp_rank) for d in range(self.data_parallel_size)]
+
+    def _rank_of(self, dp_rank: int, pp_rank: int) -> int:
+        return dp_rank * self.pipeline_parallel_size + self.pipeline_parallel_size - 1 - pp_rank
 
     def new_groups(self, ranks_per_group: list[list[int]]) -> dist.ProcessGroup | None:
         """Create every group (all ranks must call this alike) and return the one holding this rank."""

@@ -360,15 +360,6 @@ class VarunaStrategy(ParallelStrategy):
             return sync_ddp_if_available(tensor, self._user_group(group), reduce_op=reduce_op)
         return tensor
 
-    @property
-    @override
-    def is_global_zero(self) -> bool:
-        """Rank 0; inside an epoch-end hook, which runs on the last stages alone, the last stage of replica 0 (so that
-        the hook's ``self.print`` and ``if self.trainer.is_global_zero:`` run once, as on one device)."""
-        if self._collective_group is not None and self.topology is not None:
-            return self.global_rank == self.topology.replica_ranks()[0]
-        return super().is_global_zero
-
     def _user_group(self, group: Any | None) -> Any | None:
         """The group of a collective that user code calls over all ranks (``group`` None or WORLD, as
         ``LightningModule.all_gather`` passes it): all ranks', or the last stages' inside an epoch-end hook; for
@@ -662,9 +653,11 @@ class VarunaStrategy(ParallelStrategy):
 
     def _gather_from_stages(self, obj: Any) -> list[Any]:
         """What every stage of this replica gives, in stage order."""
+        assert self.topology is not None
         gathered: list[Any] = [None] * self._stage_plan().runtime.num_stages
         dist.all_gather_object(gathered, obj, group=self._groups.stages)
-        return gathered
+        in_rank_order = sorted(self.topology.stage_ranks())  # a group's ranks count its members by global rank
+        return [gathered[in_rank_order.index(rank)] for rank in self.topology.stage_ranks()]
 
     @contextmanager
     def _collectives_over_last_stages(self) -> Iterator[None]:
