@@ -43,11 +43,16 @@ def has_ignored_labels(batch: Any) -> bool:
 
 
 def microbatch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
-    """Sizes of the micro-batches: all ``micro_batch_size`` but a smaller last one if it doesn't divide."""
+    """Sizes of the micro-batches: all ``micro_batch_size`` but a smaller last one if it doesn't divide. A last one
+    of a single row takes a row from the one before (``[3, 2]``, not ``[4, 1]``): BatchNorm cannot train on one row,
+    and one-device training never had such a batch."""
     if micro_batch_size < 1:
         raise ValueError(f"`micro_batch_size={micro_batch_size}` must be a positive integer.")
     count = math.ceil(batch_size / micro_batch_size)
-    return [min(micro_batch_size, batch_size - i * micro_batch_size) for i in range(count)]
+    sizes = [min(micro_batch_size, batch_size - i * micro_batch_size) for i in range(count)]
+    if count > 1 and sizes[-1] == 1 and micro_batch_size > 2:
+        sizes[-2:] = [micro_batch_size - 1, 2]
+    return sizes
 
 
 def default_micro_batch_size(batch_size: int, num_stages: int) -> int:
