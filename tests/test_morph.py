@@ -116,7 +116,7 @@ def test_sigusr1_morphs_and_a_smaller_relaunch_continues_the_same_training(tmp_p
     assert first["run"] == {"morphed": True, "reasons": [], "global_step": 3, "shape": [2, 2]}, proc.stderr[-6000:]
     assert open_complete(Storage(), str(tmp_path / "checkpoints" / "epoch=0-step=2.ckpt")).global_step == 2
     morph = open_complete(Storage(), str(tmp_path / "morph" / "morph-step=3.ckpt"))
-    assert morph.shape["data_position"] == {"epoch": 0, "rows": 3 * GLOBAL_BATCH}
+    assert morph.shape["data_position"] == {"epoch": 0, "rows": 3 * GLOBAL_BATCH, "shuffle": True, "seed": 0}
     assert first["losses"] == pytest.approx(uninterrupted["losses"][:3], rel=1e-5, abs=1e-5)
     assert global_batches(first) == uninterrupted["batches"][:3]
 

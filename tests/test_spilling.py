@@ -429,6 +429,33 @@ def test_checkpoints_are_written_a_shard_at_a_time_and_resume_exactly(tmp_path):
     assert_same_model(resumed, uninterrupted)
 
 
+def test_a_checkpoint_of_an_epoch_read_in_order_resumes_pipelined_in_that_order(tmp_path):
+    """SpillingStrategy keeps a DataLoader's order (here unshuffled); VarunaStrategy reads through Lightning's
+    distributed sampler, which shuffles. A spilled checkpoint taken mid-epoch resumes pipelined with the rest of that
+    epoch in its order: the batches and losses of the uninterrupted spilled run (before, the rest of the epoch was
+    read shuffled: some rows trained twice, others never)."""
+    from lightning_varuna import VarunaStrategy
+
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    options: dict[str, Any] = {"accumulate_grad_batches": 1, "limit_val_batches": 0, "val_check_interval": 1.0}
+
+    def loader() -> DataLoader:
+        return DataLoader(token_dataset(24), batch_size=4)  # 6 batches, read in order
+
+    read = BatchesRead()
+    expected = fit(reference, SpillingStrategy(memory_budget=BUDGETS[2]), loader=loader(), callbacks=[read], **options)
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), loader=loader(), callbacks=[saves], max_steps=2, **options)
+    resumed_read = BatchesRead()
+    path = str(tmp_path / "epoch=0-step=2.ckpt")
+    continued = fit(model, VarunaStrategy(), loader=loader(), callbacks=[resumed_read], ckpt_path=path, **options)
+    assert resumed_read.rows == read.rows[2:]
+    torch.testing.assert_close(losses(continued), losses(expected)[2:], rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
 class FailsOnce(TinyLM):
     """Raises at the batch ``fail_at`` (as a bad batch would in the step, or running out of memory in the backward),
     once."""

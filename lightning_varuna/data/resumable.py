@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
@@ -33,17 +33,21 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DataPosition:
-    """Rows of epoch ``epoch`` that training has consumed, over all replicas."""
+    """Rows of epoch ``epoch`` that training has consumed, over all replicas, and the order the epoch is read in
+    (``shuffle`` and ``seed`` as `DistributedSampler` takes them; None where a checkpoint did not say)."""
 
     epoch: int
     rows: int
+    shuffle: bool | None = None
+    seed: int | None = None
 
     def advanced(self, rows: int) -> DataPosition:
         """The position ``rows`` further into the same epoch."""
-        return DataPosition(self.epoch, self.rows + rows)
+        return replace(self, rows=self.rows + rows)
 
     def normalized(self, epoch_rows: int | None) -> DataPosition:
-        """The start of the next epoch once all ``epoch_rows`` of this one are trained (unknown: as it is)."""
+        """The start of the next epoch once all ``epoch_rows`` of this one are trained (unknown: as it is); the run
+        that resumes there reads it in its own order."""
         if epoch_rows is not None and self.rows >= epoch_rows:
             return DataPosition(self.epoch + 1, 0)
         return self
@@ -52,13 +56,15 @@ class DataPosition:
 def continue_unfinished_epoch(loops: dict[str, Any], position: DataPosition) -> None:
     """Make Lightning's restored fit loop continue an epoch that ``max_steps`` cut short.
 
-    Lightning counts the epoch in which ``fit`` stopped at ``max_steps`` as completed, so a resumed fit (with a larger
-    ``max_steps`` or no limit) would start the next epoch and never train the rest of that one. ``position`` says how
-    far the epoch really got: count it as not yet completed, and the fit loop resumes it at the next batch, as an
-    uninterrupted run would have continued. ``loops`` is the checkpoint's ``"loops"`` entry, changed in place.
+    Lightning counts the epoch in which ``fit`` stopped at ``max_steps`` as processed (a checkpoint saved at its
+    ``on_train_epoch_end``, as ``ModelCheckpoint(save_last=True)`` does) or completed (one saved after ``fit``), so a
+    resumed fit (with a larger ``max_steps`` or no limit) would start the next epoch and never train the rest of that
+    one. ``position`` says how far the epoch really got: count it as neither, and the fit loop resumes it at the next
+    batch, as an uninterrupted run would have continued. ``loops`` is the checkpoint's ``"loops"`` entry, changed in
+    place.
     """
     progress = loops.get("fit_loop", {}).get("epoch_progress")
-    if progress is None or position.rows == 0 or progress["current"]["completed"] <= position.epoch:
+    if progress is None or position.rows == 0 or progress["current"]["processed"] <= position.epoch:
         return
     for counter in ("current", "total"):
         progress[counter]["processed"] = progress[counter]["completed"] = position.epoch
@@ -67,7 +73,9 @@ def continue_unfinished_epoch(loops: dict[str, Any], position: DataPosition) -> 
 class ResumableDistributedSampler(DistributedSampler):
     """`DistributedSampler` (same order for the same seed and epoch) that can start an epoch at a position.
 
-    Its length stays the whole epoch's, as Lightning counts the batches of a resumed epoch from where the
+    The rest of that epoch is read in the order it began in (the position's), which another strategy may have chosen
+    (SpillingStrategy keeps a DataLoader's order, Lightning's distributed sampler shuffles); later epochs in this
+    sampler's. Its length stays the whole epoch's, as Lightning counts the batches of a resumed epoch from where the
     checkpoint left off; a resumed epoch simply runs out of samples that many batches early.
     """
 
@@ -76,14 +84,16 @@ class ResumableDistributedSampler(DistributedSampler):
         self.resume_from: DataPosition | None = None
 
     def __iter__(self) -> Iterator[int]:
+        shuffle, seed, skipped = self.shuffle, self.seed, 0
+        resumed = self.resume_from
+        if resumed is not None and resumed.epoch == self.epoch:
+            skipped = resumed.rows
+            shuffle = shuffle if resumed.shuffle is None else resumed.shuffle
+            seed = seed if resumed.seed is None else resumed.seed
         # The epoch's whole order, as torch's own sampler makes it for one replica.
-        whole: DistributedSampler = DistributedSampler(
-            self.dataset, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed
-        )
+        whole: DistributedSampler = DistributedSampler(self.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed)
         whole.set_epoch(self.epoch)
-        order = list(whole)
-        if self.resume_from is not None and self.resume_from.epoch == self.epoch:
-            order = order[self.resume_from.rows :]
+        order = list(whole)[skipped:]
         if self.drop_last:
             order = order[: len(order) - len(order) % self.num_replicas]
         elif order and len(order) % self.num_replicas:
@@ -137,6 +147,7 @@ class DataProgress:
         self.position = DataPosition(0, 0)
         self.resume_from: DataPosition | None = None
         self.epoch_rows: int | None = None  # rows of an epoch over all replicas, once the loader is resumable
+        self._order: dict[str, Any] = {}  # this run's `shuffle` and `seed`, once the loader is resumable
 
     def resumable(
         self, dataloader: DataLoader, sampler: DistributedSampler, batch_size: int, replicas: int
@@ -146,20 +157,21 @@ class DataProgress:
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         loader = resumable_loader(dataloader, sampler, batch_size, self.resume_from)
         self.epoch_rows = epoch_rows(loader, replicas)
+        self._order = {"shuffle": sampler.shuffle, "seed": sampler.seed}
         return loader
 
     def epoch_started(self, epoch: int) -> None:
-        self.position = DataPosition(epoch, 0)
+        self.position = DataPosition(epoch, 0, **self._order)
 
     def advance(self, rows: int) -> None:
         """``rows`` more rows trained (over all replicas)."""
         self.position = self.position.advanced(rows)
 
-    def saved(self) -> dict[str, int]:
+    def saved(self) -> dict[str, Any]:
         """The position for a checkpoint: the start of the next epoch once this one is trained."""
         return asdict(self.position.normalized(self.epoch_rows))
 
-    def restore(self, saved: dict[str, int] | None, loops: dict[str, Any]) -> None:
+    def restore(self, saved: dict[str, Any] | None, loops: dict[str, Any]) -> None:
         """Continue from a checkpoint's ``saved`` position (None: one without) and its Lightning ``loops`` state."""
         if saved is not None:
             self.resume_from = self.position = DataPosition(**saved)
