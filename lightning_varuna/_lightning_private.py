@@ -22,6 +22,7 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available as syn
 # Moving optimizer state to the device after a checkpoint is loaded. tests/test_checkpoint_resume.py.
 from lightning.fabric.utilities.optimizer import _optimizer_to_device as optimizer_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 # The optimizers, schedulers and monitor in what `configure_optimizers` returns (any of its forms), to read a
 # single-file checkpoint's optimizer state by parameter name. tests/test_real_models.py.
@@ -32,6 +33,10 @@ from lightning.pytorch.core.optimizer import _configure_optimizers as parse_conf
 # tests/test_morph.py, tests/test_failures.py.
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncherBase
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncherBase
+
+# The base of a launcher that runs the trainer in the calling process (SpillingStrategy's), so that it resolves
+# `ckpt_path="last"` as VarunaStrategy's launchers do. tests/test_checkpoint_storage.py.
+from lightning.pytorch.strategies.launchers.launcher import _Launcher as LauncherBase
 
 # Lightning's checkpoint connector, extended for `ckpt_path="last"` over sharded checkpoints, and the arguments a
 # DataLoader was made with. tests/test_checkpoint_resume.py, tests/test_morph.py.
@@ -61,8 +66,13 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerE
 #   to drop Lightning's per-batch SIGTERM broadcast: strategies/sigterm.py.
 #   tests/test_failures.py::test_sigterm_ends_ranks_that_wait_for_a_pipeline_message.
 
+# The folder a ModelCheckpoint without a `dirpath` writes to (under the logger's folder or `default_root_dir`), as
+# Lightning works it out: `resolve_checkpoint_dir(callback, trainer)`. tests/test_checkpoint_storage.py.
+resolve_checkpoint_dir = ModelCheckpoint._ModelCheckpoint__resolve_ckpt_dir  # type: ignore[attr-defined]
+
 __all__ = [
     "CheckpointConnector",
+    "LauncherBase",
     "MultiProcessingLauncherBase",
     "SubprocessScriptLauncherBase",
     "TunerExitException",
@@ -74,6 +84,7 @@ __all__ = [
     "optimizers_to_device",
     "parse_configure_optimizers",
     "reinstantiate_dataloader",
+    "resolve_checkpoint_dir",
     "set_num_threads_if_needed",
     "sync_ddp_if_available",
 ]

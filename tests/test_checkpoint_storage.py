@@ -13,17 +13,19 @@ import sys
 import time
 from pathlib import Path
 
+import fsspec
 import lightning as L
 import pytest
 import torch
 import torch.distributed.checkpoint
 from conftest import AZURITE_KEY, azurite_connection_string, clean_env
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from lightning.pytorch.callbacks import ModelCheckpoint
 from models import TinyLM, token_dataset
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_varuna import VarunaStrategy
+from lightning_varuna import SpillingStrategy, VarunaStrategy
 from lightning_varuna.checkpoint.layout import COMMIT_MARKER, IncompleteCheckpointError, find_newest
 from lightning_varuna.checkpoint.range_reader import RangeReader
 from lightning_varuna.checkpoint.sharded import read_tensors
@@ -187,6 +189,45 @@ def test_object_store_url_with_storage_options(trained, object_store):
     fitted.save_checkpoint(url)
     fresh = load_into_fresh_model(url, storage_options=object_store.options)
     torch.testing.assert_close(weights(fresh), weights(model), rtol=0, atol=0)
+
+
+class TrainedBatches(L.Callback):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_train_batch_end(self, *args) -> None:
+        self.count += 1
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        lambda options: VarunaStrategy(micro_batch_size=2, storage_options=options),
+        lambda options: SpillingStrategy(memory_budget="85KB", storage_options=options),
+    ],
+    ids=["varuna", "spilled"],
+)
+def test_last_from_the_default_folder_on_s3(s3_bucket, s3_server, monkeypatch, strategy):
+    """A ModelCheckpoint without a `dirpath` writes under `default_root_dir`, here on S3; `fit(ckpt_path="last")`
+    resumes from the newest complete checkpoint there, and trains as an uninterrupted run (before, both strategies
+    trained from scratch, with Lightning's warning that there was no last checkpoint)."""
+    monkeypatch.setitem(fsspec.config.conf, "s3", s3_server)  # for Lightning's own file operations
+
+    def fit(max_steps: int, ckpt_path: str | None = None, saves: bool = True) -> tuple[TinyLM, TrainedBatches]:
+        L.seed_everything(0)
+        model, trained = TinyLM(), TrainedBatches()
+        callbacks = [trained, *([ModelCheckpoint(save_last=True)] if saves else [])]
+        options = dict(max_epochs=-1, max_steps=max_steps, enable_checkpointing=saves, callbacks=callbacks)
+        trainer(strategy=strategy(s3_server), default_root_dir=f"{s3_bucket}/run", **options).fit(
+            model, loader(), ckpt_path=ckpt_path
+        )
+        return model, trained
+
+    fit(max_steps=2)
+    resumed, trained = fit(max_steps=5, ckpt_path="last")
+    uninterrupted, _ = fit(max_steps=5, saves=False)
+    assert trained.count == 3
+    torch.testing.assert_close(weights(resumed), weights(uninterrupted), rtol=1e-5, atol=1e-6)
 
 
 def test_listings_show_what_other_processes_changed(object_store):

@@ -2,9 +2,10 @@
 
 Lightning resolves ``"last"`` to the newest ``last*.ckpt`` file it lists in each ModelCheckpoint's folder by
 modification time; that neither sees folders on object stores nor skips a save that was interrupted. With
-VarunaStrategy, ``"last"`` means the most recently committed checkpoint (any name) in the folders of the
-trainer's checkpoint callbacks (ModelCheckpoint, MorphCallback); interrupted saves are skipped with a warning;
-with none, training starts fresh with a log line saying so.
+VarunaStrategy and SpillingStrategy, ``"last"`` means the most recently committed checkpoint (any name) in the
+folders of the trainer's checkpoint callbacks (ModelCheckpoint, where it writes without a ``dirpath`` too, and
+MorphCallback); interrupted saves are skipped with a warning; with none, training starts fresh with a log line
+saying so.
 
 Under SLURM with Lightning's auto-requeue (its default there), Lightning saves a checkpoint inside the requeue
 signal's handler, wherever the step is: in a pipelined step that can be between two micro-batches, where the
@@ -26,8 +27,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_varuna._lightning_private import (
     CheckpointConnector,
+    LauncherBase,
     MultiProcessingLauncherBase,
     SubprocessScriptLauncherBase,
+    resolve_checkpoint_dir,
 )
 from lightning_varuna.callbacks.morph import MorphCallback
 from lightning_varuna.checkpoint.layout import find_newest
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
     from lightning_varuna.storage import Storage
 
 __all__ = [
+    "InProcessLauncher",
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
     "add_requeue_callback",
@@ -48,11 +52,14 @@ __all__ = [
 
 
 def checkpoint_folders(trainer: pl.Trainer) -> list[str]:
-    """The folders that the trainer's checkpoint callbacks (ModelCheckpoint with an explicit ``dirpath``,
-    MorphCallback) write to."""
-    writers = (ModelCheckpoint, MorphCallback)
-    folders = [getattr(cb, "dirpath", None) for cb in trainer.callbacks if isinstance(cb, writers)]  # type: ignore[attr-defined]
-    return list(dict.fromkeys(str(folder) for folder in folders if folder))
+    """The folders that the trainer's checkpoint callbacks (ModelCheckpoint, MorphCallback) write to."""
+    folders = []
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, ModelCheckpoint):
+            folders.append(str(resolve_checkpoint_dir(callback, trainer)))
+        elif isinstance(callback, MorphCallback):
+            folders.append(str(callback.dirpath))
+    return list(dict.fromkeys(folders))
 
 
 def newest_complete_checkpoint(storage: Storage, folders: list[str]) -> str | None:
@@ -93,9 +100,8 @@ class _VarunaCheckpointConnector(CheckpointConnector):
         return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
 
 
-class _PrepareTrainer:
-    """Launcher mixin: in every process, the trainer resolves ``ckpt_path="last"`` and handles SLURM's requeue
-    signal as described above.
+class _ResolvesLast:
+    """Launcher mixin: in every process, the trainer resolves ``ckpt_path="last"`` as described above.
 
     Lightning resolves ``ckpt_path`` in the launched function before any strategy hook runs; the launcher is
     the one place that sees the trainer first.
@@ -104,9 +110,35 @@ class _PrepareTrainer:
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None and type(trainer._checkpoint_connector) is CheckpointConnector:
             trainer._checkpoint_connector.__class__ = _VarunaCheckpointConnector
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class _PrepareTrainer(_ResolvesLast):
+    """Launcher mixin: the trainer resolves ``ckpt_path="last"`` and handles SLURM's requeue signal as described
+    above."""
+
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None:
             add_requeue_callback(trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _RunsHere(LauncherBase):
+    """Runs the trainer's function in the calling process, as Lightning does for a strategy without a launcher."""
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    def kill(self, signum: Any) -> None:
+        """Nothing to kill: no other process was started."""
+
+
+class InProcessLauncher(_ResolvesLast, _RunsHere):
+    """For a strategy that trains in the calling process (SpillingStrategy): ``ckpt_path="last"`` as above."""
 
 
 class SubprocessScriptLauncher(_PrepareTrainer, ReportFirstFailure, SubprocessScriptLauncherBase):

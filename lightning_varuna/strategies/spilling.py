@@ -43,6 +43,7 @@ from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.callback_hooks import callbacks_of, restore_callback_hooks
 from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
+from lightning_varuna.strategies.launchers import InProcessLauncher
 from lightning_varuna.strategies.model_summary import summarize_whole_model
 from lightning_varuna.strategies.optimizers import torch_optimizer
 from lightning_varuna.strategies.requirements import WEIGHT_AVERAGING, require_automatic_optimization
@@ -135,6 +136,11 @@ class SpillingStrategy(SingleDeviceStrategy):
         module = self.lightning_module
         assert module is not None
         return module
+
+    @override
+    def _configure_launcher(self) -> None:
+        """Train in this process, resolving ``ckpt_path="last"`` to the newest complete sharded checkpoint."""
+        self._launcher = InProcessLauncher()
 
     # ------------------------------------------------------------------------------------------------ data
     @override
