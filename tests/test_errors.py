@@ -8,6 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import run_job
 from models import TinyLM, token_dataset
 from torch.utils.data import DataLoader
@@ -83,6 +84,22 @@ def test_a_forward_reading_the_trainer_is_refused_when_cut(cutting):
     fit(ScaledByTheWorld(), cutting())  # reads only what a fit never changes (sizes, precision)
 
 
+class CallsASubmodule(TinyLM):
+    """Runs its layers directly, as a step wrapping a torchvision model (`self.net(x)`) does; `example_input_array`
+    set, which does not make such a step cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.example_input_array = torch.zeros(2, 6, dtype=torch.long)
+
+    def training_step(self, batch, batch_idx):
+        keep = (batch[0] != 0).unsqueeze(-1).float()
+        x = self.emb(batch[0])
+        for block in self.blocks:
+            x = block(x, keep)
+        return F.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
+
+
 @pytest.mark.parametrize(
     ("model", "error", "match"),
     [
@@ -90,6 +107,7 @@ def test_a_forward_reading_the_trainer_is_refused_when_cut(cutting):
         (TupleAtCutPoint(), TypeError, r"CutPoint `cuts.0` got a `tuple`"),
         (TransposedAtCutPoint(), ValueError, r"shape \(6, 4, 16\) but the batch size is 4"),
         (DataDependentBranch(), RuntimeError, r"Cannot cut `DataDependentBranch.forward` into pipeline stages"),
+        (CallsASubmodule(), RuntimeError, r"never called `self\(...\)`.*a submodule called directly"),
     ],
 )
 def test_bad_model_fails_at_setup(model, error, match):

@@ -157,8 +157,8 @@ def capture_forward_inputs(module: pl.LightningModule, step_name: str, microbatc
     if not captured:
         raise RuntimeError(
             f"`{type(module).__name__}.{step_name}` never called `self(...)`; VarunaStrategy and SpillingStrategy "
-            "run the forward call of each step in parts (stages or shards). Call the model once per step, or set "
-            "`example_input_array`."
+            "run the forward call of each step in parts (stages or shards). Call the model through `self(...)` once "
+            "per step: a submodule called directly (`self.net(x)`) is not cut, and runs whole."
         )
     return captured[0]
 

@@ -543,17 +543,10 @@ class VarunaStrategy(ParallelStrategy):
         return profile.segment_costs(profile.threads_per_process(self.num_processes), self.micro_batch_size)
 
     def _example_forward_inputs(self, trainer: pl.Trainer) -> tuple[tuple, dict]:
-        """Forward arguments of one micro-batch: ``example_input_array`` or what the first step passes."""
+        """Forward arguments of one micro-batch: what the first step passes to ``self(...)`` (which also checks
+        that the step calls it; ``example_input_array`` would not)."""
         module = self.lightning_module
         assert module is not None
-        example = module.example_input_array
-        if example is not None:
-            if isinstance(example, dict):
-                args, kwargs = (), example
-            else:
-                args, kwargs = (example if isinstance(example, tuple) else (example,)), {}
-            args, kwargs = split_microbatches((args, kwargs), self.micro_batch_size)[0]
-            return self.batch_to_device(args), self.batch_to_device(kwargs)
         batch = self.batch_to_device(first_batch(trainer))
         microbatch = split_microbatches(batch, self.micro_batch_size)[0]
         assert trainer.state.fn is not None
