@@ -301,7 +301,7 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     plan.release_other_stages(graph, stage_module)
     plan.shared = SharedParameters(graph.stage_parameters, topology, dict(model.named_parameters()))
     params = plan.own_parameters()
-    actions = SCHEDULES[variant.schedule](world, cfg.num_microbatches)[rank]
+    actions = SCHEDULES[variant.schedule](world, cfg.num_microbatches)[topology.pp_rank]
 
     def forward_backward(x: Tensor, y: Tensor) -> None:
         xs, ys = x.split(cfg.micro_batch_size), y.split(cfg.micro_batch_size)

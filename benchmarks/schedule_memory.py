@@ -71,12 +71,13 @@ def worker(schedule: str, stages: int, out: Path) -> None:
     example = batches[0][0][: cfg.micro_batch_size]
     with torch.no_grad():
         _, output_spec = tree_flatten(model(example))
-    plan = Stage(model, boundaries, Topology.from_world(stages, rank, stages, None), output_spec, example.device)
+    topology = Topology.from_world(stages, rank, stages, None)
+    plan = Stage(model, boundaries, topology, output_spec, example.device)
     graph, stage_module = plan.stage_for((example,), {})
     plan.release_other_stages(graph, stage_module)
     params = plan.own_parameters()
     optimizer = torch.optim.AdamW(params, lr=3e-3)
-    actions = GENERATORS[schedule](stages, cfg.num_microbatches)[rank]
+    actions = GENERATORS[schedule](stages, cfg.num_microbatches)[topology.pp_rank]
     meter, step_s = SavedTensorMeter(exclude=[*stage_module.parameters(), *stage_module.buffers()]), []
     rss_before = current_rss_mb()
     for x, y in batches:

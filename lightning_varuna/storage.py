@@ -72,13 +72,18 @@ class Storage:
             return []
         return sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False))
 
-    def sizes(self, url: str) -> dict[str, int]:
-        """The files directly under ``url``: name to size in bytes (empty if it does not exist)."""
+    def sizes(self, url: str) -> dict[str, int | None]:
+        """The files directly under ``url`` (links to files too): name to size in bytes, None where the store does
+        not say (empty if ``url`` does not exist)."""
         fs, path = self.fs(url)
         if not fs.isdir(path):
             return {}
         entries = fs.ls(path, detail=True)
-        return {posixpath.basename(e["name"].rstrip("/")): int(e["size"]) for e in entries if e["type"] == "file"}
+        return {
+            posixpath.basename(e["name"].rstrip("/")): None if e.get("size") is None else int(e["size"])
+            for e in entries
+            if e.get("type") != "directory"
+        }
 
     def read_bytes(self, url: str) -> bytes:
         fs, path = self.fs(url)

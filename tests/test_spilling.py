@@ -152,6 +152,30 @@ def test_a_model_with_its_batch_size_built_in_trains_like_one_device():
     check_spilled_like_one_device(RowBiasLM, shards=2)
 
 
+class MasksAtRandom(TinyLM):
+    """Masks tokens at random in its step, before `self(...)`, drawing from NumPy and Python (as augmentations and
+    masking schemes do)."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        idx, y = batch
+        keep = torch.from_numpy(np.random.rand(*idx.shape) > random.random() / 2)
+        return super().training_step((idx * keep, y), batch_idx)
+
+
+def test_a_step_drawing_random_numbers_before_its_forward_trains_like_one_device():
+    """Set-up runs the first step up to `self(...)` to find the forward's inputs: the step's draws there are given
+    back, and training draws as on one device."""
+    torch.manual_seed(0)
+    reference = MasksAtRandom()
+    model = copy.deepcopy(reference)
+    runs = []
+    for module, strategy in (reference, "auto"), (model, SpillingStrategy(memory_budget=BUDGETS[2])):
+        random.seed(0), np.random.seed(0)
+        runs.append(fit(module, strategy))
+    torch.testing.assert_close(losses(runs[1]), losses(runs[0]), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
 class DictBatchLM(TinyLM):
     """Called with the whole batch as a dict, as `self.model(**batch)` calls a Hugging Face model with its labels:
     the first shard reads one entry of it."""
@@ -451,6 +475,44 @@ def test_a_checkpoint_of_an_epoch_read_in_order_resumes_pipelined_in_that_order(
     resumed_read = BatchesRead()
     path = str(tmp_path / "epoch=0-step=2.ckpt")
     continued = fit(model, VarunaStrategy(), loader=loader(), callbacks=[resumed_read], ckpt_path=path, **options)
+    assert resumed_read.rows == read.rows[2:]
+    torch.testing.assert_close(losses(continued), losses(expected)[2:], rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
+def test_a_checkpoint_at_the_end_of_a_limited_epoch_resumes_with_the_next_epoch(tmp_path):
+    """`limit_train_batches` ends the epoch before its rows run out: a checkpoint saved at its end (ModelCheckpoint's
+    `save_last`) resumes with the next epoch, as one uninterrupted run goes on (not with the epoch's unread rows)."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    options: dict[str, Any] = {"accumulate_grad_batches": 1, "limit_val_batches": 0, "limit_train_batches": 2}
+    options.update(max_steps=-1, val_check_interval=1.0)
+
+    def loader() -> DataLoader:
+        return DataLoader(token_dataset(24), batch_size=4)
+
+    read, resumed_read = BatchesRead(), BatchesRead()
+    expected = fit(
+        reference,
+        SpillingStrategy(memory_budget=BUDGETS[2]),
+        loader=loader(),
+        callbacks=[read],
+        max_epochs=2,
+        **options,
+    )
+    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), loader=loader(), callbacks=[saves], max_epochs=1, **options)
+    path = str(tmp_path / "last.ckpt")
+    continued = fit(
+        model,
+        SpillingStrategy(memory_budget=BUDGETS[2]),
+        path,
+        loader(),
+        callbacks=[resumed_read],
+        max_epochs=2,
+        **options,
+    )
     assert resumed_read.rows == read.rows[2:]
     torch.testing.assert_close(losses(continued), losses(expected)[2:], rtol=1e-5, atol=1e-6)
     assert_same_model(model, reference)

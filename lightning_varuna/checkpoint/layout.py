@@ -127,10 +127,11 @@ def open_complete(storage: Storage, url: str) -> CheckpointInfo:
         metadata = storage.dcp_reader(info.version_url).read_metadata()
         for item in metadata.storage_data.values():
             needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    held = {name: needed.get(name, 0) if size is None else size for name, size in present.items()}  # None: unknown
     damaged = [
-        f"{name} is missing" if name not in present else f"{name} holds {present[name]} of its {size} bytes"
+        f"{name} is missing" if name not in held else f"{name} holds {held[name]} of its {size} bytes"
         for name, size in sorted(needed.items())
-        if present.get(name, 0) < size
+        if held.get(name, -1) < size
     ]
     if damaged:
         raise IncompleteCheckpointError(

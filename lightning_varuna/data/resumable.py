@@ -63,9 +63,12 @@ def continue_unfinished_epoch(loops: dict[str, Any], position: DataPosition) -> 
     batch, as an uninterrupted run would have continued. ``loops`` is the checkpoint's ``"loops"`` entry, changed in
     place.
     """
-    progress = loops.get("fit_loop", {}).get("epoch_progress")
+    fit_loop = loops.get("fit_loop", {})
+    progress = fit_loop.get("epoch_progress")
     if progress is None or position.rows == 0 or progress["current"]["processed"] <= position.epoch:
         return
+    if fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch", False):
+        return  # the epoch read its last batch (`limit_train_batches`, an IterableDataset): it ended
     for counter in ("current", "total"):
         progress[counter]["processed"] = progress[counter]["completed"] = position.epoch
 

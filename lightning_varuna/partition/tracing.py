@@ -85,7 +85,6 @@ def without_kv_cache(configs: list[Any]) -> Iterator[None]:
 _FIXED_FOR_A_FIT = frozenset(
     {
         "accelerator",
-        "accumulate_grad_batches",
         "default_root_dir",
         "gradient_clip_algorithm",
         "gradient_clip_val",
@@ -94,7 +93,6 @@ _FIXED_FOR_A_FIT = frozenset(
         "num_devices",
         "num_nodes",
         "precision",
-        "strategy",
         "world_size",
     }
 )

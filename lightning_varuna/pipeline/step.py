@@ -27,6 +27,7 @@ from lightning_varuna.pipeline.microbatch import batch_size_of, merge_microbatch
 from lightning_varuna.pipeline.schedules import Action
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step_logging import LogRecorder
+from lightning_varuna.random_states import global_random_states_kept
 
 __all__ = ["MicroBatchedStep", "StageForwardDone", "capture_forward_inputs", "patched_forward"]
 
@@ -140,7 +141,7 @@ class MicroBatchedStep:
 
 def capture_forward_inputs(module: pl.LightningModule, step_name: str, microbatch: Any) -> tuple[tuple, dict]:
     """The arguments the step passes to ``self(...)`` for ``microbatch``, found by running the step up to that call
-    (without gradients, logging nothing)."""
+    (without gradients, logging nothing, and leaving the random numbers the run draws next as they were)."""
     captured: list[tuple[tuple, dict]] = []
 
     def capture(*args: Any, **kwargs: Any) -> None:
@@ -148,6 +149,7 @@ def capture_forward_inputs(module: pl.LightningModule, step_name: str, microbatc
         raise StageForwardDone
 
     with (
+        global_random_states_kept(),
         torch.no_grad(),
         LogRecorder().capture(module),
         patched_forward(module, capture),

@@ -68,7 +68,7 @@ class Prediction:
 class _CoreSharing:
     """How the processes of a node share its CPU cores (processor sharing); on GPUs each has its own device."""
 
-    node_of_stage: list[int]  # the node of each stage of replica 0 (ranks are replica-major)
+    node_of_stage: list[int]  # the node of each stage of replica 0 (ranks are replica-major, the last stage first)
     copies: int  # replicas of a stage on one node: they run in lockstep and compete with each other
     streams: float  # processes a node runs at full speed at once (cores / threads per process); 0: no sharing
 
@@ -76,7 +76,7 @@ class _CoreSharing:
     def of(cls, profile: ModelProfile, stages: int, processes_per_node: int, threads: int) -> _CoreSharing:
         on_cpu = not profile.device.startswith("cuda")
         return cls(
-            node_of_stage=[s // processes_per_node for s in range(stages)],
+            node_of_stage=[(stages - 1 - s) // processes_per_node for s in range(stages)],
             copies=max(1, processes_per_node // stages),
             streams=profile.cores_per_node / threads if on_cpu else 0.0,
         )

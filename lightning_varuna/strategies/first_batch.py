@@ -3,15 +3,15 @@ measures the model with before the first step."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_varuna.random_states import global_random_states_kept
 
 __all__ = ["STEP_OF_FN", "first_batch"]
 
@@ -51,10 +51,7 @@ def _random_numbers_kept(loader: Any) -> Iterator[None]:
     owners = (loader, sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
     generators = {id(g): g for g in (getattr(o, "generator", None) for o in owners) if isinstance(g, torch.Generator)}
     states = [(generator, generator.get_state()) for generator in generators.values()]
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
+    with global_random_states_kept():
         yield
     for generator, state in states:
         generator.set_state(state)
-    random.setstate(python_state)
-    np.random.set_state(numpy_state)

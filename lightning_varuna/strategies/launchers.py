@@ -90,13 +90,12 @@ def add_requeue_callback(trainer: pl.Trainer) -> None:
 
 class _VarunaCheckpointConnector(CheckpointConnector):
     def _parse_ckpt_path(self, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
-        folders = checkpoint_folders(self.trainer)
         requeued = is_requeued_job() and requeue_signal(self.trainer) is not None
-        if ckpt_path is None and state_fn == TrainerFn.FITTING and requeued and folders:
-            ckpt_path = "last"
-        if ckpt_path == "last" and folders:
-            storage = self.trainer.strategy.checkpoint_storage  # type: ignore[attr-defined]
-            return newest_complete_checkpoint(storage, folders)
+        if ckpt_path == "last" or (ckpt_path is None and state_fn == TrainerFn.FITTING and requeued):
+            folders = checkpoint_folders(self.trainer)  # only now: it asks the logger for its folder
+            if folders:
+                storage = self.trainer.strategy.checkpoint_storage  # type: ignore[attr-defined]
+                return newest_complete_checkpoint(storage, folders)
         return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
 
 
