@@ -182,9 +182,13 @@ from lightning_varuna import VarunaStrategy
 
 class FailsOnce(TinyLM):
     def training_step(self, batch, batch_idx):
-        if {fail!r} and self.global_step == 3:
+        if {fail!r} == "training_step" and self.global_step == 3:
             raise RuntimeError("a bad batch")
         return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer):  # as the step running out of memory, after the backward
+        if {fail!r} == "optimizer_step" and self.global_step == 3:
+            raise RuntimeError("a bad batch")
 
 
 class Rank0Fails(L.Callback):  # as a logger that writes from rank 0 alone might
@@ -214,17 +218,19 @@ finally:
 
 
 @pytest.mark.slow
-def test_a_failed_step_leaves_an_on_exception_checkpoint_that_resumes_with_that_batch(tmp_path):
+@pytest.mark.parametrize("fail_in", ["training_step", "optimizer_step"])
+def test_a_failed_step_leaves_an_on_exception_checkpoint_that_resumes_with_that_batch(tmp_path, fail_in):
     """Under `Trainer(devices=N)` the main process saves `OnExceptionCheckpoint`'s checkpoint with the others before
     it waits for them to end (before, it waited first and then killed them, waiting in the save for it: no
     checkpoint); the job ends with the step's error, and the run resumed from the checkpoint trains the failed
-    batch, as an uninterrupted run does (before, it skipped it)."""
+    batch, as an uninterrupted run does (before, it skipped it; after a failed optimizer step, until the
+    checkpoint counted only the batches Lightning counts processed)."""
     tests = os.path.dirname(__file__)
     runs = {}
     for name, fail, ckpt_path in [
-        ("whole", False, None),
-        ("failed", True, None),
-        ("resumed", False, str(tmp_path / "failed" / "on_exception.ckpt")),
+        ("whole", None, None),
+        ("failed", fail_in, None),
+        ("resumed", None, str(tmp_path / "failed" / "on_exception.ckpt")),
     ]:
         folder = tmp_path / name
         folder.mkdir()
@@ -232,7 +238,7 @@ def test_a_failed_step_leaves_an_on_exception_checkpoint_that_resumes_with_that_
         text = ON_EXCEPTION.format(tests=tests, fail=fail, rank0_fails=False, folder=str(folder), ckpt_path=ckpt_path)
         script.write_text(text)
         proc = run_job([str(script)], tmp_path, timeout=300)
-        assert (proc.returncode != 0) == fail, proc.stderr[-3000:]
+        assert (proc.returncode != 0) == bool(fail), proc.stderr[-3000:]
         runs[name] = [json.loads((folder / f"losses{rank}.json").read_text()) for rank in (0, 1)]
         if fail:
             assert "RuntimeError: a bad batch" in proc.stderr.rstrip().splitlines()[-1], proc.stderr[-3000:]
@@ -250,7 +256,7 @@ def test_a_failure_on_rank_0_alone_leaves_an_on_exception_checkpoint(tmp_path):
     group's timeout, leaving no checkpoint)."""
     script = tmp_path / "job.py"
     text = ON_EXCEPTION.format(
-        tests=os.path.dirname(__file__), fail=False, rank0_fails=True, folder=str(tmp_path), ckpt_path=None
+        tests=os.path.dirname(__file__), fail=None, rank0_fails=True, folder=str(tmp_path), ckpt_path=None
     )
     script.write_text(text)
     proc = run_job([str(script)], tmp_path, timeout=90)

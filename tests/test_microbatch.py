@@ -160,6 +160,19 @@ def test_logged_values_combine_over_micro_batches_as_their_reduce_fx():
     assert values == pytest.approx({"loss": 2.0, "rows": 4.0, "peak": 0.9, "low": 0.2})
 
 
+def test_a_float64_value_is_logged_to_its_last_digit():
+    """Under ``precision="64-true"`` a step logs float64 tensors: the batch's value keeps every digit, as one device
+    logs it (before, each was rounded to float32)."""
+    recorder, module = LogRecorder(), L.LightningModule()
+    third = torch.tensor(1 / 3, dtype=torch.float64)
+    with recorder.capture(module):
+        for _ in range(2):
+            recorder.weight = 0.5
+            module.log("loss", third)
+    [(_, value, _)] = recorder.summary()
+    assert value == float(third)
+
+
 def test_values_the_stages_log_merge_into_one_device_values():
     """Names one stage logs keep its value; Lightning's `grad_norm` totals combine as norms of all the stages'
     gradients; another name logged on several stages is the last stage's."""

@@ -537,17 +537,24 @@ class FailsOnce(TinyLM):
     def on_before_backward(self, loss: torch.Tensor) -> None:
         self._fail_here("on_before_backward")
 
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:  # as the step running out of memory
+        self._fail_here("on_before_optimizer_step")
 
-@pytest.mark.parametrize("fail_in", ["training_step", "on_before_backward"])
-def test_the_checkpoint_taken_as_a_step_fails_resumes_with_that_batch(tmp_path, fail_in):
-    """`OnExceptionCheckpoint` saves as the step (or its backward) fails: the failed batch was not trained, and the
-    resumed run trains it, as an uninterrupted run does (before, it was counted as trained and skipped)."""
+
+@pytest.mark.parametrize(
+    ("fail_in", "clip"),
+    [("training_step", None), ("on_before_backward", None), ("on_before_optimizer_step", 0.5)],
+)
+def test_the_checkpoint_taken_as_a_step_fails_resumes_with_that_batch(tmp_path, fail_in, clip):
+    """`OnExceptionCheckpoint` saves as the step, its backward or its optimizer step (after the backward when the
+    gradients are clipped) fails: the failed batch was not trained, and the resumed run trains it, as an
+    uninterrupted run does (before, it was counted as trained and skipped)."""
     torch.manual_seed(0)
     reference = TinyLM()
     model = FailsOnce()
     model.fail_in = fail_in
     model.load_state_dict(reference.state_dict())
-    options = {"gradient_clip_val": None, "accumulate_grad_batches": 1, "max_steps": 6}
+    options = {"gradient_clip_val": clip, "accumulate_grad_batches": 1, "max_steps": 6}
     expected = fit(reference, "auto", **options)
     saves = OnExceptionCheckpoint(dirpath=tmp_path)
     with pytest.raises(RuntimeError, match=f"failed in {fail_in}"):

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import lightning.pytorch as pl
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_varuna._lightning_private import dataloader_init_args, reinstantiate_dataloader
@@ -151,6 +152,7 @@ class DataProgress:
         self.resume_from: DataPosition | None = None
         self.epoch_rows: int | None = None  # rows of an epoch over all replicas, once the loader is resumable
         self._order: dict[str, Any] = {}  # this run's `shuffle` and `seed`, once the loader is resumable
+        self._in_flight: tuple[int, int] | None = None  # the last batch counted: (its number, its rows)
 
     def resumable(
         self, dataloader: DataLoader, sampler: DistributedSampler, batch_size: int, replicas: int
@@ -166,16 +168,28 @@ class DataProgress:
     def epoch_started(self, epoch: int) -> None:
         self.position = DataPosition(epoch, 0, **self._order)
 
-    def advance(self, rows: int) -> None:
-        """``rows`` more rows trained (over all replicas)."""
+    def advance(self, rows: int, trainer: pl.Trainer) -> None:
+        """``rows`` more rows (over all replicas): ``trainer``'s training batch, whose step begins."""
         self.position = self.position.advanced(rows)
+        self._in_flight = (_batches(trainer).ready, rows)
 
-    def saved(self) -> dict[str, Any]:
-        """The position for a checkpoint: the start of the next epoch once this one is trained."""
-        return asdict(self.position.normalized(self.epoch_rows))
+    def saved(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The position for a checkpoint: the start of the next epoch once this one is trained. A batch that
+        ``trainer`` has not counted processed is not trained: the checkpoint is taken as its step, backward or
+        optimizer step fails (`OnExceptionCheckpoint`), and a run resumed from it reads that batch again, as an
+        uninterrupted run trains it."""
+        position = self.position
+        if self._in_flight is not None and self._in_flight[0] > _batches(trainer).processed:
+            position = position.advanced(-self._in_flight[1])
+        return asdict(position.normalized(self.epoch_rows))
 
     def restore(self, saved: dict[str, Any] | None, loops: dict[str, Any]) -> None:
         """Continue from a checkpoint's ``saved`` position (None: one without) and its Lightning ``loops`` state."""
         if saved is not None:
             self.resume_from = self.position = DataPosition(**saved)
             continue_unfinished_epoch(loops, self.resume_from)
+
+
+def _batches(trainer: pl.Trainer) -> Any:
+    """Lightning's count of the fit's training batches (``ready``, ``processed``...) over its epochs and resumes."""
+    return trainer.fit_loop.epoch_loop.batch_progress.total

@@ -100,7 +100,7 @@ class LogRecorder:
                     return
             value = value._forward_cache if value._forward_cache is not None else value.compute()
         if isinstance(value, Tensor):
-            value = value.detach().float().item()
+            value = value.detach().item()
         entry = self.entries.setdefault(name, _Entry(kwargs))
         entry.values.append(float(value))
         entry.weights.append(self.weight)

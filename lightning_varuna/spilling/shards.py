@@ -100,13 +100,16 @@ class ShardedModel:
     ) -> None:
         """Move every shard to the store (at setup), or to the device if shards stay there; ``optimizer`` is the one
         whose state moves with them. ``fill(segments)``, if given, first gives the parameters of a shard's segments
-        their values (a model materialized a segment at a time)."""
+        their values (a model materialized a segment at a time). Gradients left on the parameters (by a fit that
+        failed after its backward) are dropped, as Lightning zeroes them before the first step."""
         self._optimizer = optimizer
         for p in self.resident_params:
             p.data = p.data.to(self.store.device)
         for shard in self.shards:
             if fill is not None:
                 fill(shard.segments)
+            for p in shard.params:
+                p.grad = None
             if self.stays:
                 for p in shard.params:
                     p.data = p.data.to(self.store.device)

@@ -107,7 +107,6 @@ class SpillingStrategy(SingleDeviceStrategy):
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage)
         self._loading: SavedTensors | TensorsByName | None = None  # the checkpoint being restored
         self._data = DataProgress()
-        self._rows_in_step = 0  # the batch's, counted as trained once its backward ran
         self._batch_size: int | None = None  # the largest training batch so far
         self._parked: ParkedSegments | None = None  # segments of a meta-device model materialized at set-up
         # A model that fits its budget in one shard stays on the device (a sweep's may not: they share it).
@@ -270,18 +269,9 @@ class SpillingStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         rows = batch_size_of(args[0])
         self._batch_size = max(self._batch_size or 0, rows)
+        self._data.advance(rows, self._module.trainer)
         with self._forward_through_shards():
-            output = super().training_step(*args, **kwargs)
-        self._rows_in_step = rows
-        if output is None:  # a batch the step skips: no backward
-            self._count_trained()
-        return output
-
-    def _count_trained(self) -> None:
-        """The batch counts as trained once its backward ran: a checkpoint taken as the step, its backward or a
-        shard's optimizer step in it fails (`OnExceptionCheckpoint`) resumes with this batch."""
-        self._data.advance(self._rows_in_step)
-        self._rows_in_step = 0
+            return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -308,7 +298,6 @@ class SpillingStrategy(SingleDeviceStrategy):
             super(SpillingStrategy, self).backward(loss, optimizer, *args, **kwargs)
 
         self._sharded_model().backward(closure_loss, lightning_backward, self._stepping)
-        self._count_trained()
         return closure_loss
 
     @override
@@ -374,7 +363,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         lightning_state = dict(checkpoint)
         lightning_state.pop("state_dict", None)
         with_optimizer = lightning_state.pop("optimizer_states", None) is not None
-        shape = run_shape(1, 1, None, self._batch_size, self._data.saved())
+        shape = run_shape(1, 1, None, self._batch_size, self._data.saved(self._module.trainer))
         optimizer = torch_optimizer(self.optimizers[0]) if with_optimizer and self.optimizers else None
         pieces = checkpoint_pieces(self._module, optimizer, self._visit)
         self._checkpoints.save_pieces(pieces, lightning_state, str(filepath), shape, storage_options)

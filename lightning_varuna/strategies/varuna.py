@@ -576,15 +576,12 @@ class VarunaStrategy(ParallelStrategy):
                 check_stages_read_one_batch(
                     args[0], self._groups.stages, self.topology.pipeline_parallel_size, self.root_device
                 )
+        self._data.advance(rows * self.topology.data_parallel_size, self._module.trainer)
         with (
             self._step_gradients.computing(self._stage_plan().own_parameters()),
             self.precision_plugin.train_step_context(),
         ):
-            output = self._pipelined_step("training_step", args, kwargs, backward=True)
-        # Counted once trained: a checkpoint taken as the step fails (`OnExceptionCheckpoint`) resumes with this
-        # batch, as Lightning's loop does.
-        self._data.advance(rows * self.topology.data_parallel_size)
-        return output
+            return self._pipelined_step("training_step", args, kwargs, backward=True)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -832,7 +829,7 @@ class VarunaStrategy(ParallelStrategy):
             topo.data_parallel_size,
             self.micro_batch_size,
             global_batch_size,
-            self._data.saved(),
+            self._data.saved(self._module.trainer),
         )
         self._checkpoints.save(tensors, lightning_state, str(filepath), shape, storage_options)
 
