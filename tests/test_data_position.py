@@ -14,7 +14,8 @@ import pytest
 from reference import train_reference
 from test_checkpoint_resume import EPOCHS, assert_continues, run, shape
 
-pytestmark = pytest.mark.slow  # real multi-process jobs
+# Real multi-process jobs; on one xdist worker, which then runs each module-scoped job once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("data_position")]
 
 
 @pytest.fixture(scope="module")

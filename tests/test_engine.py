@@ -21,6 +21,7 @@ from lightning_varuna.pipeline.gradients import clip_grad_norm_across_stages, su
 RUNNER = os.path.join(os.path.dirname(__file__), "run_engine.py")
 WORLD = 4
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+pytestmark = pytest.mark.xdist_group("engine")  # on one xdist worker, which then runs the module's job once
 
 
 @pytest.fixture(scope="module")

@@ -217,36 +217,39 @@ finally:
 """
 
 
+def run_on_exception_job(tmp_path: Path, name: str, fail: str | None, ckpt_path: str | None) -> list[list[float]]:
+    """Run `ON_EXCEPTION` in ``tmp_path / name`` (failing in ``fail``, resuming from ``ckpt_path``); each rank's
+    losses."""
+    folder = tmp_path / name
+    folder.mkdir()
+    script = tmp_path / f"{name}.py"
+    text = ON_EXCEPTION.format(
+        tests=os.path.dirname(__file__), fail=fail, rank0_fails=False, folder=str(folder), ckpt_path=ckpt_path
+    )
+    script.write_text(text)
+    proc = run_job([str(script)], tmp_path, timeout=300)
+    assert (proc.returncode != 0) == bool(fail), proc.stderr[-3000:]
+    if fail:
+        assert "RuntimeError: a bad batch" in proc.stderr.rstrip().splitlines()[-1], proc.stderr[-3000:]
+    return [json.loads((folder / f"losses{rank}.json").read_text()) for rank in (0, 1)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fail_in", ["training_step", "optimizer_step"])
-def test_a_failed_step_leaves_an_on_exception_checkpoint_that_resumes_with_that_batch(tmp_path, fail_in):
+def test_a_failed_step_leaves_an_on_exception_checkpoint_that_resumes_with_that_batch(tmp_path):
     """Under `Trainer(devices=N)` the main process saves `OnExceptionCheckpoint`'s checkpoint with the others before
     it waits for them to end (before, it waited first and then killed them, waiting in the save for it: no
     checkpoint); the job ends with the step's error, and the run resumed from the checkpoint trains the failed
-    batch, as an uninterrupted run does (before, it skipped it; after a failed optimizer step, until the
-    checkpoint counted only the batches Lightning counts processed)."""
-    tests = os.path.dirname(__file__)
-    runs = {}
-    for name, fail, ckpt_path in [
-        ("whole", None, None),
-        ("failed", fail_in, None),
-        ("resumed", None, str(tmp_path / "failed" / "on_exception.ckpt")),
-    ]:
-        folder = tmp_path / name
-        folder.mkdir()
-        script = tmp_path / f"{name}.py"
-        text = ON_EXCEPTION.format(tests=tests, fail=fail, rank0_fails=False, folder=str(folder), ckpt_path=ckpt_path)
-        script.write_text(text)
-        proc = run_job([str(script)], tmp_path, timeout=300)
-        assert (proc.returncode != 0) == bool(fail), proc.stderr[-3000:]
-        runs[name] = [json.loads((folder / f"losses{rank}.json").read_text()) for rank in (0, 1)]
-        if fail:
-            assert "RuntimeError: a bad batch" in proc.stderr.rstrip().splitlines()[-1], proc.stderr[-3000:]
-    whole, failed, resumed = runs["whole"], runs["failed"], runs["resumed"]
-    assert len(whole[0]) == 6 and len(failed[0]) == 3
-    for rank in (0, 1):
-        assert failed[rank] == pytest.approx(whole[rank][:3], rel=1e-6)
-        assert resumed[rank] == pytest.approx(whole[rank][3:], rel=1e-6)
+    batch, as an uninterrupted run does (before, it skipped it), whether the step or its optimizer step failed
+    (before, a batch whose optimizer step failed counted as trained)."""
+    whole = run_on_exception_job(tmp_path, "whole", None, None)
+    assert len(whole[0]) == 6
+    for fail_in in ("training_step", "optimizer_step"):
+        failed = run_on_exception_job(tmp_path, f"failed_in_{fail_in}", fail_in, None)
+        checkpoint = str(tmp_path / f"failed_in_{fail_in}" / "on_exception.ckpt")
+        resumed = run_on_exception_job(tmp_path, f"resumed_after_{fail_in}", None, checkpoint)
+        for rank in (0, 1):
+            assert failed[rank] == pytest.approx(whole[rank][:3], rel=1e-6), fail_in
+            assert resumed[rank] == pytest.approx(whole[rank][3:], rel=1e-6), fail_in
 
 
 @pytest.mark.slow
