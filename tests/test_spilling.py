@@ -31,7 +31,7 @@ from models import DIM, VOCAB, Block, CountingLM, TinyLM, token_dataset
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_varuna import CutPoint, SpillingStrategy
+from lightning_varuna import CutPoint, SpillingStrategy, VarunaStrategy
 from lightning_varuna.checkpoint.consolidate import consolidate
 from lightning_varuna.checkpoint.layout import find_newest, open_complete
 from lightning_varuna.checkpoint.state import optimizer_state_by_name
@@ -458,7 +458,6 @@ def test_a_checkpoint_of_an_epoch_read_in_order_resumes_pipelined_in_that_order(
     distributed sampler, which shuffles. A spilled checkpoint taken mid-epoch resumes pipelined with the rest of that
     epoch in its order: the batches and losses of the uninterrupted spilled run (before, the rest of the epoch was
     read shuffled: some rows trained twice, others never)."""
-    from lightning_varuna import VarunaStrategy
 
     torch.manual_seed(0)
     reference = TinyLM()
@@ -477,6 +476,38 @@ def test_a_checkpoint_of_an_epoch_read_in_order_resumes_pipelined_in_that_order(
     continued = fit(model, VarunaStrategy(), loader=loader(), callbacks=[resumed_read], ckpt_path=path, **options)
     assert resumed_read.rows == read.rows[2:]
     torch.testing.assert_close(losses(continued), losses(expected)[2:], rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
+class ScheduledByEstimatedSteps(TinyLM):
+    """Its LR schedule's length is ``trainer.estimated_stepping_batches``, as Hugging Face's linear warm-up recipes
+    take it: `configure_optimizers` reads the training DataLoader before the checkpoint is restored."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        total = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+@pytest.mark.parametrize("strategy", ["varuna", "spilled"])
+def test_a_mid_epoch_checkpoint_resumes_where_it_was_taken_when_the_optimizer_reads_the_data_first(tmp_path, strategy):
+    """`configure_optimizers` reading `trainer.estimated_stepping_batches` made the DataLoader before the checkpoint
+    was restored: the resumed run read its epoch from the start again (training its first batches twice)."""
+    torch.manual_seed(0)
+    reference = ScheduledByEstimatedSteps()
+    model = copy.deepcopy(reference)
+    options: dict[str, Any] = {"accumulate_grad_batches": 1, "limit_val_batches": 0, "max_steps": -1, "max_epochs": 1}
+
+    def make() -> Any:
+        return VarunaStrategy() if strategy == "varuna" else SpillingStrategy(memory_budget=BUDGETS[2])
+
+    read, resumed_read = BatchesRead(), BatchesRead()
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    expected = fit(reference, make(), callbacks=[read, saves], **options)
+    continued = fit(model, make(), str(tmp_path / "epoch=0-step=3.ckpt"), callbacks=[resumed_read], **options)
+    assert resumed_read.rows == read.rows[3:]
+    torch.testing.assert_close(losses(continued), losses(expected)[3:], rtol=1e-5, atol=1e-6)
     assert_same_model(model, reference)
 
 

@@ -153,6 +153,7 @@ class DataProgress:
         self.epoch_rows: int | None = None  # rows of an epoch over all replicas, once the loader is resumable
         self._order: dict[str, Any] = {}  # this run's `shuffle` and `seed`, once the loader is resumable
         self._in_flight: tuple[int, int] | None = None  # the last batch counted: (its number, its rows)
+        self._sampler: ResumableDistributedSampler | None = None  # the resumable loader's, once made
 
     def resumable(
         self, dataloader: DataLoader, sampler: DistributedSampler, batch_size: int, replicas: int
@@ -161,6 +162,7 @@ class DataProgress:
         # Lightning cannot see that the loader resumes mid-epoch: silence its warning that it does not.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         loader = resumable_loader(dataloader, sampler, batch_size, self.resume_from)
+        self._sampler = loader.batch_sampler.sampler  # type: ignore[union-attr]
         self.epoch_rows = epoch_rows(loader, replicas)
         self._order = {"shuffle": sampler.shuffle, "seed": sampler.seed}
         return loader
@@ -188,6 +190,8 @@ class DataProgress:
         if saved is not None:
             self.resume_from = self.position = DataPosition(**saved)
             continue_unfinished_epoch(loops, self.resume_from)
+            if self._sampler is not None:  # the loader was made first (`trainer.estimated_stepping_batches`)
+                self._sampler.resume_from = self.resume_from
 
 
 def _batches(trainer: pl.Trainer) -> Any:
