@@ -280,7 +280,6 @@ def time_steps(
 
 def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     """lightning-varuna's StageRuntime on the stage that VarunaStrategy would build, without Lightning."""
-    from torch.utils._pytree import tree_flatten
 
     from lightning_varuna.pipeline.gradients import reduce_gradients
     from lightning_varuna.pipeline.schedules import SCHEDULES
@@ -293,10 +292,8 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     model = make_model(cfg, len(data.vocab)).train()
     batches = global_batches(cfg, data)
     example = batches[0][0][: cfg.micro_batch_size]
-    with torch.no_grad():
-        _, output_spec = tree_flatten(model(example))
     topology = Topology.from_world(world, rank, world, None)
-    plan = Stage(model, [cfg.boundary], topology, output_spec, example.device)
+    plan = Stage(model, [cfg.boundary], topology, example.device)
     graph, stage_module = plan.stage_for((example,), {})
     plan.release_other_stages(graph, stage_module)
     plan.shared = SharedParameters(graph.stage_parameters, topology, dict(model.named_parameters()))

@@ -53,7 +53,6 @@ CONFIG = Config(block_size=256, batch_size=32, micro_batch_size=4, warmup=2, ste
 
 def worker(schedule: str, stages: int, out: Path) -> None:
     """One rank: build its stage as VarunaStrategy does, run the schedule, write its figures."""
-    from torch.utils._pytree import tree_flatten
 
     from lightning_varuna.pipeline.schedules import SCHEDULES as GENERATORS
     from lightning_varuna.pipeline.stage import Stage
@@ -69,10 +68,8 @@ def worker(schedule: str, stages: int, out: Path) -> None:
     tokens = torch.randint(len(data.vocab), (cfg.warmup + cfg.steps, cfg.batch_size, cfg.block_size + 1))
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
     example = batches[0][0][: cfg.micro_batch_size]
-    with torch.no_grad():
-        _, output_spec = tree_flatten(model(example))
     topology = Topology.from_world(stages, rank, stages, None)
-    plan = Stage(model, boundaries, topology, output_spec, example.device)
+    plan = Stage(model, boundaries, topology, example.device)
     graph, stage_module = plan.stage_for((example,), {})
     plan.release_other_stages(graph, stage_module)
     params = plan.own_parameters()
@@ -99,6 +96,7 @@ def worker(schedule: str, stages: int, out: Path) -> None:
         step_s.append(time.perf_counter() - start)
     result = {
         "rank": rank,
+        "stage": topology.pp_rank,
         "step_ms": 1000 * statistics.median(step_s[cfg.warmup :]),
         "saved_mb": meter.peak / 2**20,
         "peak_rss_growth_mb": peak_rss_mb() - rss_before,
@@ -127,7 +125,8 @@ def launch(schedule: str, stages: int, timeout_s: float) -> list[dict[str, Any]]
                     )
                 )
         wait_all(procs, [out / f"rank{r}.log" for r in range(stages)], timeout_s, f"{schedule} P={stages}")
-        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(stages)]
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(stages)]
+        return sorted(ranks, key=lambda r: r["stage"])  # in pipeline order (rank 0 runs the last stage)
 
 
 def main() -> None:

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import TinyLM, token_dataset  # noqa: E402
@@ -60,10 +59,8 @@ def build_stage(topo: Topology, groups: PipelineGroups, example: Tensor) -> tupl
     `partition.plan.plan_stage` finds them."""
     torch.manual_seed(0)
     model = TinyLM()
-    with torch.no_grad():
-        _, output_spec = tree_flatten(model(example))
     boundaries = BOUNDARIES[topo.pipeline_parallel_size]
-    stage = Stage(model, boundaries, topo, output_spec, torch.device("cpu"), groups.messages)
+    stage = Stage(model, boundaries, topo, torch.device("cpu"), groups.messages)
     graph, stage_module = stage.stage_for((example,), {})
     stage.release_other_stages(graph, stage_module)
     stage.shared = SharedParameters(graph.stage_parameters, topo, dict(model.named_parameters()))

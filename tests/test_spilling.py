@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import (
     BackboneFinetuning,
     Checkpoint,
     EMAWeightAveraging,
+    GradientAccumulationScheduler,
     ModelCheckpoint,
     OnExceptionCheckpoint,
     StochasticWeightAveraging,
@@ -508,6 +509,32 @@ def test_a_mid_epoch_checkpoint_resumes_where_it_was_taken_when_the_optimizer_re
     continued = fit(model, make(), str(tmp_path / "epoch=0-step=3.ckpt"), callbacks=[resumed_read], **options)
     assert resumed_read.rows == read.rows[3:]
     torch.testing.assert_close(losses(continued), losses(expected)[3:], rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
+@pytest.mark.parametrize("strategy", ["varuna", "spilled"])
+def test_a_mid_epoch_checkpoint_resumes_accumulating_as_the_epochs_schedule_says(tmp_path, strategy):
+    """`GradientAccumulationScheduler({0: 1, 1: 2})`, resumed in the middle of epoch 1: Lightning runs no epoch-start
+    hook there, so the resumed run stepped after every batch (plain Lightning does too) where an uninterrupted run
+    accumulates 2."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    options: dict[str, Any] = {"limit_val_batches": 0, "max_steps": -1, "max_epochs": 2}
+    options.update(gradient_clip_val=None, accumulate_grad_batches=1)
+
+    def make() -> Any:
+        return VarunaStrategy() if strategy == "varuna" else SpillingStrategy(memory_budget=BUDGETS[2])
+
+    def schedule() -> GradientAccumulationScheduler:
+        return GradientAccumulationScheduler({0: 1, 1: 2})
+
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
+    expected = fit(reference, make(), callbacks=[schedule(), saves], **options)
+    path = str(tmp_path / "epoch=1-step=10.ckpt")  # after batch 4 of epoch 1's 8
+    continued = fit(model, make(), path, callbacks=[schedule()], **options)
+    assert continued.global_step == expected.global_step == 12
+    torch.testing.assert_close(losses(continued), losses(expected)[12:], rtol=1e-5, atol=1e-6)
     assert_same_model(model, reference)
 
 

@@ -6,7 +6,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from lightning_varuna.partition.balance import balance_stages
 from lightning_varuna.partition.discovery import forward_with_cutpoints
@@ -30,7 +29,7 @@ def plan_stage(
     ``segment_costs(cutpoints)`` (seconds per segment, the same on every rank) and return this rank's `Stage`: traced
     for ``(args, kwargs)`` (one micro-batch), holding only its own tensors, its tied weights equal on every stage
     and replica. Collective: every rank calls it alike."""
-    cutpoints, example_output = forward_with_cutpoints(module, args, kwargs)
+    cutpoints, _ = forward_with_cutpoints(module, args, kwargs)
     num_stages = topology.pipeline_parallel_size
     if num_stages > len(cutpoints) + 1:
         raise ValueError(
@@ -42,8 +41,7 @@ def plan_stage(
     if num_stages > 1:
         starts = balance_stages(segment_costs(cutpoints), num_stages)
         boundaries = [cutpoints[start - 1] for start in starts[1:]]
-    _, output_spec = tree_flatten(example_output)
-    stage = Stage(module, boundaries, topology, output_spec, device, groups.messages)
+    stage = Stage(module, boundaries, topology, device, groups.messages)
     graph, stage_module = stage.stage_for(args, kwargs)
     stage.release_other_stages(graph, stage_module)
     stage.shared = SharedParameters(graph.stage_parameters, topology, dict(module.named_parameters()))

@@ -16,7 +16,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, fx, nn
 from torch.distributed.pipelining import pipeline
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves
 
 from lightning_varuna._torch_private import (
     FakeTensorMode,
@@ -65,6 +65,7 @@ class PipelineGraph:
     stage_outputs: list[list[TensorMeta]]
     output_sources: list[Source]
     stage_parameters: list[set[str]]
+    output_spec: TreeSpec  # how the values of ``output_sources`` make the model's output
     edges: dict[tuple[int, int], list[int]] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -266,6 +267,10 @@ def _split_traced(
 ) -> tuple[PipelineGraph, list[nn.Module]]:
     _warn_of_backward_hooks(module)
     cuts = _activate(module, boundaries)
+    # The output's structure, as the traced call gives it: a forward may return another one for other arguments (a
+    # loss with the logits when given labels, the logits alone without).
+    output_specs: list[TreeSpec] = []
+    spec_hook = module.register_forward_hook(lambda _, __, output: output_specs.append(tree_flatten(output)[1]))
     try:
         # `generated_code_modules`: the stage's submodules run their generated Python code instead of stepping
         # through the graph with torch.fx.Interpreter, which costs as much again as the forward of a small model.
@@ -281,6 +286,7 @@ def _split_traced(
     except RuntimeError as error:
         raise untraceable_forward_error(module, error) from error
     finally:
+        spec_hook.remove()
         for cut in cuts:
             cut._is_stage_boundary = False
 
@@ -306,6 +312,7 @@ def _split_traced(
         stage_parameters=[
             {skeleton.canonical(name) for name, _ in m.named_parameters(remove_duplicate=False)} for m in stage_modules
         ],
+        output_spec=output_specs[-1],
     )
     if pipeline_graph.num_stages != len(boundaries) + 1:
         raise ValueError(

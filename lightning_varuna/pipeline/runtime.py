@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import TreeSpec, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.replay import BufferState, RandomState
@@ -39,7 +39,6 @@ class StageRuntime:
     Args:
         stage_index: the stage this rank runs.
         stage_ranks: global rank of each stage of this rank's replica.
-        output_spec: pytree structure of the model's output, rebuilt on the last stage.
         device: where received tensors are put.
         message_groups: two process groups over the stages of this replica, one for the activations and one for
             the gradients (default: the global group for both). NCCL runs the messages between two ranks of one
@@ -52,14 +51,12 @@ class StageRuntime:
         self,
         stage_index: int,
         stage_ranks: Sequence[int],
-        output_spec: TreeSpec,
         device: torch.device,
         message_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
     ):
         self.stage_index = stage_index
         self._ranks = list(stage_ranks)
         self._message_groups = message_groups
-        self._output_spec = output_spec
         self._device = device
         self._received: dict[int, dict[tuple[int, int], Tensor]] = {}
         self._sent: dict[int, dict[int, Tensor]] = {}
@@ -122,7 +119,7 @@ class StageRuntime:
         if not self.is_last_stage:
             return None
         leaves = [self._lookup(src, model_inputs, received, outputs) for src in graph.output_sources]
-        return tree_unflatten(leaves, self._output_spec)
+        return tree_unflatten(leaves, graph.output_spec)
 
     def recompute(self, microbatch: int) -> None:
         """Run a forward again from its kept inputs and random state, this time keeping its activations."""

@@ -4,7 +4,6 @@ its runtime, and the parameters it shares with other stages."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,6 @@ class Stage:
         module: the whole model; after `release_other_stages` it holds only this stage's tensors.
         boundaries: the CutPoints where stages 1, 2, ... begin.
         topology: this rank's place in the pipeline x data-parallel layout.
-        output_spec: the pytree structure of the model's output (rebuilt on the last stage).
         device: where received activations and gradients are put.
         message_groups: the process groups of this replica's activations and gradients (see `StageRuntime`).
     """
@@ -38,7 +36,6 @@ class Stage:
         module: nn.Module,
         boundaries: list[str],
         topology: Topology,
-        output_spec: Any,
         device: torch.device,
         message_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
     ) -> None:
@@ -48,7 +45,7 @@ class Stage:
         self.skeleton = ModelSkeleton(module)
         self._real = dict(_named_tensors(module))
         self._traced: dict[tuple, tuple[PipelineGraph, nn.Module]] = {}
-        self.runtime = StageRuntime(topology.pp_rank, topology.stage_ranks(), output_spec, device, message_groups)
+        self.runtime = StageRuntime(topology.pp_rank, topology.stage_ranks(), device, message_groups)
         self.shared: SharedParameters
         self._own_parameters: list[Tensor] | None = None
 

@@ -78,8 +78,7 @@ def plan_shards(
     """
     meta = MetaModel(module, device) if MetaModel.needed(module) else None
     random_state = generator_states(device)
-    cutpoints, example_output = _discover(module, args, kwargs, on_meta=meta is not None)
-    _, output_spec = tree_flatten(example_output)
+    cutpoints = _discover(module, args, kwargs, on_meta=meta is not None)
     for b in module.buffers():
         if not b.is_meta:
             b.data = b.data.to(device)  # buffers stay on the device throughout
@@ -89,7 +88,7 @@ def plan_shards(
     buffer_bytes = sum(_nbytes(b) for b in module.buffers())
     whole = None if meta else _measure_if_one_shard(module, args, kwargs, device, budget, buffer_bytes, prefetch)
     if whole is not None:
-        segments: Segments | WholeModel = WholeModel(module, output_spec)
+        segments: Segments | WholeModel = WholeModel(module)
         whole_memory, kept = whole
         memory, parked = [whole_memory], None
         segment_modules = segments.for_inputs(args, kwargs)[1]
@@ -111,22 +110,22 @@ def plan_shards(
         f"budget of {format_bytes(budget)}{'' if whole is None else ', run whole (not cut)'}; "
         + ("kept on the device (not spilled)." if stays else f"spilled to {where}.")
     )
-    model = ShardedModel(segments, segment_modules, shards, store, output_spec, prefetch=prefetch, stays=stays)
+    model = ShardedModel(segments, segment_modules, shards, store, prefetch=prefetch, stays=stays)
     return ShardPlan(model, in_segments, memory, kept, parked, folder, forward_draws)
 
 
-def _discover(module: nn.Module, args: tuple, kwargs: dict, on_meta: bool) -> tuple[list[str], Any]:
-    """The CutPoints a forward goes through and its output (for its structure), from a forward on the first two
-    rows of the batch (the measuring forward runs the whole batch next); on the whole batch if the model cannot run
-    two rows. It runs where the model is (usually host memory: the inputs are copied there from a GPU), or on the
-    meta device if the model is still there."""
+def _discover(module: nn.Module, args: tuple, kwargs: dict, on_meta: bool) -> list[str]:
+    """The CutPoints a forward goes through, from a forward on the first two rows of the batch (the measuring
+    forward runs the whole batch next); on the whole batch if the model cannot run two rows. It runs where the model
+    is (usually host memory: the inputs are copied there from a GPU), or on the meta device if the model is still
+    there."""
     if on_meta:
-        return forward_with_cutpoints(module, *_moved((args, kwargs), torch.device("meta")))
+        return forward_with_cutpoints(module, *_moved((args, kwargs), torch.device("meta")))[0]
     where = next((p.device for p in module.parameters()), torch.device("cpu"))
     try:
-        return forward_with_cutpoints(module, *_moved(first_rows((args, kwargs), 2), where))
+        return forward_with_cutpoints(module, *_moved(first_rows((args, kwargs), 2), where))[0]
     except Exception:  # noqa: BLE001 - e.g. a batch size built into the model: the whole batch says what is wrong
-        return forward_with_cutpoints(module, *_moved((args, kwargs), where))
+        return forward_with_cutpoints(module, *_moved((args, kwargs), where))[0]
 
 
 def _moved(inputs: Any, device: torch.device) -> Any:

@@ -9,7 +9,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, Source, split_into_all_stages
@@ -55,11 +55,10 @@ class Segments:
 
 class WholeModel:
     """``module`` as one segment that runs its own forward (no trace): the `Segments` of a model that fits the
-    device in one shard. Its output has the structure ``output_spec``."""
+    device in one shard. Its output is one value, whatever its structure (which may differ by arguments)."""
 
-    def __init__(self, module: nn.Module, output_spec: TreeSpec) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self.module, self._forward = module, module.forward  # its own forward, not one a step patches on later
-        self._outputs = [Source(0, i) for i in range(output_spec.num_leaves)]
         self._params = {name for name, _ in module.named_parameters()}
         self._by_inputs: dict[TreeSpec, tuple[PipelineGraph, list[nn.Module]]] = {}
 
@@ -69,14 +68,17 @@ class WholeModel:
         if spec not in self._by_inputs:
             inputs = [Source(None, i) for i in range(len(leaves))]
             # The outputs' shapes are what running the model gives: nothing is sent between stages here.
-            graph = PipelineGraph([inputs], [[]], self._outputs, [self._params])
+            graph = PipelineGraph([inputs], [[]], [Source(0, 0)], [self._params], _ONE_VALUE)
             self._by_inputs[spec] = (graph, [_OwnForward(self.module, self._forward, spec)])
         return self._by_inputs[spec]
 
 
+_, _ONE_VALUE = tree_flatten(0)  # the structure of a single value
+
+
 class _OwnForward(nn.Module):
-    """Run ``forward`` (``model``'s own) on the leaves of inputs of structure ``input_spec``; return its output's
-    leaves."""
+    """Run ``forward`` (``model``'s own) on the leaves of inputs of structure ``input_spec``; return its output as
+    the one value of a tuple."""
 
     def __init__(self, model: nn.Module, forward: Callable[..., object], input_spec: TreeSpec) -> None:
         super().__init__()
@@ -86,4 +88,4 @@ class _OwnForward(nn.Module):
     def forward(self, *leaves: object) -> tuple:
         args, kwargs = tree_unflatten(list(leaves), self._input_spec)
         with without_kv_cache(self._kv_cache_configs):  # as when cut: its output has the same structure
-            return tuple(tree_leaves(self._model_forward(*args, **kwargs)))
+            return (self._model_forward(*args, **kwargs),)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.replay import BufferState, RandomState, generator_states, states_differ
@@ -50,7 +50,6 @@ class ShardedModel:
         segment_modules: the segment modules of one trace (all traces bind the same parameters).
         shards: the segment indices of each shard, in order.
         store: where spilled shards wait.
-        output_spec: the pytree structure of the model's output.
         prefetch: fetch the next shard while the current one computes.
         stays: keep every shard on the device, never spilled (a model that fits its budget in one shard).
 
@@ -66,12 +65,11 @@ class ShardedModel:
         segment_modules: list[nn.Module],
         shards: list[list[int]],
         store: SpillStore,
-        output_spec: TreeSpec,
         prefetch: bool = True,
         stays: bool = False,
     ) -> None:
         self.segments, self.store = segments, store
-        self.output_spec, self.prefetch_next, self.stays = output_spec, prefetch, stays
+        self.prefetch_next, self.stays = prefetch, stays
         self._shard_of = {s: k for k, shard in enumerate(shards) for s in shard}
         # A shard spills the parameters only its segments use; the others (tied weights) stay on the device.
         owners: dict[nn.Parameter, set[int]] = {}
@@ -204,7 +202,7 @@ class ShardedModel:
                 self._forward_shard(shard, training and holds_generator, training, training and shard.index == last)
         assert self._graph is not None
         outputs = [self._boundaries[src] for src in self._graph.output_sources]
-        return tree_unflatten(outputs, self.output_spec)
+        return tree_unflatten(outputs, self._graph.output_spec)
 
     def _forward_shard(self, shard: Shard, replayable: bool, training: bool, with_graph: bool) -> None:
         self._bring(shard, ("grads",) if with_graph else ())

@@ -44,6 +44,7 @@ from lightning_varuna.strategies.callback_hooks import callbacks_of, restore_cal
 from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import InProcessLauncher
+from lightning_varuna.strategies.mid_epoch_resume import accumulate_as_scheduled
 from lightning_varuna.strategies.model_summary import summarize_whole_model
 from lightning_varuna.strategies.optimizers import torch_optimizer
 from lightning_varuna.strategies.requirements import WEIGHT_AVERAGING, require_automatic_optimization
@@ -159,6 +160,11 @@ class SpillingStrategy(SingleDeviceStrategy):
             dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed
         )
         return self._data.resumable(dataloader, one_replica, batch_size, replicas=1)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        accumulate_as_scheduled(self._module.trainer)  # an epoch resumed mid-way ran no epoch-start hook
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -74,6 +74,7 @@ from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.failures import Failure, FailureNotice, PeerFailure
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_varuna.strategies.mid_epoch_resume import accumulate_as_scheduled
 from lightning_varuna.strategies.model_summary import summarize_whole_model
 from lightning_varuna.strategies.one_batch import check_stages_read_one_batch
 from lightning_varuna.strategies.optimizers import torch_optimizer
@@ -184,6 +185,7 @@ class VarunaStrategy(ParallelStrategy):
         self.data_parallel_size = data_parallel_size
         # 0 until chosen: by the auto-configuration ("auto") or from the first batch (None, see `setup`).
         self.micro_batch_size: int = micro_batch_size if isinstance(micro_batch_size, int) else 0
+        self._micro_batch_size_chosen_for: TrainerFn | None = None  # the run whose batch chose the default
         self.schedule = schedule
         self.shared_weights = [tuple(pair) for pair in shared_weights or []]
         self.profile_repeats = profile_repeats
@@ -402,6 +404,11 @@ class VarunaStrategy(ParallelStrategy):
         return self._data.resumable(dataloader, sampler, batch_size, self.topology.data_parallel_size)
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        accumulate_as_scheduled(self._module.trainer)  # an epoch resumed mid-way ran no epoch-start hook
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:
             self._data.epoch_started(self._module.trainer.current_epoch)
@@ -432,9 +439,15 @@ class VarunaStrategy(ParallelStrategy):
             )
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        # The default comes from the training batch, also where a `validate` on the same Trainer chose one first.
+        chosen_for = self._micro_batch_size_chosen_for
+        fitting_after_another_run = trainer.state.fn == TrainerFn.FITTING and chosen_for not in (
+            None,
+            TrainerFn.FITTING,
+        )
+        if not self.micro_batch_size or fitting_after_another_run:
+            self._choose_micro_batch_size(trainer)
         if self._stages is None or self._stages.module is not self.model:
-            if not self.micro_batch_size:
-                self._choose_micro_batch_size(trainer)
             self._stages = self._partition(trainer)
         summarize_whole_model(trainer, self._stages.skeleton)
         assert self.topology is not None
@@ -491,6 +504,7 @@ class VarunaStrategy(ParallelStrategy):
         else:
             rows = batch_size_of(first_batch(trainer))
         self.micro_batch_size = default_micro_batch_size(rows, num_stages)
+        self._micro_batch_size_chosen_for = trainer.state.fn
         count = len(microbatch_sizes(rows, self.micro_batch_size))
         rank_zero_info(
             f"VarunaStrategy: micro_batch_size={self.micro_batch_size} ({count} micro-batch(es) of the batch of {rows} "
