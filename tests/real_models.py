@@ -105,25 +105,34 @@ class HFBert(RealModel):
         return self(batch).loss
 
 
+GPT2_VOCAB = 50
+
+
+def tiny_gpt2() -> nn.Module:
+    """Hugging Face's ``GPT2LMHeadModel`` from a small config (no dropout), a CutPoint after each of its 3 blocks."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=GPT2_VOCAB,
+        n_positions=16,
+        n_embd=16,
+        n_layer=3,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(config)
+    cut_after(model.transformer.h)
+    return model
+
+
 class HFGPT2(RealModel):
     def __init__(self) -> None:
         super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        config = GPT2Config(
-            vocab_size=50,
-            n_positions=16,
-            n_embd=16,
-            n_layer=3,
-            n_head=2,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        self.model = GPT2LMHeadModel(config)
-        cut_after(self.model.transformer.h)
+        self.model = tiny_gpt2()
 
     def forward(self, input_ids: torch.Tensor) -> Any:
         return self.model(input_ids=input_ids)  # with its key/value cache, as Hugging Face returns by default

@@ -10,10 +10,11 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from real_models import GPT2_VOCAB, tiny_gpt2
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_varuna import CutPoint, SpillingStrategy, VarunaStrategy, cut_after
+from lightning_varuna import CutPoint, SpillingStrategy, VarunaStrategy
 
 
 class LossWhenGivenTargets(L.LightningModule):
@@ -57,24 +58,11 @@ class GPT2WithLabels(LossWhenGivenTargets):
     """Hugging Face's GPT-2: a `CausalLMOutputWithCrossAttentions` of the loss and the logits given labels, of the
     logits alone (and its key/value cache) without."""
 
-    cut_budget = "400KB"
+    cut_budget = "600KB"
 
     def __init__(self) -> None:
         L.LightningModule.__init__(self)
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        config = GPT2Config(
-            vocab_size=32,
-            n_positions=8,
-            n_embd=16,
-            n_layer=2,
-            n_head=2,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-        self.model = GPT2LMHeadModel(config)
-        cut_after(self.model.transformer.h)
+        self.model = tiny_gpt2()
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         return self.model(input_ids=ids, labels=labels)
@@ -87,7 +75,7 @@ class GPT2WithLabels(LossWhenGivenTargets):
 
     @staticmethod
     def data(rows: int) -> TensorDataset:
-        ids = torch.randint(32, (rows, 8), generator=torch.Generator().manual_seed(rows))
+        ids = torch.randint(GPT2_VOCAB, (rows, 8), generator=torch.Generator().manual_seed(rows))
         return TensorDataset(ids, ids)
 
 

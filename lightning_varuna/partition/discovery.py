@@ -14,7 +14,7 @@ from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.partition.tracing import kv_cache_configs, without_kv_cache
 from lightning_varuna.pipeline.microbatch import batch_size_of
 
-__all__ = ["buffers_kept", "discover_cutpoints", "forward_with_cutpoints", "observe_cutpoints"]
+__all__ = ["buffers_kept", "discover_cutpoints", "observe_cutpoints"]
 
 
 @contextmanager
@@ -71,12 +71,7 @@ def buffers_kept(module: nn.Module) -> Iterator[None]:
 
 
 def discover_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = None) -> list[str]:
-    """Run one forward without gradients and return the names of the cutpoints it went through, in order."""
-    return forward_with_cutpoints(module, args, kwargs)[0]
-
-
-def forward_with_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = None) -> tuple[list[str], Any]:
-    """Run one forward without gradients; return the cutpoints it went through, in order, and its output.
+    """Run one forward without gradients and return the names of the cutpoints it went through, in order.
 
     A CutPoint whose output is the forward's output (``cut_after`` on every layer of a model that ends with its last
     layer) has no work after it: it cannot begin a stage or a shard, and is left out."""
@@ -97,4 +92,4 @@ def forward_with_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None =
             "never calls, so the model is never cut there. Put them where the forward calls them (with `cut_after`: "
             "after modules the forward runs), or remove them."
         )
-    return order, output
+    return order

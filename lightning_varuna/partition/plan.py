@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_varuna.partition.balance import balance_stages
-from lightning_varuna.partition.discovery import forward_with_cutpoints
+from lightning_varuna.partition.discovery import discover_cutpoints
 from lightning_varuna.pipeline.shared_params import SharedParameters
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.topology import PipelineGroups, Topology
@@ -29,7 +29,7 @@ def plan_stage(
     ``segment_costs(cutpoints)`` (seconds per segment, the same on every rank) and return this rank's `Stage`: traced
     for ``(args, kwargs)`` (one micro-batch), holding only its own tensors, its tied weights equal on every stage
     and replica. Collective: every rank calls it alike."""
-    cutpoints, _ = forward_with_cutpoints(module, args, kwargs)
+    cutpoints = discover_cutpoints(module, args, kwargs)
     num_stages = topology.pipeline_parallel_size
     if num_stages > len(cutpoints) + 1:
         raise ValueError(

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from lightning_varuna.partition.discovery import buffers_kept, forward_with_cutpoints, observe_cutpoints
+from lightning_varuna.partition.discovery import buffers_kept, discover_cutpoints, observe_cutpoints
 from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.microbatch import batch_size_of, first_rows
 from lightning_varuna.pipeline.replay import generator_states, states_differ
@@ -120,12 +120,12 @@ def _discover(module: nn.Module, args: tuple, kwargs: dict, on_meta: bool) -> li
     is (usually host memory: the inputs are copied there from a GPU), or on the meta device if the model is still
     there."""
     if on_meta:
-        return forward_with_cutpoints(module, *_moved((args, kwargs), torch.device("meta")))[0]
+        return discover_cutpoints(module, *_moved((args, kwargs), torch.device("meta")))
     where = next((p.device for p in module.parameters()), torch.device("cpu"))
     try:
-        return forward_with_cutpoints(module, *_moved(first_rows((args, kwargs), 2), where))[0]
+        return discover_cutpoints(module, *_moved(first_rows((args, kwargs), 2), where))
     except Exception:  # noqa: BLE001 - e.g. a batch size built into the model: the whole batch says what is wrong
-        return forward_with_cutpoints(module, *_moved((args, kwargs), where))[0]
+        return discover_cutpoints(module, *_moved((args, kwargs), where))
 
 
 def _moved(inputs: Any, device: torch.device) -> Any:

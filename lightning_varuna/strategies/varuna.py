@@ -440,12 +440,8 @@ class VarunaStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # The default comes from the training batch, also where a `validate` on the same Trainer chose one first.
-        chosen_for = self._micro_batch_size_chosen_for
-        fitting_after_another_run = trainer.state.fn == TrainerFn.FITTING and chosen_for not in (
-            None,
-            TrainerFn.FITTING,
-        )
-        if not self.micro_batch_size or fitting_after_another_run:
+        chosen_for_another_run = self._micro_batch_size_chosen_for not in (None, TrainerFn.FITTING)
+        if not self.micro_batch_size or (trainer.state.fn == TrainerFn.FITTING and chosen_for_another_run):
             self._choose_micro_batch_size(trainer)
         if self._stages is None or self._stages.module is not self.model:
             self._stages = self._partition(trainer)
