@@ -22,6 +22,7 @@ AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 # Where .ci/run installs Azurite (npm --prefix .ci/node).
 _LOCAL_AZURITE = Path(__file__).resolve().parents[1] / ".ci" / "node" / "node_modules" / ".bin" / "azurite-blob"
+_FORKED_RANKS = str(Path(__file__).with_name("forked_ranks.py"))
 
 
 def clean_env() -> dict[str, str]:
@@ -42,6 +43,21 @@ def run_job(
         cwd=cwd,
         env={**clean_env(), **(env or {})},
     )
+
+
+def run_ranks(
+    args: list[str],
+    processes: int,
+    cwd: Path,
+    devices_per_node: int | None = None,
+    timeout: int = 600,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run the script ``args`` as a job of ``processes`` ranks, each a process forked from one Python that imported
+    the libraries once (`forked_ranks`): the ranks run as under torchrun, without each paying for the imports. For
+    the tests where how Lightning starts the processes is not the point."""
+    launch = [_FORKED_RANKS, str(processes), str(devices_per_node or processes)]
+    return run_job([*launch, *args], cwd, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """One rank of a job that drives the pipeline's engine without a Trainer: the pieces VarunaStrategy (and the
-spilling strategy) build on, used directly (tests/test_engine.py starts it with torchrun on 4 processes)::
+spilling strategy) build on, used directly (tests/test_engine.py starts its 4 ranks with `forked_ranks`; torchrun
+runs it too)::
 
     python -m torch.distributed.run --nproc-per-node=4 tests/run_engine.py OUT_DIR
 

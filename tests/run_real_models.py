@@ -1,4 +1,5 @@
-"""Train models of `real_models` one after another with VarunaStrategy, in the processes torchrun started.
+"""Train models of `real_models` one after another with VarunaStrategy, in the processes torchrun (or
+`forked_ranks`) started.
 
     torchrun --nproc-per-node=N tests/run_real_models.py OUT_DIR '{"models": [...], "pipeline_parallel_size": P, ...}'
 
@@ -26,7 +27,7 @@ from real_models import build  # noqa: E402
 from lightning_varuna import VarunaStrategy  # noqa: E402
 
 
-def train(name: str, out_dir: str, config: dict) -> None:
+def train(name: str, out_dir: str, config: dict, devices: int) -> None:
     model, data = build(name)
     strategy = VarunaStrategy(
         pipeline_parallel_size=config["pipeline_parallel_size"],
@@ -40,6 +41,7 @@ def train(name: str, out_dir: str, config: dict) -> None:
         callbacks.append(ModelCheckpoint(folder, every_n_train_steps=config["save_every"], save_last=True))
     trainer = L.Trainer(
         accelerator="cpu",
+        devices=devices,
         strategy=strategy,
         max_steps=config["steps"],
         precision=config.get("precision", "32-true"),
@@ -68,5 +70,7 @@ def train(name: str, out_dir: str, config: dict) -> None:
 
 if __name__ == "__main__":
     out, config = sys.argv[1], json.loads(sys.argv[2])
+    # One node: every rank the launcher started (read before the first fit, whose teardown may unset it).
+    devices = int(os.environ["WORLD_SIZE"])
     for model_name in config["models"]:
-        train(model_name, out, config)
+        train(model_name, out, config, devices)

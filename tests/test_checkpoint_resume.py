@@ -10,7 +10,7 @@ import shutil
 import lightning as L
 import pytest
 import torch
-from conftest import fsspec_env, run_job
+from conftest import fsspec_env, run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import fit_and_report, model_for, token_dataset
 from reference import train_reference
@@ -43,7 +43,8 @@ def shape(pp: int, dp: int, **extra) -> dict:
 
 def run(tmp_path, name: str, config: dict, env: dict | None = None, expect_ok: bool = True) -> tuple[dict, dict]:
     out = tmp_path / name
-    proc = run_job([RUNNER, str(out), json.dumps(config)], tmp_path, env=env)
+    processes = config["pipeline_parallel_size"] * config["data_parallel_size"]
+    proc = run_ranks([RUNNER, str(out), json.dumps(config)], processes, tmp_path, env=env)
     if not expect_ok:
         return proc, {}
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

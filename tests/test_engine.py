@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_job
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from conftest import run_ranks
 from models import TinyLM
 from run_engine import BATCH, CLIP, MICRO_BATCH, batch
 from torch import Tensor
@@ -28,8 +27,7 @@ pytestmark = pytest.mark.xdist_group("engine")  # on one xdist worker, which the
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder of the engine job's results (one job for the whole module: its start-up is most of its time)."""
     out = tmp_path_factory.mktemp("engine")
-    launch = ["-m", "torch.distributed.run", f"--nproc-per-node={WORLD}", f"--master-port={find_free_network_port()}"]
-    proc = run_job([*launch, RUNNER, str(out)], out, timeout=180)
+    proc = run_ranks([RUNNER, str(out)], WORLD, out, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out
 

@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import run_job
+from conftest import run_ranks
 from lightning.pytorch.callbacks import ModelSummary
 from models import SEQ, TinyLM, token_dataset
 from torch.utils.data import DataLoader
@@ -97,7 +97,7 @@ def test_a_pipelined_model_is_summarized_whole(tmp_path):
     out = tmp_path / "summary.json"
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT.format(tests=str(Path(__file__).parent), out=str(out))))
-    proc = run_job([str(script)], tmp_path, timeout=300)
+    proc = run_ranks([str(script)], 2, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(out.read_text())
     expected = expected_counts(WithExampleInput())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import clean_env, run_job
+from conftest import clean_env, run_ranks
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from models import TinyLM, token_dataset
 from reference import train_reference
@@ -77,15 +77,19 @@ SHAPES = {
 
 def run_pipelined(tmp_path, config: dict) -> tuple[dict, list[dict[str, torch.Tensor]]]:
     out = tmp_path / "out"
-    proc = run_job([RUNNER, str(out), json.dumps(config)], tmp_path)
+    per_node = devices_per_node(config)
+    proc = run_ranks([RUNNER, str(out), json.dumps(config)], per_node * config.get("num_nodes", 1), tmp_path, per_node)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return outputs(out, config)
 
 
+def devices_per_node(config: dict) -> int:
+    return config.get("devices") or config["pipeline_parallel_size"] * config["data_parallel_size"]
+
+
 def outputs(out: Path, config: dict) -> tuple[dict, list[dict[str, torch.Tensor]]]:
     """What run_pipelined.py wrote to ``out``: rank 0's results and every rank's parameters."""
-    per_node = config.get("devices") or config["pipeline_parallel_size"] * config["data_parallel_size"]
-    world = per_node * config.get("num_nodes", 1)
+    world = devices_per_node(config) * config.get("num_nodes", 1)
     shards = [torch.load(out / f"rank{r}.pt") for r in range(world)]
     return json.loads((out / "losses.json").read_text()), shards
 

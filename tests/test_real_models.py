@@ -16,8 +16,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import run_job
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from conftest import run_ranks
 from models import RecordLosses
 from reference import GlobalBatches
 from torch.utils.data import DataLoader, DistributedSampler
@@ -146,8 +145,7 @@ def train(out_dir: Path, models: list[str], pp: int, dp: int, steps: int = STEPS
         steps=steps,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    launch = ["-m", "torch.distributed.run", f"--nproc-per-node={pp * dp}", f"--master-port={find_free_network_port()}"]
-    proc = run_job([*launch, RUNNER, str(out_dir), json.dumps(config)], out_dir)
+    proc = run_ranks([RUNNER, str(out_dir), json.dumps(config)], pp * dp, out_dir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 

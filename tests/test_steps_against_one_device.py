@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_job
+from conftest import run_ranks
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
@@ -22,7 +22,7 @@ def run_one_device_and_pipelined(tmp_path: Path, template: str, **fields: str) -
     for replicas in (0, 1, 2):
         script = tmp_path / f"run_{replicas}.py"
         script.write_text(template.format(tests=os.path.dirname(__file__), replicas=replicas, **fields))
-        proc = run_job([str(script)], tmp_path, timeout=300)
+        proc = run_ranks([str(script)], 2 * replicas or 1, tmp_path, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[replicas] = {
             rank: (ast.literal_eval(first), ast.literal_eval(second))
@@ -249,6 +249,6 @@ def test_labels_without_a_label_and_no_loss_items_are_warned_of(tmp_path):
     """Hugging Face's -100 in a batch's labels, micro-batches counted by rows: the log says to pass `loss_items`."""
     script = tmp_path / "rows.py"
     script.write_text(TOKEN_MEAN.format(tests=os.path.dirname(__file__), replicas=1, loss_items=None))
-    proc = run_job([str(script)], tmp_path, timeout=300)
+    proc = run_ranks([str(script)], 2, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert 'pass `VarunaStrategy(loss_items=lambda batch: (batch["labels"] != -100).sum())`' in proc.stderr

@@ -1,0 +1,71 @@
+"""Start a job's ranks by forking one process that has imported the libraries, instead of one fresh Python each.
+
+    python tests/forked_ranks.py PROCESSES DEVICES_PER_NODE SCRIPT [ARGS...]
+
+Each rank runs ``SCRIPT ARGS`` as ``__main__`` with the launch variables torchrun would give it (``LOCAL_RANK``,
+``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), so Lightning takes the processes as created
+externally and the strategy runs as under torchrun: real processes, a real gloo process group. What this saves is
+the import of torch, Lightning and their optional dependencies (about 7 s of CPU) in every rank but one, which is
+most of a small test job's time. The first rank to fail ends the others, as torchrun does; the exit status is the
+first failure's.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import threading
+import traceback
+
+import lightning.pytorch  # noqa: F401 - imported once, before the fork, for every rank
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+import lightning_varuna  # noqa: F401
+
+
+def run_rank(rank: int, processes: int, devices: int, script: str, args: list[str]) -> int:
+    """Run ``script`` as rank ``rank`` of the job; its exit status."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank % devices), NODE_RANK=str(rank // devices), WORLD_SIZE=str(processes)
+    )
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    except BaseException:  # noqa: BLE001 - the rank's failure is its exit status, as for a fresh process
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def main(processes: int, devices: int, script: str, args: list[str]) -> int:
+    # A fork copies only the calling thread: a library thread started by the imports would be missing in the ranks.
+    assert threading.active_count() == 1, threading.enumerate()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(find_free_network_port()))
+    ranks = []
+    for rank in range(processes):
+        pid = os.fork()
+        if pid == 0:
+            status = run_rank(rank, processes, devices, script, args)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        ranks.append(pid)
+    first_failure = 0
+    while ranks:
+        pid, wait_status = os.wait()
+        ranks.remove(pid)
+        status = os.waitstatus_to_exitcode(wait_status)
+        if status != 0 and first_failure == 0:
+            first_failure = status if status > 0 else 128 - status
+            for other in ranks:
+                os.kill(other, signal.SIGKILL)
+    return first_failure
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]))
