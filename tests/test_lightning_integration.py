@@ -8,7 +8,7 @@ import sys
 
 import lightning as L
 import pytest
-from conftest import clean_env, run_job
+from conftest import clean_env, run_job, run_ranks
 
 from lightning_varuna import VarunaStrategy
 
@@ -135,7 +135,7 @@ def test_the_learning_rate_finder_runs_before_a_pipelined_fit(tmp_path):
     for pipelined in (False, True):
         script = tmp_path / f"lr_find_{pipelined}.py"
         script.write_text(LR_FIND.format(tests=os.path.dirname(__file__), pipelined=pipelined))
-        proc = run_job([str(script)], tmp_path, timeout=300)
+        proc = run_ranks([str(script)], 2 if pipelined else 1, tmp_path, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
         outputs.append(re.search(r"suggested (\S+) lr (\S+) steps (\d+)", proc.stdout).groups())  # type: ignore[union-attr]
     plain, pipelined_run = outputs
@@ -187,7 +187,7 @@ def test_rank_zero_code_in_an_epoch_end_hook_runs_where_the_steps_kept_their_out
     first stage and skipped the hook, and on the last stage rank-zero code did nothing)."""
     script = tmp_path / "rank_zero_code.py"
     script.write_text(RANK_ZERO_CODE.format(tests=os.path.dirname(__file__)))
-    proc = run_job([str(script)], tmp_path, timeout=300)
+    proc = run_ranks([str(script)], 2, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "notes.txt").read_text().splitlines() == ["epoch 0 by rank 0", "epoch 1 by rank 0"]
     metrics = (tmp_path / "logs" / "metrics.csv").read_text().splitlines()
@@ -262,7 +262,7 @@ def test_a_frozen_backbone_is_finetuned_pipelined_as_on_one_device(tmp_path, bac
         script.write_text(
             FINETUNING.format(tests=os.path.dirname(__file__), pipelined=pipelined, backbone_blocks=backbone_blocks)
         )
-        proc = run_job([str(script)], tmp_path, timeout=300)
+        proc = run_ranks([str(script)], 2 if pipelined else 1, tmp_path, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
         lines.append(sorted(re.findall(r"rank (\d) loss (\S+) lrs (\[[^\]]*\])", proc.stdout)))
     (plain,), stages = lines
