@@ -1,6 +1,8 @@
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -34,15 +36,27 @@ def clean_env() -> dict[str, str]:
 def run_job(
     args: list[str], cwd: Path, timeout: int = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run ``python *args`` as a fresh multi-process job (with ``env`` added); its output is captured as text."""
-    return subprocess.run(
-        [sys.executable, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-        env={**clean_env(), **(env or {})},
-    )
+    """Run ``python *args`` as a fresh multi-process job (with ``env`` added); its output is captured as text. The
+    job's processes form a session of their own: whatever the job leaves running when it ends or times out is
+    killed, so that a hung rank does not go on holding a core and a port for the rest of the suite."""
+    command = [sys.executable, *args]
+    env = {**clean_env(), **(env or {})}
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env, start_new_session=True
+    ) as job:
+        try:
+            stdout, stderr = job.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_session(job.pid)
+            job.communicate()
+            raise
+        _kill_session(job.pid)
+    return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
+
+
+def _kill_session(session_id: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(session_id, signal.SIGKILL)
 
 
 def run_ranks(
