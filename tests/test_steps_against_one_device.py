@@ -252,3 +252,50 @@ def test_labels_without_a_label_and_no_loss_items_are_warned_of(tmp_path):
     proc = run_ranks([str(script)], 2, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert 'pass `VarunaStrategy(loss_items=lambda batch: (batch["labels"] != -100).sum())`' in proc.stderr
+
+
+TWO_VALIDATION_LOADERS = """
+import os
+import sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+from torch.utils.data import DataLoader, DistributedSampler
+from models import TinyLM, token_dataset
+from lightning_varuna import VarunaStrategy
+
+
+class TwoLoaders(TinyLM):
+    \"\"\"Logs its one F1 metric object from two validation loaders: Lightning computes it at the end of each.\"\"\"
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        super().validation_step(batch, batch_idx)
+
+
+L.seed_everything(0)
+model, data = TwoLoaders(), token_dataset(16)
+replicas = {replicas}
+pipelined = replicas > 0
+sampler = None if pipelined else DistributedSampler(data, 1, 0, seed=0)
+batch_size = 4 // max(replicas, 1)
+strategy = VarunaStrategy(pipeline_parallel_size=2, data_parallel_size=replicas) if pipelined else "auto"
+trainer = L.Trainer(accelerator="cpu", devices=2 * replicas if pipelined else 1, strategy=strategy, max_epochs=2,
+                    num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+validation = [DataLoader(token_dataset(8, seed=seed), batch_size=batch_size) for seed in (2, 3)]
+trainer.fit(model, DataLoader(data, batch_size=batch_size, sampler=sampler), validation)
+metrics = sorted((name, float(value)) for name, value in trainer.callback_metrics.items() if name.startswith("val"))
+os.write(1, f"rank {{trainer.global_rank}} {{metrics}} []\\n".encode())  # one write: shared stdout
+"""
+
+
+def test_one_metric_logged_from_two_validation_loaders_logs_what_one_device_logs(tmp_path):
+    """Lightning computes a metric object at the end of each validation loader: the stages that never update it
+    compute it again with the last stage after the second loader (they kept the first loader's value, which made
+    the last stage wait for them, and the job hung)."""
+    runs = run_one_device_and_pipelined(tmp_path, TWO_VALIDATION_LOADERS)
+    (expected, _) = runs[0]["0"]
+    assert {name for name, _ in expected} == {f"val_{m}/dataloader_idx_{i}" for m in ("f1", "loss") for i in (0, 1)}
+    for replicas in (1, 2):
+        assert len(runs[replicas]) == 2 * replicas
+        for metrics, _ in runs[replicas].values():
+            assert [name for name, _ in metrics] == [name for name, _ in expected]
+            assert [value for _, value in metrics] == pytest.approx([value for _, value in expected], rel=1e-5)

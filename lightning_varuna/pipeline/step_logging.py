@@ -196,9 +196,12 @@ def _hold_no_rows_of_the_same_types(
 ) -> None:
     """Give a metric that was never updated here an empty tensor of the last stage's type in each list state (in
     place of the float32 that torchmetrics would gather for it), and count it as updated (it holds no rows, rightly:
-    no "compute before update" warning)."""
+    no "compute before update" warning). Its value computed before is dropped, as the last stage's update dropped
+    it there: computed again, it syncs with the last stage (a value computed at the end of one validation loader
+    and logged again from the next would otherwise sync on the last stage alone, and the job would hang)."""
     for state, (dtype, row_shape) in list_states.items():
         value = getattr(metric, state)
         if not value:
             value.append(torch.empty((0, *row_shape), dtype=dtype, device=device))
     metric._update_count = max(metric._update_count, 1)
+    metric._computed = None
