@@ -120,6 +120,23 @@ def test_merge_detaches_and_handles_nested_outputs():
     assert merged["name"] == "mb0"  # non-tensor leaves come from the first micro-batch
 
 
+def test_merge_sums_counts_and_averages_means():
+    """What a step returns besides its loss, as on one device: counts (ints, integer tensors) add up over the
+    micro-batches, means (floats, float tensors) are weighted by the micro-batch sizes."""
+    x = torch.arange(10.0)
+    sizes = microbatch_sizes(10, 4)  # [4, 4, 2]
+    outputs = [
+        {"rows": len(c), "above": (c > 4).sum(), "mean": c.mean(), "mean_number": c.mean().item(), "lr": 0.1}
+        for (c,) in split_microbatches((x,), 4)
+    ]
+    merged = merge_microbatches(outputs, [n / 10 for n in sizes])
+    assert merged["rows"] == 10
+    assert merged["above"].item() == 5 and merged["above"].dtype == torch.long
+    torch.testing.assert_close(merged["mean"], x.mean())
+    assert merged["mean_number"] == pytest.approx(x.mean().item())
+    assert merged["lr"] == 0.1  # the same in every micro-batch: kept as it is
+
+
 def test_split_then_merge_round_trips():
     torch.manual_seed(0)
     batch = {"ids": torch.randint(0, 9, (11, 5)), "y": torch.randn(11), "meta": "m"}

@@ -93,21 +93,33 @@ def _rows(leaves: list[Any], size: int, start: int, count: int) -> list[Any]:
 
 
 def merge_microbatches(outputs: list[Any], weights: list[float]) -> Any:
-    """Merge per-micro-batch step outputs leaf by leaf.
+    """Merge per-micro-batch step outputs leaf by leaf into the batch's.
 
-    0-dim tensors (a mean loss) become their ``weights``-weighted sum, the batch mean when the weights are
-    the micro-batch sizes over the batch size; other tensors are concatenated along dim 0; anything else is
-    taken from the first micro-batch.
+    Tensors with rows are concatenated along dim 0. A 0-dim floating-point tensor or a float (a mean: a loss, an
+    accuracy) becomes the ``weights``-weighted sum, the batch's mean when the weights are the micro-batch sizes over
+    the batch size (a float all micro-batches agree on is kept as it is); a 0-dim integer tensor or an int (a count:
+    rows, correct predictions) becomes the sum; anything else (a string, a bool) is the first micro-batch's.
     """
     if all(o is None for o in outputs):
         return None
     flat = [tree_flatten(o) for o in outputs]
-    merged = []
-    for parts in zip(*(leaves for leaves, _ in flat)):
-        if isinstance(parts[0], Tensor) and parts[0].dim() == 0:
-            merged.append(sum(w * p.detach() for w, p in zip(weights, parts)))
-        elif isinstance(parts[0], Tensor):
-            merged.append(torch.cat([p.detach() for p in parts]))
-        else:
-            merged.append(parts[0])
+    merged = [_merged_leaf(parts, weights) for parts in zip(*(leaves for leaves, _ in flat))]
     return tree_unflatten(merged, flat[0][1])
+
+
+def _merged_leaf(parts: tuple[Any, ...], weights: list[float]) -> Any:
+    first = parts[0]
+    if isinstance(first, Tensor):
+        parts = tuple(p.detach() for p in parts)
+        if first.dim() > 0:
+            return torch.cat(parts)
+        if first.is_floating_point() or first.is_complex():
+            return sum(w * p for w, p in zip(weights, parts))
+        return first if first.dtype == torch.bool else torch.stack(parts).sum()
+    if isinstance(first, bool):
+        return first
+    if isinstance(first, int):
+        return sum(parts)
+    if isinstance(first, float) and any(p != first for p in parts):
+        return sum(w * p for w, p in zip(weights, parts))
+    return first
