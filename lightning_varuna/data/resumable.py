@@ -12,10 +12,11 @@ of the epoch when resuming mid-epoch.)
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
@@ -140,6 +141,36 @@ def epoch_rows(loader: DataLoader, replicas: int) -> int:
     return per_replica * replicas
 
 
+# On a mid-epoch resume Lightning warns that a loader it cannot tell is resumable restarts the epoch. A resumable
+# loader does not, so the warning is silenced while a fit reads one (a sweep runs several fits at once), and warns
+# again for a later fit that does not.
+_RESTART_WARNING = "You're resuming from a checkpoint that ended before the epoch"
+_fits_reading_resumable_loaders = 0
+_silencing = threading.Lock()
+
+
+def _silence_restart_warning() -> None:
+    global _fits_reading_resumable_loaders
+    with _silencing:
+        _fits_reading_resumable_loaders += 1
+        if _fits_reading_resumable_loaders == 1:
+            warnings.filterwarnings("ignore", message=_RESTART_WARNING)
+
+
+def _restore_restart_warning() -> None:
+    global _fits_reading_resumable_loaders
+    with _silencing:
+        _fits_reading_resumable_loaders -= 1
+        if _fits_reading_resumable_loaders == 0:
+            filters = cast(list, warnings.filters)  # the list `filterwarnings` inserts into (typed a Sequence)
+            filters[:] = [f for f in filters if not _silences_restart_warning(f)]
+
+
+def _silences_restart_warning(warning_filter: tuple) -> bool:
+    action, message = warning_filter[:2]
+    return action == "ignore" and message is not None and message.pattern == _RESTART_WARNING
+
+
 class DataProgress:
     """How far a run got into its training data, for its checkpoints; where a resumed run continues from.
 
@@ -154,18 +185,27 @@ class DataProgress:
         self._order: dict[str, Any] = {}  # this run's `shuffle` and `seed`, once the loader is resumable
         self._in_flight: tuple[int, int] | None = None  # the last batch counted: (its number, its rows)
         self._sampler: ResumableDistributedSampler | None = None  # the resumable loader's, once made
+        self._silencing = False  # whether this fit silences Lightning's restart warning
 
     def resumable(
         self, dataloader: DataLoader, sampler: DistributedSampler, batch_size: int, replicas: int
     ) -> DataLoader:
         """The training ``dataloader`` made resumable (`resumable_loader`), starting where a checkpoint left off."""
-        # Lightning cannot see that the loader resumes mid-epoch: silence its warning that it does not.
-        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        if not self._silencing:
+            _silence_restart_warning()
+            self._silencing = True
         loader = resumable_loader(dataloader, sampler, batch_size, self.resume_from)
         self._sampler = loader.batch_sampler.sampler  # type: ignore[union-attr]
         self.epoch_rows = epoch_rows(loader, replicas)
         self._order = {"shuffle": sampler.shuffle, "seed": sampler.seed}
         return loader
+
+    def fit_ended(self) -> None:
+        """Lightning's warning that a loader restarts a resumed epoch applies again (to a later fit that reads no
+        resumable loader)."""
+        if self._silencing:
+            _restore_restart_warning()
+            self._silencing = False
 
     def epoch_started(self, epoch: int) -> None:
         self.position = DataPosition(epoch, 0, **self._order)

@@ -418,6 +418,7 @@ class SpillingStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         """The model gets its parameters back (in host memory) for whatever follows ``fit``."""
+        self._data.fit_ended()
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None:
             restore_callback_hooks(trainer)

@@ -887,6 +887,7 @@ class VarunaStrategy(ParallelStrategy):
         failed), so that the next ``fit(ckpt_path="last")`` sees it; after an error each rank only waits for its
         own uploads.
         """
+        self._data.fit_ended()
         trainer = getattr(self.lightning_module, "_trainer", None)
         normal_end = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         if trainer is not None:
