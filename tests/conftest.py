@@ -37,26 +37,31 @@ def run_job(
     args: list[str], cwd: Path, timeout: int = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run ``python *args`` as a fresh multi-process job (with ``env`` added); its output is captured as text. The
-    job's processes form a session of their own: whatever the job leaves running when it ends or times out is
-    killed, so that a hung rank does not go on holding a core and a port for the rest of the suite."""
+    job runs in a process group of its own, stopped when the job ends, times out or the test is interrupted, so
+    that a hung rank does not hold a core and a port for the rest of the suite (torchrun, stopped by SIGTERM,
+    stops its workers, which run in groups of their own)."""
     command = [sys.executable, *args]
     env = {**clean_env(), **(env or {})}
-    with subprocess.Popen(
+    job = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env, start_new_session=True
-    ) as job:
-        try:
-            stdout, stderr = job.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_session(job.pid)
-            job.communicate()
-            raise
-        _kill_session(job.pid)
+    )
+    try:
+        stdout, stderr = job.communicate(timeout=timeout)
+    finally:
+        _stop_process_group(job)
     return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
 
 
-def _kill_session(session_id: int) -> None:
+def _stop_process_group(job: subprocess.Popen) -> None:
+    """SIGTERM to ``job``'s process group, 5 s for the job to end, then SIGKILL to what is left of the group."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(session_id, signal.SIGKILL)
+        os.killpg(job.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        job.wait(timeout=5)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        job.communicate(timeout=5)  # closes the pipes (a process outside the group may still hold them)
 
 
 def run_ranks(
@@ -68,8 +73,8 @@ def run_ranks(
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run the script ``args`` as a job of ``processes`` ranks, each a process forked from one Python that imported
-    the libraries once (`forked_ranks`): the ranks run as under torchrun, without each paying for the imports. For
-    the tests where how Lightning starts the processes is not the point."""
+    the libraries once (`forked_ranks`): Lightning runs them as processes another launcher started, without each
+    paying for the imports. For the tests where how the processes start is not the point."""
     launch = [_FORKED_RANKS, str(processes), str(devices_per_node or processes)]
     return run_job([*launch, *args], cwd, timeout=timeout, env=env)
 

@@ -2,12 +2,12 @@
 
     python tests/forked_ranks.py PROCESSES DEVICES_PER_NODE SCRIPT [ARGS...]
 
-Each rank runs ``SCRIPT ARGS`` as ``__main__`` with the launch variables torchrun would give it (``LOCAL_RANK``,
-``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), so Lightning takes the processes as created
-externally and the strategy runs as under torchrun: real processes, a real gloo process group. What this saves is
-the import of torch, Lightning and their optional dependencies (about 7 s of CPU) in every rank but one, which is
-most of a small test job's time. The first rank to fail ends the others, as torchrun does; the exit status is the
-first failure's.
+Each rank runs ``SCRIPT ARGS`` as ``__main__`` with the launch variables ``LOCAL_RANK``, ``NODE_RANK``, ``RANK``,
+``WORLD_SIZE`` and ``MASTER_ADDR``/``MASTER_PORT``: Lightning takes the processes as started by another launcher
+(its ``LightningEnvironment``; the script's ``Trainer(devices=..., num_nodes=...)`` must match) and runs them as
+it runs any job's: real processes, a real gloo process group. What this saves is the import of torch, Lightning
+and their optional dependencies (about 7 s of CPU) in every rank, which is most of a small test job's time. The
+first rank to fail ends the others, as torchrun does; the exit status is the first failure's.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import traceback
 
 import lightning.pytorch  # noqa: F401 - imported once, before the fork, for every rank
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 import lightning_varuna  # noqa: F401
 
@@ -30,11 +31,15 @@ def run_rank(rank: int, processes: int, devices: int, script: str, args: list[st
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank % devices), NODE_RANK=str(rank // devices), WORLD_SIZE=str(processes)
     )
+    rank_zero_only.rank = rank  # what a fresh process reads from the launch variables as it imports Lightning
     sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` has it
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_:
-        return exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        if exit_.code is None or exit_.code == 0:
+            return 0
+        return exit_.code if isinstance(exit_.code, int) and 0 < exit_.code < 256 else 1
     except BaseException:  # noqa: BLE001 - the rank's failure is its exit status, as for a fresh process
         traceback.print_exc()
         return 1
@@ -42,8 +47,8 @@ def run_rank(rank: int, processes: int, devices: int, script: str, args: list[st
 
 
 def main(processes: int, devices: int, script: str, args: list[str]) -> int:
-    # A fork copies only the calling thread: a library thread started by the imports would be missing in the ranks.
-    assert threading.active_count() == 1, threading.enumerate()
+    if threading.active_count() > 1:  # a fork copies only the calling thread: the others would be missing in a rank
+        raise RuntimeError(f"the imports started threads, which the forked ranks would lack: {threading.enumerate()}")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_network_port()))
     ranks = []

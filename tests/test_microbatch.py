@@ -122,11 +122,14 @@ def test_merge_detaches_and_handles_nested_outputs():
 
 def test_merge_sums_counts_and_averages_means():
     """What a step returns besides its loss, as on one device: counts (ints, integer tensors) add up over the
-    micro-batches, means (floats, float tensors) are weighted by the micro-batch sizes."""
+    micro-batches, means (floats, float tensors) are weighted by the micro-batch sizes, a flag is any micro-batch's."""
     x = torch.arange(10.0)
     sizes = microbatch_sizes(10, 4)  # [4, 4, 2]
     outputs = [
-        {"rows": len(c), "above": (c > 4).sum(), "mean": c.mean(), "mean_number": c.mean().item(), "lr": 0.1}
+        {
+            **{"rows": len(c), "above": (c > 4).sum(), "mean": c.mean(), "mean_number": c.mean().item(), "lr": 0.1},
+            **{"has_nine": (c == 9).any(), "has_zero": bool((c == 0).any()), "name": "step"},
+        }
         for (c,) in split_microbatches((x,), 4)
     ]
     merged = merge_microbatches(outputs, [n / 10 for n in sizes])
@@ -135,6 +138,8 @@ def test_merge_sums_counts_and_averages_means():
     torch.testing.assert_close(merged["mean"], x.mean())
     assert merged["mean_number"] == pytest.approx(x.mean().item())
     assert merged["lr"] == 0.1  # the same in every micro-batch: kept as it is
+    assert merged["has_nine"].item() is True and merged["has_zero"] is True  # flags: any micro-batch's
+    assert merged["name"] == "step"
 
 
 def test_split_then_merge_round_trips():

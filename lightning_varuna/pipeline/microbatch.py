@@ -98,7 +98,8 @@ def merge_microbatches(outputs: list[Any], weights: list[float]) -> Any:
     Tensors with rows are concatenated along dim 0. A 0-dim floating-point tensor or a float (a mean: a loss, an
     accuracy) becomes the ``weights``-weighted sum, the batch's mean when the weights are the micro-batch sizes over
     the batch size (a float all micro-batches agree on is kept as it is); a 0-dim integer tensor or an int (a count:
-    rows, correct predictions) becomes the sum; anything else (a string, a bool) is the first micro-batch's.
+    rows, correct predictions) becomes the sum; a bool (a flag) is true where any micro-batch's is; anything else (a
+    string) is the first micro-batch's.
     """
     if all(o is None for o in outputs):
         return None
@@ -115,9 +116,9 @@ def _merged_leaf(parts: tuple[Any, ...], weights: list[float]) -> Any:
             return torch.cat(parts)
         if first.is_floating_point() or first.is_complex():
             return sum(w * p for w, p in zip(weights, parts))
-        return first if first.dtype == torch.bool else torch.stack(parts).sum()
+        return torch.stack(parts).any() if first.dtype == torch.bool else torch.stack(parts).sum()
     if isinstance(first, bool):
-        return first
+        return any(parts)
     if isinstance(first, int):
         return sum(parts)
     if isinstance(first, float) and any(p != first for p in parts):
