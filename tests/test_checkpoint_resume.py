@@ -49,7 +49,7 @@ def run(tmp_path, name: str, config: dict, env: dict | None = None, expect_ok: b
         return proc, {}
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     weights = {}
-    for rank in range(config["pipeline_parallel_size"] * config["data_parallel_size"]):
+    for rank in range(processes):
         weights.update(torch.load(out / f"rank{rank}.pt"))
     return json.loads((out / "losses.json").read_text()), weights
 

@@ -146,12 +146,12 @@ def epoch_rows(loader: DataLoader, replicas: int) -> int:
 # again for a later fit that does not.
 _RESTART_WARNING = "You're resuming from a checkpoint that ended before the epoch"
 _fits_reading_resumable_loaders = 0
-_silencing = threading.Lock()
+_restart_warning_lock = threading.Lock()
 
 
 def _silence_restart_warning() -> None:
     global _fits_reading_resumable_loaders
-    with _silencing:
+    with _restart_warning_lock:
         _fits_reading_resumable_loaders += 1
         if _fits_reading_resumable_loaders == 1:
             warnings.filterwarnings("ignore", message=_RESTART_WARNING)
@@ -159,7 +159,7 @@ def _silence_restart_warning() -> None:
 
 def _restore_restart_warning() -> None:
     global _fits_reading_resumable_loaders
-    with _silencing:
+    with _restart_warning_lock:
         _fits_reading_resumable_loaders -= 1
         if _fits_reading_resumable_loaders == 0:
             filters = cast(list, warnings.filters)  # the list `filterwarnings` inserts into (typed a Sequence)
