@@ -454,6 +454,24 @@ def test_checkpoints_are_written_a_shard_at_a_time_and_resume_exactly(tmp_path):
     assert_same_model(resumed, uninterrupted)
 
 
+def test_a_consolidated_checkpoint_resumes_where_the_sharded_one_does(tmp_path):
+    """`lightning-varuna consolidate`'s one file, of a checkpoint taken mid-epoch, resumes spilled and pipelined with
+    the losses and weights of an uninterrupted run: its optimizer state by name and its position in the data are
+    read (before, Lightning refused it as a checkpoint of the model only)."""
+    torch.manual_seed(0)
+    reference = TinyLM(scheduler=True)
+    model, spilled, pipelined = (copy.deepcopy(reference) for _ in range(3))
+    folder = tmp_path / "checkpoints"
+    fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), max_steps=2, callbacks=[ModelCheckpoint(dirpath=folder)])
+    consolidated = str(tmp_path / "model.ckpt")
+    torch.save(consolidate(str(folder / "epoch=0-step=2.ckpt")), consolidated)
+    expected = fit(reference, "auto", max_steps=4)
+    for strategy, resumed in ((SpillingStrategy(memory_budget=BUDGETS[2]), spilled), (VarunaStrategy(), pipelined)):
+        continued = fit(resumed, strategy, ckpt_path=consolidated, max_steps=4)
+        torch.testing.assert_close(losses(continued), losses(expected)[4:], rtol=1e-5, atol=1e-6)
+        assert_same_model(resumed, reference)
+
+
 def test_a_checkpoint_of_an_epoch_read_in_order_resumes_pipelined_in_that_order(tmp_path):
     """SpillingStrategy keeps a DataLoader's order (here unshuffled); VarunaStrategy reads through Lightning's
     distributed sampler, which shuffles. A spilled checkpoint taken mid-epoch resumes pipelined with the rest of that

@@ -9,7 +9,10 @@ from lightning_varuna.checkpoint.sharded import read_tensors, read_training_stat
 from lightning_varuna.checkpoint.state import empty_like_entry
 from lightning_varuna.storage import Storage
 
-__all__ = ["consolidate"]
+__all__ = ["DATA_POSITION", "consolidate"]
+
+DATA_POSITION = "data_position"
+"""The key under which a consolidated checkpoint keeps where the run was in its data (the strategies resume there)."""
 
 
 def consolidate(url: str, storage: Storage | None = None) -> dict[str, Any]:
@@ -17,7 +20,8 @@ def consolidate(url: str, storage: Storage | None = None) -> dict[str, Any]:
 
     ``state_dict`` holds every tensor of the model (``Model.load_from_checkpoint`` and ``load_state_dict``
     take it as is); the training state (epoch, step, loops, LR schedulers, callbacks, hyper-parameters) is
-    kept; the optimizer state stays keyed by parameter name under ``optimizer_states_by_name``.
+    kept; the optimizer state stays keyed by parameter name under ``optimizer_states_by_name``, and the position
+    in the data under ``DATA_POSITION``. `VarunaStrategy` and `SpillingStrategy` resume from it as from ``url``.
     """
     storage = storage or Storage()
     info = open_complete(storage, url)
@@ -32,6 +36,7 @@ def consolidate(url: str, storage: Storage | None = None) -> dict[str, Any]:
         node[leaf] = empty_like_entry(entry)
     read_tensors(reader, tensors)
     checkpoint = {**read_training_state(storage, info), "state_dict": tensors["model"]}
+    checkpoint[DATA_POSITION] = info.shape.get("data_position")
     if "optimizer" in tensors:
         optimizers = tensors["optimizer"]
         checkpoint["optimizer_states_by_name"] = [optimizers[i] for i in sorted(optimizers, key=int)]

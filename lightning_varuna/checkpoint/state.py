@@ -100,12 +100,15 @@ def _as_state_of(param: nn.Parameter, key: str, value: Any) -> Any:
 
 class TensorsByName:
     """A Lightning checkpoint dict in memory, read like `SavedTensors`: the model's tensors and each optimizer's
-    state by parameter name (a torch ``optimizer.state_dict()`` numbers them by position in ``optimizers``)."""
+    state by parameter name (a torch ``optimizer.state_dict()`` numbers them by position in ``optimizers``; a file
+    that `consolidate` wrote keeps them by name already)."""
 
     def __init__(self, checkpoint: dict[str, Any], module: nn.Module, optimizers: list[Optimizer]) -> None:
         self._model: dict[str, torch.Tensor] = checkpoint["state_dict"]
+        self._optimizers: list[dict[str, Any]] = list(checkpoint.get("optimizer_states_by_name", []))
+        if self._optimizers:
+            return
         names = parameter_names(module)
-        self._optimizers = []
         for optimizer, saved in zip(optimizers, checkpoint.get("optimizer_states", [])):
             order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
             self._optimizers.append(

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_varuna.checkpoint.consolidate import DATA_POSITION
 from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.checkpoint.sharded import SavedTensors, ShardedCheckpoints
 from lightning_varuna.checkpoint.state import (
@@ -384,6 +385,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         optimizers = [torch_optimizer(o) for o in self.optimizers]
         if fs.isfile(path):
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+            self._data.restore(checkpoint.get(DATA_POSITION), checkpoint.get("loops", {}))
             self._loading = TensorsByName(checkpoint, self._module, optimizers)
         else:
             saved = SavedTensors(self.checkpoint_storage, url)

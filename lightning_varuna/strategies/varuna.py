@@ -37,6 +37,7 @@ from lightning_varuna._lightning_private import (
     sync_ddp_if_available,
 )
 from lightning_varuna._torch_private import NormWithRunningStats
+from lightning_varuna.checkpoint.consolidate import DATA_POSITION
 from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
 from lightning_varuna.checkpoint.single_file import stage_checkpoint
@@ -846,12 +847,13 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read this stage's part of a checkpoint written with any pipeline shape, or of a single-file Lightning
-        checkpoint (one device's, ``strategy="auto"``; it continues where that run's data loader would: an
-        unfinished epoch starts again)."""
+        checkpoint: one device's (``strategy="auto"``; it continues where that run's data loader would: an
+        unfinished epoch starts again) or one that `consolidate` wrote (it continues where the sharded one would)."""
         optimizers = [torch_optimizer(o) for o in self.optimizers]
         fs, path = self.checkpoint_storage.fs(str(checkpoint_path))
         if fs.isfile(path):
             whole = super().load_checkpoint(checkpoint_path, weights_only)
+            self._data.restore(whole.get(DATA_POSITION), whole.get("loops", {}))
             return stage_checkpoint(whole, self._module, self._stage_plan().skeleton, optimizers)
         checkpoint, info = self._checkpoints.load(str(checkpoint_path), self._module, optimizers)
         self._resumed_shape = info.shape
