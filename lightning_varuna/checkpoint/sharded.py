@@ -42,6 +42,12 @@ from lightning_varuna.storage import REMOTE_WRITE_THREADS, Storage, join
 
 __all__ = ["SavedTensors", "ShardedCheckpoints", "read_tensors", "read_training_state"]
 
+# `read_tensors` loads in this process alone on purpose, and torch warns that it assumes so. Silenced by a filter set
+# once: `catch_warnings` would swap the process's filter list while a sweep's other fits change it from their threads.
+warnings.filterwarnings(
+    "ignore", ".*assuming the intent is to load in a single process", UserWarning, r"torch\.distributed\.checkpoint"
+)
+
 
 class ShardedCheckpoints:
     """Collective save/load of sharded checkpoints at fsspec URLs; every rank of the job calls them alike.
@@ -220,9 +226,7 @@ class SavedTensors:
 
 def read_tensors(reader: dcp.StorageReader, tensors: dict[str, Any]) -> None:
     """Fill ``tensors`` (a nested dict of destinations) from ``reader`` in this process alone."""
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, storage_reader=reader, no_dist=True)
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
 
 
 def read_training_state(storage: Storage, info: CheckpointInfo) -> dict[str, Any]:
