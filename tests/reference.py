@@ -11,12 +11,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 class GlobalBatches(torch.utils.data.Sampler):
     """The union over replicas of what Lightning's DistributedSampler gives each replica, step by step."""
 
-    def __init__(self, length: int, batch_size: int, replicas: int, seed: int) -> None:
+    def __init__(self, length: int, batch_size: int, replicas: int, seed: int, first_epoch: int = 0) -> None:
         self.samplers = [
             DistributedSampler(range(length), replicas, r, shuffle=True, seed=seed) for r in range(replicas)
         ]
         self.batch_size = batch_size
-        self.epoch = 0
+        self.epoch = first_epoch
 
     def __iter__(self):  # noqa: ANN204
         orders = []
@@ -31,12 +31,16 @@ class GlobalBatches(torch.utils.data.Sampler):
         return -(-len(self.samplers[0]) // self.batch_size)
 
 
-def train_reference(config: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Train on one device; return the results `fit_and_report` gives and the final weights."""
+def train_reference(
+    config: dict, ckpt_path: str | None = None, first_epoch: int = 0
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Train on one device (resuming from ``ckpt_path``, taken at the end of epoch ``first_epoch - 1``); return the
+    results `fit_and_report` gives and the final weights."""
     seed = config.get("seed", 0)
     L.seed_everything(seed)
     model = model_for(config)
     data = token_dataset(config["rows"])
-    sampler = GlobalBatches(len(data), config["batch_size"], config["data_parallel_size"], seed)
-    _, result = fit_and_report(model, DataLoader(data, batch_sampler=sampler), config, predict=True, devices=1)
+    sampler = GlobalBatches(len(data), config["batch_size"], config["data_parallel_size"], seed, first_epoch)
+    loader = DataLoader(data, batch_sampler=sampler)
+    _, result = fit_and_report(model, loader, config, predict=True, ckpt_path=ckpt_path, devices=1)
     return result, {k: v.detach().clone() for k, v in model.named_parameters()}

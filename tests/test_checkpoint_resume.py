@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from upload_hooks import describe_store, step_of
 
 from lightning_varuna import SpillingStrategy
+from lightning_varuna.checkpoint.consolidate import consolidate
 from lightning_varuna.checkpoint.layout import COMMIT_MARKER, IncompleteCheckpointError, open_complete
 from lightning_varuna.storage import Storage
 
@@ -112,6 +113,17 @@ def test_single_process_checkpoint_resumes_pipelined(tmp_path, uninterrupted):
     run(tmp_path, "first", shape(1, 1, epochs=1, checkpoint_dir=folder))
     result, weights = run(tmp_path, "resumed", shape(2, 1, epochs=EPOCHS, checkpoint_dir=folder, resume="last"))
     assert_continues(result, weights, uninterrupted, from_step=3)
+
+
+def test_consolidated_checkpoint_resumes_a_plain_trainer(tmp_path, written_at_2x2, uninterrupted):
+    """`lightning-varuna consolidate` of a checkpoint written at (2, 2) is a plain Lightning checkpoint: a Trainer
+    without this package's strategies resumes from it (torch's numbering of the optimizer state included, over the
+    whole model's parameter groups and its tied weight) and trains on as the uninterrupted run."""
+    consolidated = tmp_path / "model.ckpt"
+    torch.save(consolidate(os.path.join(written_at_2x2, "epoch=1-step=6.ckpt")), consolidated)
+    assert "optimizer_states_by_name" not in torch.load(consolidated, weights_only=False)
+    result, weights = train_reference(shape(1, 1, epochs=EPOCHS), ckpt_path=str(consolidated), first_epoch=2)
+    assert_continues(result, weights, uninterrupted, from_step=6)
 
 
 def fit_spilled(config: dict, ckpt_path: str | None = None, **kwargs) -> tuple[dict, dict]:

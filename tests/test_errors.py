@@ -100,6 +100,14 @@ class CallsASubmodule(TinyLM):
         return F.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
 
 
+class UnregisteredParameter(TinyLM):
+    """Its optimizer trains a parameter the module does not hold: checkpoints keep optimizer state by name."""
+
+    def configure_optimizers(self):
+        self.temperature = [torch.nn.Parameter(torch.ones(()))]  # a list is not registered
+        return torch.optim.AdamW([*self.parameters(), *self.temperature])
+
+
 @pytest.mark.parametrize(
     ("model", "error", "match"),
     [
@@ -108,6 +116,7 @@ class CallsASubmodule(TinyLM):
         (TransposedAtCutPoint(), ValueError, r"shape \(6, 4, 16\) but the batch size is 4"),
         (DataDependentBranch(), RuntimeError, r"Cannot cut `DataDependentBranch.forward` into pipeline stages"),
         (CallsASubmodule(), RuntimeError, r"never called `self\(...\)`.*a submodule called directly"),
+        (UnregisteredParameter(), ValueError, r"shape \(\) that is not a parameter of `UnregisteredParameter`"),
     ],
 )
 def test_bad_model_fails_at_setup(model, error, match):

@@ -6,7 +6,7 @@ from typing import Any
 
 from lightning_varuna.checkpoint.layout import open_complete
 from lightning_varuna.checkpoint.sharded import read_tensors, read_training_state
-from lightning_varuna.checkpoint.state import empty_like_entry
+from lightning_varuna.checkpoint.state import OPTIMIZER_PARAMETER_NAMES, empty_like_entry, optimizer_state_by_position
 from lightning_varuna.storage import Storage
 
 __all__ = ["DATA_POSITION", "consolidate"]
@@ -19,9 +19,11 @@ def consolidate(url: str, storage: Storage | None = None) -> dict[str, Any]:
     """The whole checkpoint at ``url`` as one Lightning checkpoint dict, read in this process.
 
     ``state_dict`` holds every tensor of the model (``Model.load_from_checkpoint`` and ``load_state_dict``
-    take it as is); the training state (epoch, step, loops, LR schedulers, callbacks, hyper-parameters) is
-    kept; the optimizer state stays keyed by parameter name under ``optimizer_states_by_name``, and the position
-    in the data under ``DATA_POSITION``. `VarunaStrategy` and `SpillingStrategy` resume from it as from ``url``.
+    take it as is); the training state (epoch, step, loops, LR schedulers, callbacks, hyper-parameters) is kept,
+    with the optimizer state numbered as torch numbers it (``optimizer_states``: a plain Trainer resumes from it;
+    older checkpoints, and optimizers with a group of no parameters, keep it by parameter name under
+    ``optimizer_states_by_name``), and the position in the data under ``DATA_POSITION``. `VarunaStrategy` and
+    `SpillingStrategy` resume from it where they would from ``url``.
     """
     storage = storage or Storage()
     info = open_complete(storage, url)
@@ -38,6 +40,12 @@ def consolidate(url: str, storage: Storage | None = None) -> dict[str, Any]:
     checkpoint = {**read_training_state(storage, info), "state_dict": tensors["model"]}
     checkpoint[DATA_POSITION] = info.shape.get("data_position")
     if "optimizer" in tensors:
-        optimizers = tensors["optimizer"]
-        checkpoint["optimizer_states_by_name"] = [optimizers[i] for i in sorted(optimizers, key=int)]
+        # (no "state" before the first step: a checkpoint stores no empty dict)
+        by_name = [{"state": {}, **tensors["optimizer"][i]} for i in sorted(tensors["optimizer"], key=int)]
+        group_names = checkpoint.pop(OPTIMIZER_PARAMETER_NAMES, None) or []
+        by_position = [optimizer_state_by_position(saved, groups) for saved, groups in zip(by_name, group_names)]
+        if len(by_position) == len(by_name) and all(by_position):
+            checkpoint["optimizer_states"] = by_position
+        else:  # saved before the order was kept, or with a group of no parameters
+            checkpoint["optimizer_states_by_name"] = by_name
     return checkpoint

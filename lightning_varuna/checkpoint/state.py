@@ -16,16 +16,23 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.optim import Optimizer
 
 __all__ = [
+    "OPTIMIZER_PARAMETER_NAMES",
     "TensorsByName",
     "destination_for",
     "empty_like_entry",
     "load_optimizer_state_by_name",
     "optimizer_state_by_name",
+    "optimizer_state_by_position",
+    "parameter_group_names",
     "parameter_names",
     "set_optimizer_state",
     "stage_tensors",
     "with_versions",
 ]
+
+OPTIMIZER_PARAMETER_NAMES = "optimizer_parameter_names"
+"""The key under which a checkpoint's training state keeps the names of each optimizer's parameters, group by group
+in the whole model's order (`parameter_group_names`): the positions torch's ``optimizer.state_dict()`` numbers."""
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:
@@ -47,16 +54,46 @@ def optimizer_state_by_name(
         for p in group["params"]:
             if only is not None and id(p) not in only:
                 continue
-            if id(p) not in names:
-                raise ValueError(
-                    f"The optimizer holds a parameter of shape {tuple(p.shape)} that is not a parameter of "
-                    f"`{type(module).__name__}`; sharded checkpoints store optimizer state by parameter name. "
-                    "Register it on the module (an `nn.Parameter` attribute or in an `nn.ParameterList`)."
-                )
-            name = names[id(p)]
+            name = _name_of(p, names, module)
             groups[name] = settings
             if optimizer.state.get(p):
                 state[name] = dict(optimizer.state[p])
+    return {"state": state, "param_groups": groups}
+
+
+def _name_of(param: nn.Parameter, names: dict[int, str], module: nn.Module) -> str:
+    if id(param) not in names:
+        raise ValueError(
+            f"The optimizer holds a parameter of shape {tuple(param.shape)} that is not a parameter of "
+            f"`{type(module).__name__}`; sharded checkpoints store optimizer state by parameter name. "
+            "Register it on the module (an `nn.Parameter` attribute or in an `nn.ParameterList`)."
+        )
+    return names[id(param)]
+
+
+def parameter_group_names(optimizers: list[Optimizer], module: nn.Module) -> list[list[list[str]]]:
+    """The names of each optimizer's parameters, group by group, in their order there."""
+    names = parameter_names(module)
+    return [
+        [[_name_of(p, names, module) for p in group["params"]] for group in optimizer.param_groups]
+        for optimizer in optimizers
+    ]
+
+
+def optimizer_state_by_position(by_name: dict[str, dict], group_names: list[list[str]]) -> dict[str, Any] | None:
+    """What `optimizer_state_by_name` saved, as torch's ``optimizer.state_dict()`` of an optimizer whose groups hold
+    the parameters ``group_names`` (None if a group is empty: its hyper-parameters were saved with no parameter)."""
+    if not all(group_names):
+        return None
+    state: dict[int, Any] = {}
+    groups: list[dict[str, Any]] = []
+    position = 0
+    for names in group_names:
+        groups.append({**by_name["param_groups"][names[0]], "params": list(range(position, position + len(names)))})
+        for name in names:
+            if name in by_name["state"]:
+                state[position] = by_name["state"][name]
+            position += 1
     return {"state": state, "param_groups": groups}
 
 

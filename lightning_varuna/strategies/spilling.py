@@ -27,9 +27,7 @@ from typing_extensions import override
 from lightning_varuna.checkpoint.consolidate import DATA_POSITION
 from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.checkpoint.sharded import SavedTensors, ShardedCheckpoints
-from lightning_varuna.checkpoint.state import (
-    TensorsByName,
-)
+from lightning_varuna.checkpoint.state import OPTIMIZER_PARAMETER_NAMES, TensorsByName, parameter_group_names
 from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.discovery import buffers_kept
 from lightning_varuna.partition.skeleton import ModelSkeleton
@@ -372,6 +370,8 @@ class SpillingStrategy(SingleDeviceStrategy):
         with_optimizer = lightning_state.pop("optimizer_states", None) is not None
         shape = run_shape(1, 1, None, self._batch_size, self._data.saved(self._module.trainer))
         optimizer = torch_optimizer(self.optimizers[0]) if with_optimizer and self.optimizers else None
+        if optimizer is not None:
+            lightning_state[OPTIMIZER_PARAMETER_NAMES] = parameter_group_names([optimizer], self._module)
         pieces = checkpoint_pieces(self._module, optimizer, self._visit)
         self._checkpoints.save_pieces(pieces, lightning_state, str(filepath), shape, storage_options)
 

@@ -41,7 +41,12 @@ from lightning_varuna.checkpoint.consolidate import DATA_POSITION
 from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
 from lightning_varuna.checkpoint.single_file import stage_checkpoint
-from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
+from lightning_varuna.checkpoint.state import (
+    OPTIMIZER_PARAMETER_NAMES,
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
+    parameter_group_names,
+)
 from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.plan import plan_stage
 from lightning_varuna.pipeline.gradients import (
@@ -216,6 +221,7 @@ class VarunaStrategy(ParallelStrategy):
         self._replica_batch_size: int | None = None
         self._check_iterable_batches = True
         self._resumed_shape: dict[str, Any] | None = None
+        self._optimizer_parameter_names: list[list[list[str]]] = []  # the whole model's (`setup_optimizers`)
         self._data = DataProgress()
 
     # ----------------------------------------------------------------------------------------- processes
@@ -487,6 +493,8 @@ class VarunaStrategy(ParallelStrategy):
         module = self._module
         with self._stage_plan().skeleton.stand_ins(module, missing_only=True):
             yield
+            optimizers = [torch_optimizer(o) for o in self.optimizers]
+            self._optimizer_parameter_names = parameter_group_names(optimizers, module)
         own = {id(p) for p in module.parameters()}
         for optimizer in self.optimizers:
             for group in torch_optimizer(optimizer).param_groups:
@@ -830,6 +838,9 @@ class VarunaStrategy(ParallelStrategy):
         optimizer_states = lightning_state.pop("optimizer_states", None)
         if optimizer_states is not None:
             tensors["optimizer"] = {str(i): state for i, state in enumerate(optimizer_states)}
+            names = self._optimizer_parameter_names  # the whole model's, not changed by a callback since
+            if [len(torch_optimizer(o).param_groups) for o in self.optimizers] == [len(groups) for groups in names]:
+                lightning_state[OPTIMIZER_PARAMETER_NAMES] = names
         topo = self.topology
         assert topo is not None
         global_batch_size = (
