@@ -128,9 +128,12 @@ def test_a_run_begun_on_one_device_continues_pipelined_from_its_checkpoint(tmp_p
 
 
 def test_a_model_in_double_precision_trains_pipelined_like_one_device(tmp_path):
-    """``precision="64-true"``: the model's parameters and its float batches are doubles, from the start-up trace on."""
-    train(tmp_path, ["bn_mlp"], 2, 1, precision="64-true")
-    assert_trained_like_one_device(tmp_path / "bn_mlp", "bn_mlp", 2, 1, precision="64-true")
+    """``precision="64-true"``: the model's parameters, its float batches and the tensors its forward makes (Lightning's
+    demo Transformer makes its positional encoding) are doubles, from the start-up trace on, in the recomputes of
+    Varuna's schedule too."""
+    train(tmp_path, ["bn_mlp", "demo_transformer"], 2, 1, precision="64-true", schedule="varuna")
+    for name in ("bn_mlp", "demo_transformer"):
+        assert_trained_like_one_device(tmp_path / name, name, 2, 1, precision="64-true")
     assert torch.load(tmp_path / "bn_mlp" / "rank1.pt")["inp.weight"].dtype == torch.float64  # the first stage
 
 

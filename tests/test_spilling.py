@@ -416,14 +416,23 @@ def test_bf16_mixed_trains_like_one_device():
     assert_same_model(model, reference)
 
 
-@pytest.mark.parametrize(("precision", "budget"), [("64-true", 24_000), ("bf16-true", 8_000)])
-def test_true_precisions_train_cut_like_one_device(precision, budget):
+@pytest.mark.parametrize(
+    ("name", "precision", "budget"),
+    [
+        ("bn_mlp", "64-true", 24_000),  # float inputs, BatchNorm
+        ("bn_mlp", "bf16-true", 8_000),
+        ("demo_transformer", "64-true", 600_000),  # its first forward makes its positional encoding
+        ("demo_transformer", "bf16-true", 300_000),
+    ],
+)
+def test_true_precisions_train_cut_like_one_device(name, precision, budget):
     """The model's parameters and its float batches are converted to the precision's dtype, the first batch (on which
-    set-up finds and measures the segments) too."""
+    set-up finds and measures the segments) too, and the tensors its forward makes get that dtype at set-up and in the
+    backward's recomputes as in the steps (before, those runs made float32 tensors)."""
     from real_models import build
 
     torch.manual_seed(0)
-    reference, data = build("bn_mlp")  # float inputs, BatchNorm
+    reference, data = build(name)
     model = copy.deepcopy(reference)
     options = dict(max_steps=3, precision=precision, callbacks=[StepLosses()], logger=False, enable_progress_bar=False)
     expected = L.Trainer(accelerator="cpu", devices=1, **options)

@@ -1,16 +1,17 @@
-"""What running a forward again needs (recomputing activations for backward): the same random numbers, and the
-buffers as the first run found them, which the replay may update without touching the model's (BatchNorm's running
-statistics, a running mean, a counter)."""
+"""What running a forward again needs (recomputing activations for backward): the same random numbers, the buffers as
+the first run found them, which the replay may update without touching the model's (BatchNorm's running statistics,
+a running mean, a counter), and the autocast and default dtype it ran in."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["BufferState", "RandomState", "generator_states", "states_differ"]
+__all__ = ["BufferState", "DtypeState", "RandomState", "generator_states", "states_differ"]
 
 
 def generator_states(device: torch.device) -> list[torch.Tensor]:
@@ -24,6 +25,33 @@ def generator_states(device: torch.device) -> list[torch.Tensor]:
 def states_differ(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
     """Whether random numbers were drawn between two `generator_states`."""
     return any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+@dataclass(frozen=True)
+class DtypeState:
+    """The dtypes a forward computes in on ``device_type``: autocast's, and torch's default dtype (the dtype of the
+    tensors it makes, which a "true" precision sets while Lightning's step runs, and its backward does not)."""
+
+    device_type: str
+    autocast: bool
+    autocast_dtype: torch.dtype
+    default_dtype: torch.dtype
+
+    @classmethod
+    def current(cls, device_type: str) -> DtypeState:
+        autocast = torch.is_autocast_enabled(device_type)
+        return cls(device_type, autocast, torch.get_autocast_dtype(device_type), torch.get_default_dtype())
+
+    @contextmanager
+    def replayed(self) -> Iterator[None]:
+        """Run the block in these dtypes; the default dtype is restored afterwards."""
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.default_dtype)
+        try:
+            with torch.autocast(self.device_type, dtype=self.autocast_dtype, enabled=self.autocast):
+                yield
+        finally:
+            torch.set_default_dtype(previous)
 
 
 class RandomState:

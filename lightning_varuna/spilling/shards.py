@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
-from lightning_varuna.pipeline.replay import BufferState, RandomState, generator_states, states_differ
+from lightning_varuna.pipeline.replay import BufferState, DtypeState, RandomState, generator_states, states_differ
 from lightning_varuna.spilling.segments import Segments, WholeModel
 from lightning_varuna.spilling.store import SpillStore
 
@@ -89,7 +89,7 @@ class ShardedModel:
         self._modules: list[nn.Module] = []
         self._boundaries: dict[Source, Any] = {}
         self._last_consumer: dict[Source, int] = {}
-        self._autocast: tuple[bool, torch.dtype] = (False, torch.float32)
+        self._dtypes = DtypeState.current("cpu")  # the forward's, replayed by recomputes
         self.turn: Callable[[str, int], AbstractContextManager[bool]] = lambda work, shard: nullcontext(True)
 
     # ------------------------------------------------------------------------------------------ residency
@@ -192,8 +192,7 @@ class ShardedModel:
         with its autograd graph; the outputs of the others are leaves whose ``.grad`` `backward` reads."""
         training = torch.is_grad_enabled()
         self._use_trace(args, kwargs)
-        device_type = self.store.device.type
-        self._autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        self._dtypes = DtypeState.current(self.store.device.type)
         inputs = tree_leaves((args, kwargs))
         self._boundaries = {Source(None, i): leaf for i, leaf in enumerate(inputs)}
         last = len(self.shards) - 1
@@ -278,15 +277,15 @@ class ShardedModel:
         self._boundaries = {}
 
     def _backward_through(self, shard: Shard, replay: bool) -> None:
-        """Run ``shard``'s forward again as it first ran (random numbers, if ``replay``; autocast; the buffers as it
-        found them, and those it updated left alone) and backpropagate the gradients of its outputs."""
-        enabled, dtype = self._autocast
+        """Run ``shard``'s forward again as it first ran (random numbers, if ``replay``; autocast and default dtype;
+        the buffers as it found them, and those it updated left alone) and backpropagate the gradients of its
+        outputs."""
         random_state = shard.random_state if replay else None
         with (
             random_state.replayed() if random_state is not None else nullcontext(),
             shard.buffers.replayed() if shard.buffers is not None else nullcontext(),
             torch.enable_grad(),
-            torch.autocast(self.store.device.type, dtype=dtype, enabled=enabled),
+            self._dtypes.replayed(),
         ):
             produced = self._run(shard)
             if random_state is not None:

@@ -218,9 +218,14 @@ class SpillingStrategy(SingleDeviceStrategy):
             )
         summarize_whole_model(trainer, ModelSkeleton(self._module, device=torch.device("meta")))
         if self._sharded is None:
-            # Measuring runs the model: training's random numbers and BatchNorm's statistics stay as they are.
+            # Measuring runs the model: training's random numbers and BatchNorm's statistics stay as they are, and
+            # the forward's new tensors get the precision's dtype as in the steps (a "true" precision sets it).
             devices = [self.root_device] if self.root_device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices), buffers_kept(self._module):
+            with (
+                torch.random.fork_rng(devices=devices),
+                buffers_kept(self._module),
+                self.precision_plugin.tensor_init_context(),
+            ):
                 self._sharded = self._shard(trainer)
         route_gradient_clipping(self.precision_plugin, self._request_clip_by_norm, self._request_clip_by_value)
         optimizer = self.optimizers[0] if self.optimizers else None

@@ -451,7 +451,8 @@ class VarunaStrategy(ParallelStrategy):
         if not self.micro_batch_size or (trainer.state.fn == TrainerFn.FITTING and chosen_for_another_run):
             self._choose_micro_batch_size(trainer)
         if self._stages is None or self._stages.module is not self.model:
-            self._stages = self._partition(trainer)
+            with self.precision_plugin.tensor_init_context():  # as in the steps: the forward's new tensors ("true")
+                self._stages = self._partition(trainer)
         summarize_whole_model(trainer, self._stages.skeleton)
         assert self.topology is not None
         if self.topology.pipeline_parallel_size > 1:
