@@ -154,6 +154,41 @@ def test_each_model_of_a_sweep_trains_as_if_alone():
     ), "no two models ever computed at the same time"
 
 
+class PositionCodedMLP(MLP):
+    """Adds a code it computes in its forward (as a sinusoidal position code is): a tensor of the default dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + torch.sin(torch.arange(x.shape[-1]) / 7.0))
+
+
+def test_a_sweep_in_a_true_precision_trains_each_model_as_if_alone():
+    """``precision="bf16-true"`` sets torch's default dtype (one per process) while a step runs: the models of one
+    such sweep step in it together, each as when trained alone, and the default dtype is restored after (before,
+    their steps' contexts crossed and left one another in float32, and bfloat16 after the sweep). A model of
+    another precision is refused in that sweep."""
+    torch.manual_seed(0)
+    models = [PositionCodedMLP(32, 3), PositionCodedMLP(16, 2, optimizer="sgd"), PositionCodedMLP(32, 2)]
+    references = [copy.deepcopy(model) for model in models]
+    sweep = MultiModelTrainer(devices=2, memory_budget="32KB", enable_progress_bar=False)
+    sweep_losses = [StepLosses() for _ in models]
+    for model, losses in zip(models, sweep_losses):
+        width = model.layers[0].in_features
+        options = dict(max_steps=6, precision="bf16-true", **QUIET)
+        sweep.add(model, train_dataloaders=regression_data(width), callbacks=[losses], **options)
+    with pytest.raises(ValueError, match=r"`precision='32-true'` steps with .*float32, .*bfloat16"):
+        sweep.add(MLP(16, 2), train_dataloaders=regression_data(16), max_steps=2, **QUIET)
+    trainers = sweep.fit()
+
+    assert torch.get_default_dtype() == torch.float32
+    assert [r.status for r in sweep.results] == ["finished"] * 3
+    assert any(len(t.strategy.shards) > 1 for t in trainers)  # type: ignore[attr-defined]
+    for model, reference, losses in zip(models, references, sweep_losses):
+        width = model.layers[0].in_features
+        alone = fit_alone(reference, regression_data(width), max_steps=6, precision="bf16-true")
+        torch.testing.assert_close(losses.losses, step_losses(alone), rtol=1e-5, atol=1e-6)
+        assert_same_weights(model, reference)
+
+
 def test_the_longest_remaining_model_gets_the_free_device():
     """LRTF: the waiting models are served in order of remaining time (remaining steps times measured device time
     per step; a model that has not stepped yet estimated from its size at the measured rate)."""
@@ -361,6 +396,45 @@ def test_sigterm_stops_every_model_at_a_shard_boundary_and_each_resumes(tmp_path
     for i, (model, reference) in enumerate(zip(models, references)):
         fit_alone(reference, regression_data(32 + 16 * i), max_steps=20)
         assert_same_weights(model, reference)
+
+
+class InterruptedMLP(MLP):
+    """Raises KeyboardInterrupt in its training step at step 2, or in its first validation step (Lightning's sanity
+    check, while its model holds torch's generator)."""
+
+    def __init__(self, width: int, depth: int, where: str) -> None:
+        super().__init__(width, depth)
+        self.where = where
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.where == "training_step" and self.global_step == 2:
+            raise KeyboardInterrupt
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        if self.where == "sanity check":
+            raise KeyboardInterrupt
+        super().validation_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("where", ["training_step", "sanity check"])
+def test_a_keyboard_interrupt_in_a_models_step_stops_the_sweep_as_ctrl_c_does(where):
+    """Each model stops, its weights back in the module (before, the interrupted model kept none: Lightning's handler
+    raised in its thread before the teardown, and in the sanity check `fit` waited forever for the generator it
+    held)."""
+    torch.manual_seed(0)
+    models = [InterruptedMLP(16, 2, where), MLP(16, 2)]
+    models[1].layers.insert(1, nn.Dropout(0.2))  # draws random numbers: it needs the generator
+    sweep = MultiModelTrainer(devices=2, enable_progress_bar=False)
+    data = {"train_dataloaders": regression_data(16), "val_dataloaders": regression_data(16, 32)}
+    trainers = [sweep.add(model, **data, max_steps=6, **QUIET) for model in models]
+    fitting = threading.Thread(target=sweep.fit, daemon=True)
+    fitting.start()
+    fitting.join(60)
+    assert not fitting.is_alive(), "the sweep did not end"
+    assert [r.status for r in sweep.results] == ["stopped", "stopped"]
+    assert all(t.state.status == "interrupted" for t in trainers)
+    assert [sum(p.numel() for p in model.parameters()) for model in models] == [2 * 272, 2 * 272]
 
 
 def test_dropout_models_share_the_generator_one_at_a_time():

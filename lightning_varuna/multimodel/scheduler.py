@@ -165,7 +165,9 @@ class DeviceScheduler:
             clock.stepped_s = clock.device_s - clock.setup_s
 
     def finished(self, name: str) -> None:
-        """The model's fit has ended (done, failed or stopped): it asks for no more turns."""
+        """The model's fit has ended (done, failed or stopped): it asks for no more turns, and no longer holds the
+        generator (a fit that ended before its teardown ran)."""
+        self.release_generator(name)
         with self._lock:
             self._clocks[name].finished = True
 

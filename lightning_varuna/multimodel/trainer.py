@@ -26,6 +26,7 @@ from lightning_varuna._torch_private import register_cuda_device_guard
 from lightning_varuna.multimodel.report import ModelResult, SweepDisplay, device_timeline_trace, summary_table
 from lightning_varuna.multimodel.scheduler import DeviceScheduler, DeviceSpan, SweepStopped
 from lightning_varuna.spilling.packing import format_bytes
+from lightning_varuna.strategies.launchers import InProcessLauncher
 from lightning_varuna.strategies.spilling import SpillingStrategy
 
 __all__ = ["MultiModelTrainer"]
@@ -154,6 +155,7 @@ class MultiModelTrainer:
                 callbacks=[*callbacks, _SweepMemberCallback(self, member)],
                 **trainer_kwargs,
             )
+        _refuse_another_default_dtype(trainer, [m.trainer for m in self._members])
         _claim_log_dirs(trainer)
         member.trainer = trainer
         self._members.append(member)
@@ -192,6 +194,7 @@ class MultiModelTrainer:
         ]
         with (
             _torch_threads(1) if not self.on_gpu else nullcontext(),
+            _default_dtype(_step_default_dtype(self._members[0].trainer)),
             _stopped_by_signals(self.scheduler),
             self._display.logs_above() if self._display is not None else nullcontext(),
         ):
@@ -291,6 +294,10 @@ class _SweepMemberStrategy(SpillingStrategy):
         self._whole_model_stays = False  # the models share the device: `fit` decides which stay (`keep_on_device`)
 
     @override
+    def _configure_launcher(self) -> None:
+        self._launcher = _SweepMemberLauncher(self.scheduler)
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         with self.scheduler.turn(self.sweep_name, "set-up", -1, generator=True):
             super().setup(trainer)
@@ -334,6 +341,23 @@ class _SweepMemberStrategy(SpillingStrategy):
         if isinstance(dataloader, DataLoader) and dataloader.generator is None:
             dataloader.generator = torch.Generator().manual_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
         return dataloader
+
+
+class _SweepMemberLauncher(InProcessLauncher):
+    """A KeyboardInterrupt raised in a model's step stops the sweep, as Ctrl-C does; that model's fit ends as on any
+    error (Lightning's own handling of it would ignore SIGINT, which a model's thread may not, and skip the
+    teardown that brings its spilled weights back)."""
+
+    def __init__(self, scheduler: DeviceScheduler) -> None:
+        self.scheduler = scheduler
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except KeyboardInterrupt as interrupt:
+            self.scheduler.stop("KeyboardInterrupt")
+            raise SweepStopped("the sweep was stopped (KeyboardInterrupt in this model's step)") from interrupt
 
 
 class _SweepMemberCallback(pl.Callback):
@@ -414,6 +438,37 @@ def _torch_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def _step_default_dtype(trainer: pl.Trainer) -> torch.dtype:
+    """torch's default dtype while ``trainer``'s steps run: its precision's ("64-true", "bf16-true"), or float32."""
+    with trainer.precision_plugin.forward_context():
+        return torch.get_default_dtype()
+
+
+def _refuse_another_default_dtype(trainer: pl.Trainer, others: list[pl.Trainer]) -> None:
+    """The models of a sweep step at once in threads of one process, which has one default dtype."""
+    if not others:
+        return
+    dtype, theirs = _step_default_dtype(trainer), _step_default_dtype(others[0])
+    if dtype != theirs:
+        raise ValueError(
+            f"`precision={trainer.precision!r}` steps with torch's default dtype {dtype}, and the models added before "
+            f"with {theirs} (`precision={others[0].precision!r}`). A process has one default dtype, and the models "
+            "of a sweep train at once in one process: put models of the 'true' precisions (which set it) in a sweep "
+            "of their own."
+        )
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype is ``dtype`` inside: the sweep's steps set it and restore what they found, at once."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 @contextmanager
