@@ -1,10 +1,16 @@
-"""The resumable sampler deals exactly what torch's DistributedSampler deals, and resumes at any replica count."""
+"""The resumable sampler deals exactly what torch's DistributedSampler deals, and resumes at any replica count; a
+DataLoader's own sampler is left as it is."""
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
-from torch.utils.data import DistributedSampler
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_varuna import CutPoint, SpillingStrategy, VarunaStrategy
 from lightning_varuna.data.resumable import DataPosition, ResumableDistributedSampler
 
 
@@ -36,3 +42,55 @@ def test_resumes_the_epoch_where_two_replicas_stopped_with_one():
     assert len(rest) == 12 and trained.isdisjoint(rest) and trained | set(rest) == set(range(24))
     after.set_epoch(2)
     assert len(list(after)) == 24
+
+
+class Rows(Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor([float(index)]), torch.tensor([float(index)])
+
+
+class RowsSeen(L.Callback):
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.rows += [int(row) for row in batch[0].flatten()]
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.cut, self.last = nn.Linear(1, 8), CutPoint(), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.tanh(self.cut(self.first(x))))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("strategy", ["auto", VarunaStrategy, SpillingStrategy])
+def test_a_custom_sampler_reads_its_own_rows(strategy):
+    """A DataLoader's own sampler (a fixed split) is read as it is: Lightning wraps it for its distributed sampler,
+    and that wrapper is not the dataset's sampler to be made resumable (it was: the wrapper's positions were read as
+    rows of the dataset, rows 0-7 for 8-15)."""
+    seen = RowsSeen()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy if isinstance(strategy, str) else strategy(),
+        max_epochs=1,
+        callbacks=[seen],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regression(), DataLoader(Rows(), batch_size=4, sampler=list(range(8, 16))))
+    assert sorted(seen.rows) == list(range(8, 16))

@@ -392,14 +392,15 @@ class VarunaStrategy(ParallelStrategy):
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         sampler = getattr(dataloader, "sampler", None)
-        resumable = isinstance(dataloader, DataLoader) and isinstance(sampler, DistributedSampler)
+        # Lightning's sampler over the dataset; not its wrapper of a custom sampler (a subclass), whose order it keeps.
+        resumable = isinstance(dataloader, DataLoader) and type(sampler) is DistributedSampler
         if not resumable or type(getattr(dataloader, "batch_sampler", None)) is not BatchSampler:
             if self.global_batch_size is not None:
                 raise ValueError(
                     "`VarunaStrategy(global_batch_size=...)` re-batches the training DataLoader, which needs a "
-                    "map-style dataset, Lightning's distributed sampler (`Trainer(use_distributed_sampler=True)`) "
-                    "and no custom `batch_sampler`. Remove `global_batch_size` and size the DataLoader batch "
-                    "yourself: global batch = DataLoader batch x data_parallel_size."
+                    "map-style dataset, Lightning's distributed sampler (`Trainer(use_distributed_sampler=True)`), "
+                    "no custom `sampler` and no `batch_sampler`. Remove `global_batch_size` and size the DataLoader "
+                    "batch yourself: global batch = DataLoader batch x data_parallel_size."
                 )
             return dataloader
         assert isinstance(dataloader, DataLoader) and isinstance(sampler, DistributedSampler)
