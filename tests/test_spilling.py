@@ -515,6 +515,32 @@ def test_a_consolidated_checkpoint_resumes_a_plain_trainer_with_its_parameter_gr
     assert_same_model(resumed, reference)
 
 
+@pytest.mark.parametrize("strategy", [SpillingStrategy, VarunaStrategy])
+def test_last_resumes_a_plain_runs_last_file_and_replaces_it(tmp_path, strategy):
+    """``ckpt_path="last"`` in the folder of a plain run's ``ModelCheckpoint(save_last=True)`` resumes from its
+    ``last.ckpt`` file (it trained from scratch instead), and the strategy's own ``last.ckpt`` folder then takes
+    that file's place (a folder cannot be written where the file is). (VarunaStrategy reads the next epoch through
+    Lightning's distributed sampler, which shuffles: the same batches as one device's in another order.)"""
+    torch.manual_seed(0)
+    reference = TinyLM(scheduler=True)
+    model, resumed = copy.deepcopy(reference), copy.deepcopy(reference)
+    folder = tmp_path / "checkpoints"
+    fit(model, "auto", max_steps=4, callbacks=[ModelCheckpoint(dirpath=folder, save_last=True)])
+    assert (folder / "last.ckpt").is_file()
+    expected = fit(reference, "auto", max_steps=6)
+    continued = fit(
+        resumed, strategy(), "last", max_steps=6, callbacks=[ModelCheckpoint(dirpath=folder, save_last=True)]
+    )
+    assert len(losses(continued)) == 4  # the second epoch's batches
+    if strategy is SpillingStrategy:
+        torch.testing.assert_close(losses(continued), losses(expected)[8:], rtol=1e-5, atol=1e-6)
+        assert_same_model(resumed, reference)
+    assert (folder / "last.ckpt").is_dir() and sorted(p.name for p in folder.iterdir() if "last" in p.name) == [
+        "last.ckpt"
+    ]
+    assert open_complete(Storage(), str(folder / "last.ckpt")).global_step == 6
+
+
 def test_a_checkpoint_of_an_epoch_read_in_order_resumes_pipelined_in_that_order(tmp_path):
     """SpillingStrategy keeps a DataLoader's order (here unshuffled); VarunaStrategy reads through Lightning's
     distributed sampler, which shuffles. A spilled checkpoint taken mid-epoch resumes pipelined with the rest of that

@@ -42,6 +42,9 @@ from lightning_varuna.storage import REMOTE_WRITE_THREADS, Storage, join
 
 __all__ = ["SavedTensors", "ShardedCheckpoints", "read_tensors", "read_training_state"]
 
+# Where a save puts the single-file checkpoint it replaces until it commits; still found as a "last" file meanwhile.
+_SET_ASIDE = ".replaced"
+
 # `read_tensors` loads in this process alone on purpose, and torch warns that it assumes so. Silenced by a filter set
 # once: `catch_warnings` would swap the process's filter list while a sweep's other fits change it from their threads.
 warnings.filterwarnings(
@@ -79,7 +82,7 @@ class ShardedCheckpoints:
         self.wait()
         rank = dist.get_rank()
         storage = self.storage.with_options(storage_options)
-        _agree(_error_of(lambda: storage.check_writable(url)) if rank == 0 else None)
+        _agree(_error_of(lambda: _prepare_folder(storage, url)) if rank == 0 else None)
         info = _broadcast(_new_save(url, lightning_state, shape) if rank == 0 else None)
         if self.tempdir is None:
             dcp.save(tensors, storage_writer=storage.dcp_writer(info.version_url))
@@ -105,7 +108,7 @@ class ShardedCheckpoints:
         once the previous one is written): a model that is never whole in memory is written without gathering."""
         self.wait()
         storage = self.storage.with_options(storage_options)
-        storage.check_writable(url)
+        _prepare_folder(storage, url)
         info = _new_save(url, lightning_state, shape)
         write_pieces(storage.dcp_writer(info.version_url), pieces)
         _commit(storage, info, _to_bytes(lightning_state))
@@ -246,14 +249,25 @@ def _new_save(url: str, lightning_state: dict[str, Any], shape: dict[str, Any]) 
     )
 
 
+def _prepare_folder(storage: Storage, url: str) -> None:
+    """Rank 0, before a save to ``url``: a single-file checkpoint there (Lightning's ``last.ckpt`` of the run this one
+    resumed) is set aside until the save commits, and the folder must be writable."""
+    fs, path = storage.fs(url)
+    if fs.isfile(path):
+        fs.mv(path, path + _SET_ASIDE)
+    storage.check_writable(url)
+
+
 def _commit(storage: Storage, info: CheckpointInfo, lightning_state: bytes) -> None:
     """Rank 0, once every tensor is stored: the training state, the commit marker, then drop the other saves
-    in this folder (older ones, and interrupted ones whatever their clock said)."""
+    in this folder (older ones, and interrupted ones whatever their clock said) and a single file set aside."""
     storage.write_bytes(join(info.version_url, LIGHTNING_STATE), lightning_state)
     storage.write_bytes(join(info.version_url, COMMIT_MARKER), info.marker())
     for version in versions(storage, info.url):
         if version != info.version:
             storage.remove(join(info.url, version))
+    if storage.exists(info.url + _SET_ASIDE):
+        storage.remove(info.url + _SET_ASIDE)
 
 
 def _to_bytes(obj: Any) -> bytes:

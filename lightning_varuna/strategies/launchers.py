@@ -4,8 +4,8 @@ Lightning resolves ``"last"`` to the newest ``last*.ckpt`` file it lists in each
 modification time; that neither sees folders on object stores nor skips a save that was interrupted. With
 VarunaStrategy and SpillingStrategy, ``"last"`` means the most recently committed checkpoint (any name) in the
 folders of the trainer's checkpoint callbacks (ModelCheckpoint, where it writes without a ``dirpath`` too, and
-MorphCallback); interrupted saves are skipped with a warning; with none, training starts fresh with a log line
-saying so.
+MorphCallback), or a newer single-file ``last*.ckpt`` there (a run's before it used these strategies); interrupted
+saves are skipped with a warning; with none, training starts fresh with a log line saying so.
 
 Under SLURM with Lightning's auto-requeue (its default there), Lightning saves a checkpoint inside the requeue
 signal's handler, wherever the step is: in a pipelined step that can be between two micro-batches, where the
@@ -63,10 +63,15 @@ def checkpoint_folders(trainer: pl.Trainer) -> list[str]:
 
 
 def newest_complete_checkpoint(storage: Storage, folders: list[str]) -> str | None:
-    """The URL of the most recently committed checkpoint in ``folders``; warn about interrupted saves."""
+    """The URL of the most recently committed checkpoint in ``folders``, or of a newer single-file ``last*.ckpt``
+    there (Lightning's, from a run without these strategies); warn about interrupted saves."""
     info, incomplete = find_newest(storage, folders)
     if incomplete:
         rank_zero_warn(f"Skipping interrupted checkpoint saves (no commit marker): {incomplete}")
+    single_file = _newest_last_file(storage, folders)
+    if single_file is not None and (info is None or single_file[1] > info.saved_at):
+        rank_zero_info(f'ckpt_path="last": resuming from the single-file checkpoint {single_file[0]}.')
+        return single_file[0]
     if info is None:
         rank_zero_info(f'ckpt_path="last": no complete checkpoint in {folders}; training starts from scratch.')
         return None
@@ -76,6 +81,18 @@ def newest_complete_checkpoint(storage: Storage, folders: list[str]) -> str | No
         f"{info.shape.get('data_parallel_size')})."
     )
     return info.url
+
+
+def _newest_last_file(storage: Storage, folders: list[str]) -> tuple[str, float] | None:
+    """The newest file named as Lightning names its "last" checkpoints in ``folders``, and when it was written."""
+    found = []
+    for folder in folders:
+        for name in storage.children(folder):
+            url = join(folder, name)
+            fs, path = storage.fs(url)
+            if name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST) and fs.isfile(path):
+                found.append((url, fs.modified(path).timestamp()))
+    return max(found, key=lambda item: item[1], default=None)
 
 
 def add_requeue_callback(trainer: pl.Trainer) -> None:
