@@ -810,8 +810,10 @@ def test_bad_input_fails_early():
         with pytest.raises(NotImplementedError, match="one sweep per GPU"):
             MultiModelTrainer(accelerator="gpu", devices=2)
     sweep = MultiModelTrainer(devices=2)
-    with pytest.raises(ValueError, match="set `accelerator` and `devices` on MultiModelTrainer"):
+    with pytest.raises(ValueError, match="Set `accelerator`, `devices` and the strategy's `memory_budget` on Multi"):
         sweep.add(MLP(8, 2), devices=2)
+    with pytest.raises(ValueError, match=r"\['strategy'\] are the sweep's: .* under its `SpillingStrategy`"):
+        sweep.add(MLP(8, 2), strategy="ddp")
     model = MLP(8, 2)
     sweep.add(model, name="a")
     with pytest.raises(ValueError, match="named 'a' is in the sweep already"):

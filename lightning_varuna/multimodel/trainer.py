@@ -107,7 +107,8 @@ class MultiModelTrainer:
         set_here = sorted(set(trainer_kwargs) & set(_SET_BY_THE_SWEEP))
         if set_here:
             raise ValueError(
-                f"{set_here} are the sweep's: set `accelerator` and `devices` on MultiModelTrainer, not in `add`."
+                f"{set_here} are the sweep's: each model trains on the sweep's devices under its `SpillingStrategy`. "
+                "Set `accelerator`, `devices` and the strategy's `memory_budget` on MultiModelTrainer, not in `add`."
             )
         if datamodule is not None and not isinstance(datamodule, pl.LightningDataModule):
             raise TypeError(
