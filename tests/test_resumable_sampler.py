@@ -1,14 +1,18 @@
 """The resumable sampler deals exactly what torch's DistributedSampler deals, and resumes at any replica count; a
-DataLoader's own sampler is left as it is."""
+DataLoader's own sampler is left as it is, and a loader that cannot resume mid-epoch says so."""
 
 from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from lightning_varuna import CutPoint, SpillingStrategy, VarunaStrategy
 from lightning_varuna.data.resumable import DataPosition, ResumableDistributedSampler
@@ -94,3 +98,34 @@ def test_a_custom_sampler_reads_its_own_rows(strategy):
     )
     trainer.fit(Regression(), DataLoader(Rows(), batch_size=4, sampler=list(range(8, 16))))
     assert sorted(seen.rows) == list(range(8, 16))
+
+
+class RowStream(IterableDataset):
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return iter(Rows()[i] for i in range(len(Rows())))
+
+
+@pytest.mark.parametrize("strategy", [VarunaStrategy, SpillingStrategy])
+def test_an_iterable_dataset_resumed_mid_epoch_warns_that_the_epoch_restarts(tmp_path, strategy):
+    """A loader of no length cannot continue an epoch where a checkpoint left it: the resumed fit says that the epoch
+    starts again (Lightning says so of loaders with a length only); resumed at an epoch's end, it says nothing."""
+
+    def fit(max_steps: int, ckpt_path: str | None = None) -> None:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=strategy(),
+            max_steps=max_steps,
+            callbacks=[ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(Regression(), DataLoader(RowStream(), batch_size=4), ckpt_path=ckpt_path)
+
+    fit(max_steps=6)  # epochs of 4 batches: saves at steps 2 (mid-epoch), 4 (its end) and 6
+    with pytest.warns(UserWarning, match="after 2 batches of an epoch.*the epoch starts again from its first batch"):
+        fit(max_steps=8, ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "The checkpoint was taken after")
+        fit(max_steps=8, ckpt_path=str(tmp_path / "epoch=0-step=4.ckpt"))

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, cast
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_varuna._lightning_private import dataloader_init_args, reinstantiate_dataloader
@@ -206,6 +207,19 @@ class DataProgress:
         if self._silencing:
             _restore_restart_warning()
             self._silencing = False
+
+    def warn_if_epoch_restarts(self, trainer: pl.Trainer) -> None:
+        """At the start of ``trainer``'s training: warn where a loader of no length (an IterableDataset) begins an
+        epoch that the checkpoint left unfinished from its first batch (Lightning warns so of the others only)."""
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        unfinished = progress.current.processed > 0 and not progress.is_last_batch
+        if unfinished and self._sampler is None and trainer.num_training_batches == float("inf"):
+            rank_zero_warn(
+                f"The checkpoint was taken after {progress.current.processed} batches of an epoch, and the training "
+                "DataLoader, of no length (an IterableDataset), cannot continue there: the epoch starts again from "
+                "its first batch, which trains those batches twice (as in Lightning). Checkpoint such runs at the "
+                "ends of epochs, or have the dataset skip what the epoch read."
+            )
 
     def epoch_started(self, epoch: int) -> None:
         self.position = DataPosition(epoch, 0, **self._order)

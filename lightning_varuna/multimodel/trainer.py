@@ -25,6 +25,7 @@ from typing_extensions import override
 from lightning_varuna._torch_private import register_cuda_device_guard
 from lightning_varuna.multimodel.report import ModelResult, SweepDisplay, device_timeline_trace, summary_table
 from lightning_varuna.multimodel.scheduler import DeviceScheduler, DeviceSpan, SweepStopped
+from lightning_varuna.pipeline.replay import default_dtype
 from lightning_varuna.spilling.packing import format_bytes
 from lightning_varuna.strategies.launchers import InProcessLauncher
 from lightning_varuna.strategies.spilling import SpillingStrategy
@@ -195,7 +196,8 @@ class MultiModelTrainer:
         ]
         with (
             _torch_threads(1) if not self.on_gpu else nullcontext(),
-            _default_dtype(_step_default_dtype(self._members[0].trainer)),
+            # The steps' contexts, crossing in the models' threads, then each restore the dtype they all set.
+            default_dtype(_step_default_dtype(self._members[0].trainer)),
             _stopped_by_signals(self.scheduler),
             self._display.logs_above() if self._display is not None else nullcontext(),
         ):
@@ -459,17 +461,6 @@ def _refuse_another_default_dtype(trainer: pl.Trainer, others: list[pl.Trainer])
             "of a sweep train at once in one process: put models of the 'true' precisions (which set it) in a sweep "
             "of their own."
         )
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """torch's default dtype is ``dtype`` inside: the sweep's steps set it and restore what they found, at once."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["BufferState", "DtypeState", "RandomState", "generator_states", "states_differ"]
+__all__ = ["BufferState", "DtypeState", "RandomState", "default_dtype", "generator_states", "states_differ"]
 
 
 def generator_states(device: torch.device) -> list[torch.Tensor]:
@@ -45,13 +45,22 @@ class DtypeState:
     @contextmanager
     def replayed(self) -> Iterator[None]:
         """Run the block in these dtypes; the default dtype is restored afterwards."""
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.default_dtype)
-        try:
-            with torch.autocast(self.device_type, dtype=self.autocast_dtype, enabled=self.autocast):
-                yield
-        finally:
-            torch.set_default_dtype(previous)
+        with (
+            default_dtype(self.default_dtype),
+            torch.autocast(self.device_type, dtype=self.autocast_dtype, enabled=self.autocast),
+        ):
+            yield
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype is ``dtype`` inside the block, and what it was before after it."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class RandomState:

@@ -415,6 +415,7 @@ class VarunaStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         accumulate_as_scheduled(self._module.trainer)  # an epoch resumed mid-way ran no epoch-start hook
+        self._data.warn_if_epoch_restarts(self._module.trainer)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
