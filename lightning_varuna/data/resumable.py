@@ -212,10 +212,15 @@ class DataProgress:
         """At the start of ``trainer``'s training: warn where a loader of no length (an IterableDataset) begins an
         epoch that the checkpoint left unfinished from its first batch (Lightning warns so of the others only)."""
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        unfinished = progress.current.processed > 0 and not progress.is_last_batch
-        if unfinished and self._sampler is None and trainer.num_training_batches == float("inf"):
+        trained = _epoch_batches(trainer).processed
+        if (
+            trained
+            and not progress.is_last_batch
+            and self._sampler is None
+            and trainer.num_training_batches == math.inf
+        ):
             rank_zero_warn(
-                f"The checkpoint was taken after {progress.current.processed} batches of an epoch, and the training "
+                f"The checkpoint was taken after {trained} batches of an epoch, and the training "
                 "DataLoader, of no length (an IterableDataset), cannot continue there: the epoch starts again from "
                 "its first batch, which trains those batches twice (as in Lightning). Checkpoint such runs at the "
                 "ends of epochs, or have the dataset skip what the epoch read."
@@ -246,6 +251,11 @@ class DataProgress:
             continue_unfinished_epoch(loops, self.resume_from)
             if self._sampler is not None:  # the loader was made first (`trainer.estimated_stepping_batches`)
                 self._sampler.resume_from = self.resume_from
+
+
+def _epoch_batches(trainer: pl.Trainer) -> Any:
+    """Lightning's count of the current epoch's training batches (``ready``, ``processed``...)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current
 
 
 def _batches(trainer: pl.Trainer) -> Any:
