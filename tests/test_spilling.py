@@ -515,11 +515,14 @@ def test_a_consolidated_checkpoint_resumes_a_plain_trainer_with_its_parameter_gr
     assert_same_model(resumed, reference)
 
 
-@pytest.mark.parametrize("strategy", [SpillingStrategy, VarunaStrategy])
-def test_last_resumes_a_plain_runs_last_file_and_replaces_it(tmp_path, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "interrupted"), [(SpillingStrategy, False), (VarunaStrategy, False), (SpillingStrategy, True)]
+)
+def test_last_resumes_a_plain_runs_last_file_and_replaces_it(tmp_path, strategy, interrupted):
     """``ckpt_path="last"`` in the folder of a plain run's ``ModelCheckpoint(save_last=True)`` resumes from its
     ``last.ckpt`` file (it trained from scratch instead), and the strategy's own ``last.ckpt`` folder then takes
-    that file's place (a folder cannot be written where the file is). (VarunaStrategy reads the next epoch through
+    that file's place (a folder cannot be written where the file is); where a save there set the file aside and
+    never committed, "last" resumes from the file set aside. (VarunaStrategy reads the next epoch through
     Lightning's distributed sampler, which shuffles: the same batches as one device's in another order.)"""
     torch.manual_seed(0)
     reference = TinyLM(scheduler=True)
@@ -527,6 +530,9 @@ def test_last_resumes_a_plain_runs_last_file_and_replaces_it(tmp_path, strategy)
     folder = tmp_path / "checkpoints"
     fit(model, "auto", max_steps=4, callbacks=[ModelCheckpoint(dirpath=folder, save_last=True)])
     assert (folder / "last.ckpt").is_file()
+    if interrupted:  # as a save that set the file aside and stopped while writing leaves the folder
+        (folder / "last.ckpt").rename(folder / "last.ckpt.replaced")
+        (folder / "last.ckpt" / "v00000000000000000001").mkdir(parents=True)
     expected = fit(reference, "auto", max_steps=6)
     continued = fit(
         resumed, strategy(), "last", max_steps=6, callbacks=[ModelCheckpoint(dirpath=folder, save_last=True)]

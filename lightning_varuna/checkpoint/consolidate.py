@@ -39,13 +39,13 @@ def consolidate(url: str, storage: Storage | None = None) -> dict[str, Any]:
     read_tensors(reader, tensors)
     checkpoint = {**read_training_state(storage, info), "state_dict": tensors["model"]}
     checkpoint[DATA_POSITION] = info.shape.get("data_position")
+    group_names = checkpoint.pop(OPTIMIZER_PARAMETER_NAMES, None) or []
     if "optimizer" in tensors:
         # (no "state" before the first step: a checkpoint stores no empty dict)
         by_name = [{"state": {}, **tensors["optimizer"][i]} for i in sorted(tensors["optimizer"], key=int)]
-        group_names = checkpoint.pop(OPTIMIZER_PARAMETER_NAMES, None) or []
         by_position = [optimizer_state_by_position(saved, groups) for saved, groups in zip(by_name, group_names)]
         if len(by_position) == len(by_name) and all(by_position):
             checkpoint["optimizer_states"] = by_position
-        else:  # saved before the order was kept, or with a group of no parameters
+        else:  # saved before the order was kept, or with a group of no saved parameters
             checkpoint["optimizer_states_by_name"] = by_name
     return checkpoint

@@ -12,7 +12,8 @@ save until the new one is complete::
         COMMITTED.json           written last, once every other file is in place: marks the save complete
 
 A version without ``COMMITTED.json`` is an interrupted save and is never loaded; older versions are deleted
-once a newer one is committed.
+once a newer one is committed. A single-file checkpoint at the URL (Lightning's ``last.ckpt`` of a run without these
+strategies) is renamed ``<name>.replaced`` by the first save there, and deleted once that save is committed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "COMMIT_MARKER",
     "DCP_INDEX",
     "LIGHTNING_STATE",
+    "SET_ASIDE",
     "CheckpointInfo",
     "IncompleteCheckpointError",
     "find_newest",
@@ -41,6 +43,7 @@ __all__ = [
 COMMIT_MARKER = "COMMITTED.json"
 DCP_INDEX = ".metadata"
 LIGHTNING_STATE = "lightning_state.pt"
+SET_ASIDE = ".replaced"
 _VERSION_PREFIX = "v"
 
 

@@ -29,6 +29,7 @@ from lightning_varuna.checkpoint.layout import (
     COMMIT_MARKER,
     DCP_INDEX,
     LIGHTNING_STATE,
+    SET_ASIDE,
     CheckpointInfo,
     IncompleteCheckpointError,
     new_version,
@@ -41,15 +42,6 @@ from lightning_varuna.checkpoint.uploads import BackgroundUploads
 from lightning_varuna.storage import REMOTE_WRITE_THREADS, Storage, join
 
 __all__ = ["SavedTensors", "ShardedCheckpoints", "read_tensors", "read_training_state"]
-
-# Where a save puts the single-file checkpoint it replaces until it commits; still found as a "last" file meanwhile.
-_SET_ASIDE = ".replaced"
-
-# `read_tensors` loads in this process alone on purpose, and torch warns that it assumes so. Silenced by a filter set
-# once: `catch_warnings` would swap the process's filter list while a sweep's other fits change it from their threads.
-warnings.filterwarnings(
-    "ignore", ".*assuming the intent is to load in a single process", UserWarning, r"torch\.distributed\.checkpoint"
-)
 
 
 class ShardedCheckpoints:
@@ -229,7 +221,9 @@ class SavedTensors:
 
 def read_tensors(reader: dcp.StorageReader, tensors: dict[str, Any]) -> None:
     """Fill ``tensors`` (a nested dict of destinations) from ``reader`` in this process alone."""
-    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # in front of the user's filters (`-W error` too): the intent is as torch assumes
+        warnings.filterwarnings("ignore", ".*assuming the intent is to load in a single process", UserWarning)
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
 
 
 def read_training_state(storage: Storage, info: CheckpointInfo) -> dict[str, Any]:
@@ -254,7 +248,7 @@ def _prepare_folder(storage: Storage, url: str) -> None:
     resumed) is set aside until the save commits, and the folder must be writable."""
     fs, path = storage.fs(url)
     if fs.isfile(path):
-        fs.mv(path, path + _SET_ASIDE)
+        fs.mv(path, path + SET_ASIDE)
     storage.check_writable(url)
 
 
@@ -266,8 +260,8 @@ def _commit(storage: Storage, info: CheckpointInfo, lightning_state: bytes) -> N
     for version in versions(storage, info.url):
         if version != info.version:
             storage.remove(join(info.url, version))
-    if storage.exists(info.url + _SET_ASIDE):
-        storage.remove(info.url + _SET_ASIDE)
+    if storage.exists(info.url + SET_ASIDE):
+        storage.remove(info.url + SET_ASIDE)
 
 
 def _to_bytes(obj: Any) -> bytes:

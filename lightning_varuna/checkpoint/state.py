@@ -65,8 +65,9 @@ def _name_of(param: nn.Parameter, names: dict[int, str], module: nn.Module) -> s
     if id(param) not in names:
         raise ValueError(
             f"The optimizer holds a parameter of shape {tuple(param.shape)} that is not a parameter of "
-            f"`{type(module).__name__}`; sharded checkpoints store optimizer state by parameter name. "
-            "Register it on the module (an `nn.Parameter` attribute or in an `nn.ParameterList`)."
+            f"`{type(module).__name__}`: the strategies place, spill and checkpoint the module's parameters, and "
+            "keep optimizer state by their names. Register it on the module (an `nn.Parameter` attribute or in an "
+            "`nn.ParameterList`)."
         )
     return names[id(param)]
 
@@ -82,14 +83,16 @@ def parameter_group_names(optimizers: list[Optimizer], module: nn.Module) -> lis
 
 def optimizer_state_by_position(by_name: dict[str, dict], group_names: list[list[str]]) -> dict[str, Any] | None:
     """What `optimizer_state_by_name` saved, as torch's ``optimizer.state_dict()`` of an optimizer whose groups hold
-    the parameters ``group_names`` (None if a group is empty: its hyper-parameters were saved with no parameter)."""
-    if not all(group_names):
-        return None
+    the parameters ``group_names`` (None if a group's hyper-parameters were saved with none of its parameters: an
+    empty group, or one of parameters that no stage kept)."""
     state: dict[int, Any] = {}
     groups: list[dict[str, Any]] = []
     position = 0
     for names in group_names:
-        groups.append({**by_name["param_groups"][names[0]], "params": list(range(position, position + len(names)))})
+        settings = next((by_name["param_groups"][name] for name in names if name in by_name["param_groups"]), None)
+        if settings is None:
+            return None
+        groups.append({**settings, "params": list(range(position, position + len(names)))})
         for name in names:
             if name in by_name["state"]:
                 state[position] = by_name["state"][name]

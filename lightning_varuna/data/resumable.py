@@ -211,8 +211,8 @@ class DataProgress:
     def warn_if_epoch_restarts(self, trainer: pl.Trainer) -> None:
         """At the start of ``trainer``'s training: warn where a loader of no length (an IterableDataset) begins an
         epoch that the checkpoint left unfinished from its first batch (Lightning warns so of the others only)."""
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        trained = _epoch_batches(trainer).processed
+        progress: Any = trainer.fit_loop.epoch_loop.batch_progress  # (`current` is typed as its base class)
+        trained = progress.current.processed
         if (
             trained
             and not progress.is_last_batch
@@ -251,11 +251,6 @@ class DataProgress:
             continue_unfinished_epoch(loops, self.resume_from)
             if self._sampler is not None:  # the loader was made first (`trainer.estimated_stepping_batches`)
                 self._sampler.resume_from = self.resume_from
-
-
-def _epoch_batches(trainer: pl.Trainer) -> Any:
-    """Lightning's count of the current epoch's training batches (``ready``, ``processed``...)."""
-    return trainer.fit_loop.epoch_loop.batch_progress.current
 
 
 def _batches(trainer: pl.Trainer) -> Any:

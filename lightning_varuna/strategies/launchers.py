@@ -33,7 +33,7 @@ from lightning_varuna._lightning_private import (
     resolve_checkpoint_dir,
 )
 from lightning_varuna.callbacks.morph import MorphCallback
-from lightning_varuna.checkpoint.layout import find_newest
+from lightning_varuna.checkpoint.layout import SET_ASIDE, find_newest
 from lightning_varuna.slurm import is_requeued_job, job_id, requeue_signal
 from lightning_varuna.storage import join
 from lightning_varuna.strategies.failures import ReportFirstFailure
@@ -68,7 +68,7 @@ def newest_complete_checkpoint(storage: Storage, folders: list[str]) -> str | No
     info, incomplete = find_newest(storage, folders)
     if incomplete:
         rank_zero_warn(f"Skipping interrupted checkpoint saves (no commit marker): {incomplete}")
-    single_file = _newest_last_file(storage, folders)
+    single_file = _newest_last_file(storage, folders, set_aside=info is None)
     if single_file is not None and (info is None or single_file[1] > info.saved_at):
         rank_zero_info(f'ckpt_path="last": resuming from the single-file checkpoint {single_file[0]}.')
         return single_file[0]
@@ -83,15 +83,19 @@ def newest_complete_checkpoint(storage: Storage, folders: list[str]) -> str | No
     return info.url
 
 
-def _newest_last_file(storage: Storage, folders: list[str]) -> tuple[str, float] | None:
-    """The newest file named as Lightning names its "last" checkpoints in ``folders``, and when it was written."""
+def _newest_last_file(storage: Storage, folders: list[str], set_aside: bool) -> tuple[str, float] | None:
+    """The newest file named as Lightning names its "last" checkpoints (``last.ckpt``, ``last-v1.ckpt``) in
+    ``folders``, and when it was written; with ``set_aside``, one that a save which never committed set aside too (its
+    time is that of its move on an object store, so it only counts where no save committed)."""
+    endings = (".ckpt", ".ckpt" + SET_ASIDE) if set_aside else (".ckpt",)
     found = []
     for folder in folders:
         for name in storage.children(folder):
-            url = join(folder, name)
-            fs, path = storage.fs(url)
-            if name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST) and fs.isfile(path):
-                found.append((url, fs.modified(path).timestamp()))
+            if not (name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST) and name.endswith(endings)):
+                continue
+            fs, path = storage.fs(join(folder, name))
+            if fs.isfile(path):
+                found.append((join(folder, name), fs.modified(path).timestamp()))
     return max(found, key=lambda item: item[1], default=None)
 
 

@@ -841,9 +841,8 @@ class VarunaStrategy(ParallelStrategy):
         optimizer_states = lightning_state.pop("optimizer_states", None)
         if optimizer_states is not None:
             tensors["optimizer"] = {str(i): state for i, state in enumerate(optimizer_states)}
-            names = self._optimizer_parameter_names  # the whole model's, not changed by a callback since
-            if [len(torch_optimizer(o).param_groups) for o in self.optimizers] == [len(groups) for groups in names]:
-                lightning_state[OPTIMIZER_PARAMETER_NAMES] = names
+            if self._groups_as_recorded():
+                lightning_state[OPTIMIZER_PARAMETER_NAMES] = self._optimizer_parameter_names
         topo = self.topology
         assert topo is not None
         global_batch_size = (
@@ -857,6 +856,15 @@ class VarunaStrategy(ParallelStrategy):
             self._data.saved(self._module.trainer),
         )
         self._checkpoints.save(tensors, lightning_state, str(filepath), shape, storage_options)
+
+    def _groups_as_recorded(self) -> bool:
+        """Whether every stage's optimizers have as many groups as when the whole model's names were recorded (a
+        callback may have added one on the stages holding its parameters since, BaseFinetuning aside). Collective."""
+        counts = [len(torch_optimizer(o).param_groups) for o in self.optimizers]
+        same = torch.tensor(int(counts == [len(groups) for groups in self._optimizer_parameter_names]))
+        same = same.to(self.root_device)
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        return bool(same.item())
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
