@@ -499,6 +499,23 @@ def test_a_consolidated_checkpoint_resumes_where_the_sharded_one_does(tmp_path, 
         assert_same_model(resumed, reference)
 
 
+@pytest.mark.parametrize("consolidated", [False, True])
+def test_a_resume_at_another_global_batch_warns_from_a_folder_or_its_consolidated_file(tmp_path, consolidated):
+    """A checkpoint records its run's global batch (8 rows here), and a resumed run with another says so, read from
+    the checkpoint's folder or from its consolidated file (which dropped it before)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    folder = tmp_path / "checkpoints"
+    fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), max_steps=2, callbacks=[ModelCheckpoint(dirpath=folder)])
+    path = str(folder / "epoch=0-step=2.ckpt")
+    if consolidated:
+        torch.save(consolidate(path), tmp_path / "model.ckpt")
+        path = str(tmp_path / "model.ckpt")
+    smaller = DataLoader(token_dataset(64), batch_size=4)
+    with pytest.warns(UserWarning, match="trained with a global batch of 8 rows; this run's is 4"):
+        fit(model, VarunaStrategy(), ckpt_path=path, loader=smaller, max_steps=3)
+
+
 def test_a_consolidated_checkpoint_resumes_a_plain_trainer_with_its_parameter_groups(tmp_path):
     """Consolidated, a spilled checkpoint numbers its optimizer state as torch does for the module's own parameter
     groups: a plain Trainer resumes from it and trains on as if never stopped."""

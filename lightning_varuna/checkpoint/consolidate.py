@@ -9,10 +9,11 @@ from lightning_varuna.checkpoint.sharded import read_tensors, read_training_stat
 from lightning_varuna.checkpoint.state import OPTIMIZER_PARAMETER_NAMES, empty_like_entry, optimizer_state_by_position
 from lightning_varuna.storage import Storage
 
-__all__ = ["DATA_POSITION", "consolidate"]
+__all__ = ["RUN_SHAPE", "consolidate"]
 
-DATA_POSITION = "data_position"
-"""The key under which a consolidated checkpoint keeps where the run was in its data (the strategies resume there)."""
+RUN_SHAPE = "run_shape"
+"""The key under which a consolidated checkpoint keeps the shape of the run that wrote it (`run_shape`: where it was in
+its data, its global batch), which the strategies resume from as from the checkpoint's folder."""
 
 
 def consolidate(url: str, storage: Storage | None = None) -> dict[str, Any]:
@@ -22,8 +23,8 @@ def consolidate(url: str, storage: Storage | None = None) -> dict[str, Any]:
     take it as is); the training state (epoch, step, loops, LR schedulers, callbacks, hyper-parameters) is kept,
     with the optimizer state numbered as torch numbers it (``optimizer_states``: a plain Trainer resumes from it;
     older checkpoints, and optimizers with a group of no parameters, keep it by parameter name under
-    ``optimizer_states_by_name``), and the position in the data under ``DATA_POSITION``. `VarunaStrategy` and
-    `SpillingStrategy` resume from it where they would from ``url``.
+    ``optimizer_states_by_name``), and the run's shape (its position in the data) under ``RUN_SHAPE``.
+    `VarunaStrategy` and `SpillingStrategy` resume from it where they would from ``url``.
     """
     storage = storage or Storage()
     info = open_complete(storage, url)
@@ -38,7 +39,7 @@ def consolidate(url: str, storage: Storage | None = None) -> dict[str, Any]:
         node[leaf] = empty_like_entry(entry)
     read_tensors(reader, tensors)
     checkpoint = {**read_training_state(storage, info), "state_dict": tensors["model"]}
-    checkpoint[DATA_POSITION] = info.shape.get("data_position")
+    checkpoint[RUN_SHAPE] = info.shape
     group_names = checkpoint.pop(OPTIMIZER_PARAMETER_NAMES, None) or []
     if "optimizer" in tensors:
         # (no "state" before the first step: a checkpoint stores no empty dict)

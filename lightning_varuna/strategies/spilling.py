@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_varuna.checkpoint.consolidate import DATA_POSITION
+from lightning_varuna.checkpoint.consolidate import RUN_SHAPE
 from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.checkpoint.sharded import SavedTensors, ShardedCheckpoints
 from lightning_varuna.checkpoint.state import OPTIMIZER_PARAMETER_NAMES, TensorsByName, parameter_group_names
@@ -391,7 +391,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         optimizers = [torch_optimizer(o) for o in self.optimizers]
         if fs.isfile(path):
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-            self._data.restore(checkpoint.get(DATA_POSITION), checkpoint.get("loops", {}))
+            self._data.restore((checkpoint.get(RUN_SHAPE) or {}).get("data_position"), checkpoint.get("loops", {}))
             self._loading = TensorsByName(checkpoint, self._module, optimizers)
         else:
             saved = SavedTensors(self.checkpoint_storage, url)

@@ -37,7 +37,7 @@ from lightning_varuna._lightning_private import (
     sync_ddp_if_available,
 )
 from lightning_varuna._torch_private import NormWithRunningStats
-from lightning_varuna.checkpoint.consolidate import DATA_POSITION
+from lightning_varuna.checkpoint.consolidate import RUN_SHAPE
 from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
 from lightning_varuna.checkpoint.single_file import stage_checkpoint
@@ -875,7 +875,8 @@ class VarunaStrategy(ParallelStrategy):
         fs, path = self.checkpoint_storage.fs(str(checkpoint_path))
         if fs.isfile(path):
             whole = super().load_checkpoint(checkpoint_path, weights_only)
-            self._data.restore(whole.get(DATA_POSITION), whole.get("loops", {}))
+            self._resumed_shape = whole.get(RUN_SHAPE)  # (a plain file has none)
+            self._data.restore((self._resumed_shape or {}).get("data_position"), whole.get("loops", {}))
             return stage_checkpoint(whole, self._module, self._stage_plan().skeleton, optimizers)
         checkpoint, info = self._checkpoints.load(str(checkpoint_path), self._module, optimizers)
         self._resumed_shape = info.shape
