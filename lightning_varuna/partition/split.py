@@ -29,6 +29,7 @@ from lightning_varuna._torch_private import (
 from lightning_varuna.cutpoint import CutPoint
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.tracing import (
+    changes_grad_mode,
     kv_cache_configs,
     traceable_torch_modules,
     trainer_reads_refused,
@@ -282,9 +283,10 @@ def _split_traced(
             without_kv_cache(kv_cache_configs(module)),
             trainer_reads_refused(module),
         ):
-            pipe = pipeline(module, mb_args=args, mb_kwargs=kwargs or None)
-    except RuntimeError as error:
-        raise untraceable_forward_error(module, error) from error
+            try:
+                pipe = pipeline(module, mb_args=args, mb_kwargs=kwargs or None)
+            except (RuntimeError, AssertionError) as error:  # torch 2.11 fails a grad-mode block with an assert
+                raise untraceable_forward_error(module, error, changes_grad_mode(module, args, kwargs)) from error
     finally:
         spec_hook.remove()
         for cut in cuts:

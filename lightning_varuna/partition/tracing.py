@@ -18,6 +18,7 @@ import lightning_varuna
 from lightning_varuna._torch_private import transformer_module
 
 __all__ = [
+    "changes_grad_mode",
     "kv_cache_configs",
     "traceable_torch_modules",
     "trainer_reads_refused",
@@ -31,8 +32,6 @@ _OWN_DIR = os.path.dirname(lightning_varuna.__file__) + os.sep
 _LIGHTNING_DIR = os.path.dirname(os.path.dirname(pl.__file__)) + os.sep
 _MODULE_CALL = nn.Module.__call__.__code__.co_filename  # `Module.__call__` machinery between the model's frames
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
-# A grad-mode block of the forward is traced as a subgraph that torch's pipeline split does not carry over.
-_LOST_SUBGRAPH = re.compile(r"references nonexistent attribute submod_\d+")
 
 
 def _is_causal_as_given(mask: torch.Tensor | None, is_causal: bool | None = None, size: int | None = None) -> bool:
@@ -141,7 +140,17 @@ def trainer_reads_refused(module: nn.Module) -> Iterator[None]:
         )
 
 
-def untraceable_forward_error(module: nn.Module, error: BaseException) -> Exception:
+def changes_grad_mode(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether ``module``'s forward switches the grad mode (a ``torch.no_grad()`` block, a reentrant checkpoint):
+    torch.export traces such a block as a subgraph, which torch's pipeline split does not carry over."""
+    try:
+        exported = torch.export.export(module, args, kwargs)
+    except Exception:  # it fails for another reason, which the caller reports
+        return False
+    return any(node.target is torch.ops.higher_order.wrap_with_set_grad_enabled for node in exported.graph.nodes)
+
+
+def untraceable_forward_error(module: nn.Module, error: BaseException, grad_mode_changed: bool) -> Exception:
     """The error to raise when tracing ``module``'s forward failed with ``error``: it names the line that failed.
 
     ``torch.export`` runs the forward as Python, so the failing exception's traceback holds the model's own frames:
@@ -157,7 +166,7 @@ def untraceable_forward_error(module: nn.Module, error: BaseException) -> Except
             "torch.export cannot trace. A cut model's forward may return tensors and tuples, lists, dicts or "
             "ModelOutputs of them: return what the step needs (e.g. `.logits`, `.loss`)."
         )
-    if _LOST_SUBGRAPH.search(str(cause)):
+    if grad_mode_changed:
         return RuntimeError(
             f"Cannot cut {name} into pipeline stages: it changes the grad mode inside (a `with torch.no_grad():` or "
             "`torch.enable_grad()` block, or a reentrant `torch.utils.checkpoint`), which torch's pipeline split "
