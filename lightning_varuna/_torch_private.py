@@ -52,6 +52,12 @@ from torch.nn.modules.batchnorm import _NormBase as NormWithRunningStats
 
 rename_node = Node._rename
 
+# The operation of `GradScaler.unscale_`: unscales gradients in place and flags an inf or NaN among them. A spilled
+# model runs it on each shard's gradients while they are on the device (`spilling.grad_scaler`, whose GradScaler
+# subclass also extends `_unscale_grads_` and reads `_scale`, as torch's own ShardedGradScaler does).
+# tests/test_spilling.py (fp16), tests/test_spilling_cuda.py.
+unscale_and_find_inf = torch._amp_foreach_non_finite_check_and_unscale_
+
 
 def has_backward_hooks(module: nn.Module) -> bool:
     """Whether ``module`` itself has backward (or backward pre-) hooks, which a traced stage does not run; torch has
@@ -112,4 +118,5 @@ __all__ = [
     "take_flat_inputs",
     "transformer_module",
     "unflatten_dense_tensors",
+    "unscale_and_find_inf",
 ]

@@ -59,9 +59,9 @@ def weights_on_the_gpu(trainer: L.Trainer) -> list[bool]:
 
 @pytest.mark.parametrize("budget", ["400KB", None], ids=["cut-into-shards", "whole"])
 def test_each_model_of_a_sweep_on_one_gpu_trains_as_if_alone(budget, tmp_path):
-    """Models of different sizes, lengths and optimizers take turns on the GPU, cut into shards spilled to pinned host
-    memory, or whole under the default budget, staying on the GPU (they all fit there): each one's losses and weights
-    equal plain training on the GPU."""
+    """Models of different sizes, lengths, optimizers and precisions (one in ``16-mixed``) take turns on the GPU, cut
+    into shards spilled to pinned host memory, or whole under the default budget, staying on the GPU (they all fit
+    there): each one's losses and weights equal plain training on the GPU."""
     torch.manual_seed(0)
     specs: list[tuple[L.LightningModule, DataLoader, dict[str, Any]]] = [
         (MLP(48, 4), regression_data(48), {"max_steps": 9}),
@@ -71,12 +71,13 @@ def test_each_model_of_a_sweep_on_one_gpu_trains_as_if_alone(budget, tmp_path):
             DataLoader(token_dataset(64), batch_size=8),
             {"max_steps": 6, "gradient_clip_val": 0.5, "accumulate_grad_batches": 2},
         ),
+        (TinyLM(), DataLoader(token_dataset(64), batch_size=8), {"max_steps": 6, "precision": "16-mixed"}),
     ]
     references = [copy.deepcopy(model) for model, *_ in specs]
     sweep, trainers, losses = sweep_on_the_gpu(specs, budget)
     ended_s = time.perf_counter()
 
-    assert [r.status for r in sweep.results] == ["finished"] * 3, [r.error for r in sweep.results]
+    assert [r.status for r in sweep.results] == ["finished"] * 4, [r.error for r in sweep.results]
     assert all(t.strategy.root_device.type == "cuda" for t in trainers)
     assert any(len(t.strategy.shards) > 1 for t in trainers) == (budget is not None)
     assert {s.device for s in sweep.spans} == {0}

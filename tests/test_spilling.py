@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import (
     OnExceptionCheckpoint,
     StochasticWeightAveraging,
 )
+from lightning.pytorch.plugins import MixedPrecision
 from models import DIM, VOCAB, Block, CountingLM, TinyLM, token_dataset
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -413,6 +414,62 @@ def test_bf16_mixed_trains_like_one_device():
     torch.manual_seed(1)
     trainer = fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), precision="bf16-mixed")
     torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
+class LossScales(L.Callback):
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.scales.append(trainer.precision_plugin.scaler.get_scale())  # type: ignore[attr-defined]
+
+
+def fp16_with_scale(init_scale: float) -> MixedPrecision:
+    """``16-mixed`` as on CUDA, with a CPU grad scaler (Lightning offers the CPU bf16 only)."""
+    return MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=init_scale))
+
+
+@pytest.mark.parametrize("budget", [BUDGETS[5], BUDGETS[1]], ids=["spilled", "fits"])
+def test_fp16_loss_scaling_skips_the_steps_one_device_skips(budget):
+    """``16-mixed``: the first scales overflow some shard's gradients, and the spilled run skips the same steps and
+    backs off the scale as one device does (the overflow's gradients dropped, not summed into the next step's), with
+    its losses and weights; gradients unscaled before they are clipped and accumulated over two batches."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    expected_scales, scales = LossScales(), LossScales()
+    expected = fit(reference, "auto", max_steps=8, plugins=[fp16_with_scale(2.0**18)], callbacks=[expected_scales])
+    strategy = SpillingStrategy(memory_budget=budget)
+    trainer = fit(model, strategy, max_steps=8, plugins=[fp16_with_scale(2.0**18)], callbacks=[scales])
+
+    assert (len(strategy.shards) > 1) == (budget == BUDGETS[5])
+    assert expected_scales.scales[-1] == 2.0**15  # the first three steps overflowed and were skipped, not the others
+    assert scales.scales == expected_scales.scales
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
+def test_fp16_resumes_with_its_loss_scale(tmp_path):
+    """A checkpoint taken after the overflowing steps keeps the backed-off scale: resumed at another budget, the run
+    goes on with the scales, losses and weights of an uninterrupted one."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    expected_scales, scales = LossScales(), LossScales()
+
+    def fit_in_fp16(model: TinyLM, budget: str, ckpt_path: str | None = None, **kwargs: Any) -> L.Trainer:
+        strategy = SpillingStrategy(memory_budget=budget)
+        return fit(model, strategy, ckpt_path, plugins=[fp16_with_scale(2.0**18)], **kwargs)
+
+    expected = fit_in_fp16(reference, BUDGETS[5], max_steps=8, callbacks=[expected_scales])
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5)
+    fit_in_fp16(copy.deepcopy(model), BUDGETS[5], max_steps=5, callbacks=[saves])
+    trainer = fit_in_fp16(model, BUDGETS[2], saves.best_model_path, max_steps=8, callbacks=[scales])
+
+    assert scales.scales == expected_scales.scales[10:]
+    assert scales.scales[0] == 2.0**15  # the scale backed off by the first run's overflows
+    torch.testing.assert_close(losses(trainer), losses(expected)[10:], rtol=1e-5, atol=1e-6)
     assert_same_model(model, reference)
 
 

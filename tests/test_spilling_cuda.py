@@ -12,8 +12,9 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 from models import TinyLM
-from test_spilling import BUDGETS, LAYERS, DeepMLP, assert_same_model, fit, fit_mlp, losses
+from test_spilling import BUDGETS, LAYERS, DeepMLP, LossScales, assert_same_model, fit, fit_mlp, losses
 
 from lightning_varuna import SpillingStrategy
 
@@ -37,6 +38,29 @@ def test_trains_like_one_gpu(tmp_path, disk):
     strategy = SpillingStrategy(memory_budget=BUDGETS[5], spill_dir=tmp_path if disk else None)
     trainer = fit(model, strategy, accelerator="gpu")
     assert len(strategy.shards) == 5
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model.cpu(), reference.cpu())
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["pinned-host", "disk"])
+def test_fp16_skips_the_steps_one_gpu_skips(tmp_path, disk):
+    """``16-mixed`` with CUDA's grad scaler, whose first scales overflow the gradients: the spilled run skips the same
+    steps and backs off the scale as one GPU does, with its losses and weights."""
+
+    def fp16_overflowing() -> MixedPrecision:
+        return MixedPrecision("16-mixed", "cuda", torch.amp.GradScaler("cuda", init_scale=2.0**24))
+
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    expected_scales, scales = LossScales(), LossScales()
+    options: dict[str, Any] = dict(accelerator="gpu", max_steps=8)
+    expected = fit(reference, "auto", plugins=[fp16_overflowing()], callbacks=[expected_scales], **options)
+    strategy = SpillingStrategy(memory_budget=BUDGETS[5], spill_dir=tmp_path if disk else None)
+    trainer = fit(model, strategy, plugins=[fp16_overflowing()], callbacks=[scales], **options)
+    assert len(strategy.shards) == 5
+    assert expected_scales.scales[-1] < 2.0**24 / 4  # overflowing steps were skipped
+    assert scales.scales == expected_scales.scales
     torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
     assert_same_model(model.cpu(), reference.cpu())
 

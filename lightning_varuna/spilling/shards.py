@@ -33,7 +33,7 @@ class Shard:
     index: int
     segments: list[int]
     params: list[nn.Parameter]
-    grad_norm_sq: Tensor | None = None  # the squared norm of its gradients after the last backward
+    grad_norms: dict[nn.Parameter, Tensor] = field(default_factory=dict, repr=False)  # after its last backward
     random_state: RandomState | None = field(default=None, repr=False)  # before its forward (dropout on recompute)
     buffers: BufferState | None = field(default=None, repr=False)  # as its forward found them (for its recompute)
     random_after: list[Tensor] | None = field(default=None, repr=False)  # the generators' states after its forward
@@ -246,14 +246,19 @@ class ShardedModel:
 
     # ------------------------------------------------------------------------------------------- backward
     def backward(
-        self, loss: Tensor, backward: Callable[[Tensor], None], optimizer: torch.optim.Optimizer | None = None
+        self,
+        loss: Tensor,
+        backward: Callable[[Tensor], None],
+        optimizer: torch.optim.Optimizer | None = None,
+        unscale: Callable[[list[nn.Parameter]], None] | None = None,
     ) -> None:
         """``backward(loss)`` through the last shard, then each earlier shard recomputed and backpropagated, in
         reverse; each shard's gradients (summed into those of earlier batches) are spilled with it.
 
         With ``optimizer``, each shard steps as soon as its gradients are complete, while it is on the device
         (nothing needs the gradients of all shards first: no clipping by their norm), and only its parameters and
-        optimizer state are spilled: the separate optimizer pass over all shards is saved.
+        optimizer state are spilled: the separate optimizer pass over all shards is saved. ``unscale(params)`` (fp16
+        loss scaling, before a step) gets each spilled shard's complete gradients before they are spilled.
         """
         self._optimizer = optimizer or self._optimizer
         parts = ("grads", "state") if optimizer is not None else ("grads",)
@@ -269,7 +274,9 @@ class ShardedModel:
                     self._step_shard(optimizer, shard.params)
                     self._evict(shard, write=("params", "grads", "state"))
                 else:
-                    shard.grad_norm_sq = _norm_sq([p.grad for p in shard.params])
+                    if unscale is not None and not self.stays:
+                        unscale(shard.params)
+                    shard.grad_norms = _grad_norms(shard.params)
                     self._evict(shard, write=("grads",))
         if optimizer is not None and self.resident_params:
             with self.turn("step", len(self.shards)):
@@ -312,9 +319,14 @@ class ShardedModel:
         self._optimizer = optimizer
         total = None
         if clip is not None:
-            parts = [s.grad_norm_sq for s in self.shards if s.grad_norm_sq is not None]
-            parts.append(_norm_sq([p.grad for p in self.resident_params]))
-            total = torch.stack([t.to(self.store.device) for t in parts]).sum().sqrt()
+            # The spilled gradients' norms were taken in their backward; those on the device may have changed since
+            # (unscaled by fp16's grad scaler).
+            on_device = self.resident_params + [p for s in self.shards if self.stays for p in s.params]
+            norms = {p: n for s in self.shards if not self.stays for p, n in s.grad_norms.items()}
+            norms.update(_grad_norms(on_device))
+            # Combined in the optimizer's order, as `clip_grad_norm_` combines them for the model whole.
+            ordered = [norms[p] for group in optimizer.param_groups for p in group["params"] if p in norms]
+            total = torch.linalg.vector_norm(torch.stack(ordered)) if ordered else torch.zeros(())
         for shard in self.shards:
             with self.turn("step", shard.index):
                 self._bring(shard, ("grads", "state"))
@@ -328,6 +340,13 @@ class ShardedModel:
                 if clip is not None and total is not None:
                     clip(self.resident_params, total)
                 self._step_shard(optimizer, self.resident_params, keep_grads=True)
+
+    def drop_gradients(self) -> None:
+        """Forget the spilled shards' gradients: a step that did not run (an fp16 overflow) leaves them, which
+        Lightning's ``zero_grad`` before the next backward cannot reach."""
+        for shard in self.shards:
+            self.store.discard(shard.key("grads"))
+        self._has_grad.clear()
 
     def _step_shard(
         self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], keep_grads: bool = False
@@ -399,8 +418,6 @@ def _spilled_with_shard(state_value: object) -> bool:
     return isinstance(state_value, Tensor) and state_value.numel() > 1
 
 
-def _norm_sq(grads: list[Tensor | None]) -> Tensor:
-    present = [g for g in grads if g is not None]
-    if not present:
-        return torch.zeros(())
-    return torch.nn.utils.get_total_norm(present).float().pow(2)
+def _grad_norms(params: list[nn.Parameter]) -> dict[nn.Parameter, Tensor]:
+    """Each gradient's 2-norm, taken as `torch.nn.utils.get_total_norm` takes it before combining them."""
+    return {p: torch.nn.utils.get_total_norm([p.grad]) for p in params if p.grad is not None}

@@ -34,6 +34,7 @@ from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
 from lightning_varuna.spilling.checkpoints import checkpoint_pieces, load_model, load_optimizer
+from lightning_varuna.spilling.grad_scaler import ShardwiseGradScaler
 from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
 from lightning_varuna.spilling.packing import SegmentMemory, parse_bytes
 from lightning_varuna.spilling.planning import plan_shards
@@ -103,6 +104,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         self.optimizer_in_backward = False  # each shard steps right after its backward (decided at set-up)
         self.forward_draws = True  # whether the forward drew random numbers (CPU's or GPU's) when measured at set-up
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer whose step runs the current closure
+        self._unscaling = False  # the current backward is the last before a step: fp16's scaler unscales it
         self.checkpoint_storage = Storage(storage_options)
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage)
         self._loading: SavedTensors | TensorsByName | None = None  # the checkpoint being restored
@@ -212,11 +214,9 @@ class SpillingStrategy(SingleDeviceStrategy):
                 "compiling its parts inside it (`self.net = torch.compile(net)`) works."
             )
         super().setup(trainer)
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "SpillingStrategy does not support `precision='16-mixed'` yet: its grad scaler would need every "
-                "shard's gradients at once. Use `precision='bf16-mixed'` or `'32-true'`."
-            )
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and not isinstance(scaler, ShardwiseGradScaler):  # fp16's ("16-mixed")
+            self.precision_plugin.scaler = ShardwiseGradScaler.like(scaler, self.root_device.type)  # type: ignore[attr-defined]
         summarize_whole_model(trainer, ModelSkeleton(self._module, device=torch.device("meta")))
         if self._sharded is None:
             # Measuring runs the model: training's random numbers and BatchNorm's statistics stay as they are, and
@@ -244,7 +244,8 @@ class SpillingStrategy(SingleDeviceStrategy):
         its optimizer step needs every shard's gradients (no gradient clipping, no ``on_before_optimizer_step``)."""
         module = self._module
         return not (
-            trainer.gradient_clip_val
+            self._scaler() is not None  # an fp16 overflow in any shard skips the step of every shard
+            or trainer.gradient_clip_val
             or is_overridden("configure_gradient_clipping", module, pl.LightningModule)
             or is_overridden("on_before_optimizer_step", module, pl.LightningModule)
             or any(
@@ -308,15 +309,32 @@ class SpillingStrategy(SingleDeviceStrategy):
         def lightning_backward(loss: Tensor) -> None:
             super(SpillingStrategy, self).backward(loss, optimizer, *args, **kwargs)
 
-        self._sharded_model().backward(closure_loss, lightning_backward, self._stepping)
+        scaler = self._scaler() if self._unscaling else None
+        unscale = scaler.unscale_shard if scaler is not None else None
+        self._sharded_model().backward(closure_loss, lightning_backward, self._stepping, unscale)
         return closure_loss
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's closure (training step, backward, clipping request), then the optimizer shard by shard."""
-        return self.precision_plugin.optimizer_step(
-            _ShardwiseOptimizer(optimizer, self), model=model or self._module, closure=closure, **kwargs
-        )
+        shardwise = _ShardwiseOptimizer(optimizer, self)
+        scaler = self._scaler()
+        if scaler is not None:
+            scaler.forget_spilled()
+        self._unscaling = True  # the closure's backward is the last before this step
+        try:
+            result = self.precision_plugin.optimizer_step(
+                shardwise, model=model or self._module, closure=closure, **kwargs
+            )
+        finally:
+            self._unscaling = False
+        if not shardwise.stepped:  # the grad scaler skipped the step (an overflow), or the closure returned None
+            self._sharded_model().drop_gradients()
+        return result
+
+    def _scaler(self) -> ShardwiseGradScaler | None:
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler if isinstance(scaler, ShardwiseGradScaler) else None
 
     def _request_clip_by_norm(self, optimizer: Any, clip_val: float) -> None:
         self._clip = ("norm", float(clip_val))
@@ -478,8 +496,10 @@ class _ShardwiseOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, strategy: SpillingStrategy) -> None:
         self._optimizer, self._strategy = optimizer, strategy
+        self.stepped = False
 
     def step(self, closure: Any = None) -> Any:
+        self.stepped = True
         strategy = self._strategy
         strategy._stepping = self._optimizer if strategy.optimizer_in_backward else None
         try:

@@ -1,0 +1,71 @@
+"""fp16 loss scaling for a spilled model: torch's GradScaler, with the spilled gradients unscaled shard by shard.
+
+`GradScaler.unscale_` unscales the gradients it finds on the optimizer's parameters, which a spilled model's
+parameters do not hold between their turns. So the last backward before an optimizer step unscales each shard's
+gradients while they are on the device, and ``unscale_`` reports what that found: an inf or NaN anywhere skips the
+step and backs off the scale as for the model whole. (torch's ``ShardedGradScaler`` extends GradScaler the same way
+for FSDP's sharded gradients.)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import Tensor, nn
+
+from lightning_varuna._torch_private import unscale_and_find_inf
+
+__all__ = ["ShardwiseGradScaler"]
+
+
+class ShardwiseGradScaler(torch.amp.GradScaler):
+    """A `torch.amp.GradScaler` whose ``unscale_`` also counts the gradients that `unscale_shard` unscaled."""
+
+    _spilled_found_inf: Tensor | None = None
+
+    @classmethod
+    def like(cls, scaler: torch.amp.GradScaler, device: str) -> ShardwiseGradScaler:
+        """A ShardwiseGradScaler with ``scaler``'s settings and state (``device``: "cuda" or "cpu")."""
+        shardwise = cls(
+            device,
+            init_scale=scaler.get_scale(),
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+            enabled=scaler.is_enabled(),
+        )
+        state = scaler.state_dict()
+        if state:
+            shardwise.load_state_dict(state)
+        return shardwise
+
+    def unscale_shard(self, params: list[nn.Parameter]) -> None:
+        """Unscale ``params``' gradients in place (a shard's, complete for this step), noting an inf or NaN."""
+        if not self.is_enabled() or self._scale is None:
+            return
+        inv_scale = self._scale.double().reciprocal().float()  # as `GradScaler.unscale_` computes it
+        if self._spilled_found_inf is None:
+            self._spilled_found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
+        for p in params:
+            if p.grad is not None:
+                by_dtype[p.grad.dtype].append(p.grad)
+        for grads in by_dtype.values():
+            unscale_and_find_inf(grads, self._spilled_found_inf, inv_scale)
+
+    def forget_spilled(self) -> None:
+        """Forget what `unscale_shard` found (a new step begins)."""
+        self._spilled_found_inf = None
+
+    def _unscale_grads_(  # type: ignore[override]
+        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
+    ) -> dict[torch.device, Tensor]:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)  # the resident gradients
+        spilled, self._spilled_found_inf = self._spilled_found_inf, None
+        if spilled is not None:
+            if spilled.device in per_device:
+                per_device[spilled.device] += spilled
+            else:
+                per_device[spilled.device] = spilled
+        return per_device
