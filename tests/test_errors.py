@@ -126,6 +126,14 @@ def test_bad_model_fails_at_setup(model, error, match):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_an_optimizer_over_a_parameter_the_module_does_not_hold_fails_at_spilled_setup():
+    """Spilled, such a parameter would never step (the optimizer steps each shard's parameters): refused at set-up."""
+    model = UnregisteredParameter()
+    with pytest.raises(ValueError, match=r"shape \(\) that is not a parameter of `UnregisteredParameter`"):
+        fit(model, SpillingStrategy(memory_budget="85KB"))
+    assert model.trainer.global_step == 0
+
+
 def test_micro_batch_larger_than_batch():
     model = TinyLM()
     before = {k: v.clone() for k, v in model.state_dict().items()}

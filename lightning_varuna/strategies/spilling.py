@@ -232,6 +232,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         optimizer = self.optimizers[0] if self.optimizers else None
         if len(self.optimizers) > 1:
             raise ValueError("SpillingStrategy trains with one optimizer; `configure_optimizers` returned several.")
+        parameter_group_names([torch_optimizer(o) for o in self.optimizers], self._module)  # each one the module's
         if not self._sharded.stays:
             _refuse_callbacks_reading_every_weight(trainer, len(self.shards))
             _refuse_finetuning_of_parameters_outside(trainer, optimizer)
