@@ -352,6 +352,22 @@ def test_a_failing_model_ends_alone_with_its_checkpoints_intact(tmp_path):
     assert trainer.global_step == 6
 
 
+def test_a_models_steps_count_the_step_whose_callback_failed():
+    """A callback that fails at the end of a step fails the model after that step: its result counts it, as its
+    Trainer's global step does."""
+
+    class FailsAfterStep3(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step == 3:
+                raise RuntimeError("the callback failed")
+
+    sweep = MultiModelTrainer(devices=1, enable_progress_bar=False)
+    sweep.add(MLP(16, 2), train_dataloaders=regression_data(16), max_steps=6, callbacks=[FailsAfterStep3()], **QUIET)
+    (trainer,) = sweep.fit()
+    assert sweep.results[0].status == "failed"
+    assert sweep.results[0].steps == trainer.global_step == 3
+
+
 def test_sigterm_stops_every_model_at_a_shard_boundary_and_each_resumes(tmp_path):
     """SIGTERM during the sweep stops every model; each resumes from its last checkpoint, in a new sweep, and ends
     with the weights of an uninterrupted single-device run."""

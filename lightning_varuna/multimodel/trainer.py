@@ -264,12 +264,10 @@ class MultiModelTrainer:
             result.status, result.error = "failed", error
         finally:
             self.scheduler.finished(member.name)
-            clock = self.scheduler.clock(member.name)
-            result.seconds, result.device_s, result.steps = (
-                time.perf_counter() - start,
-                clock.device_s,
-                clock.steps_done,
-            )
+            result.seconds = time.perf_counter() - start
+            result.device_s = self.scheduler.clock(member.name).device_s
+            if member.steps_before is not None:  # training started: the steps of this sweep, a failed one's too
+                result.steps = member.trainer.global_step - member.steps_before
             result.final_loss = member.last_loss
             if self._display is not None:
                 early = result.status == "finished" and member.trainer.should_stop  # a callback ended it
@@ -284,7 +282,7 @@ class _Member:
     fit_kwargs: dict[str, Any]
     trainer: pl.Trainer = field(init=False)
     last_loss: float | None = None
-    steps_before: int = 0
+    steps_before: int | None = None  # the global step at which this sweep's training started
 
 
 class _SweepMemberStrategy(SpillingStrategy):
@@ -390,11 +388,9 @@ class _SweepMemberCallback(pl.Callback):
             self.sweep._display.stepped(self.member.name, trainer.global_step, self.member.last_loss)
 
     def _report(self, trainer: pl.Trainer) -> None:
+        steps_before = self.member.steps_before or 0
         self.sweep.scheduler.stepped(
-            self.member.name,
-            trainer.global_step - self.member.steps_before,
-            float(trainer.estimated_stepping_batches),
-            self.member.steps_before,
+            self.member.name, trainer.global_step - steps_before, float(trainer.estimated_stepping_batches), steps_before
         )
 
 
