@@ -58,6 +58,11 @@ rename_node = Node._rename
 # tests/test_spilling.py (fp16), tests/test_spilling_cuda.py.
 unscale_and_find_inf = torch._amp_foreach_non_finite_check_and_unscale_
 
+# Each tensor's norm, in one call: how `torch.nn.utils.get_total_norm` takes the gradients' norms before it combines
+# them (on the CPU too, where it loops over `vector_norm`, with the same values). A spilled model keeps each shard's
+# for clipping by the norm over all shards. tests/test_spilling.py (fp16, with clipping).
+foreach_norm = torch._foreach_norm
+
 
 def has_backward_hooks(module: nn.Module) -> bool:
     """Whether ``module`` itself has backward (or backward pre-) hooks, which a traced stage does not run; torch has
@@ -109,6 +114,7 @@ __all__ = [
     "changes_inputs_in_place",
     "default_store",
     "flatten_dense_tensors",
+    "foreach_norm",
     "generated_code_modules",
     "has_backward_hooks",
     "narrow_tensor_by_index",

@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.plugins import MixedPrecision
 from models import DIM, VOCAB, Block, CountingLM, TinyLM, token_dataset
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_varuna import CutPoint, SpillingStrategy, VarunaStrategy
@@ -430,24 +430,57 @@ def fp16_with_scale(init_scale: float) -> MixedPrecision:
     return MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=init_scale))
 
 
+class FusedAdamLM(TinyLM):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr, fused=True)  # it unscales its gradients itself
+
+
 @pytest.mark.parametrize("budget", [BUDGETS[5], BUDGETS[1]], ids=["spilled", "fits"])
-def test_fp16_loss_scaling_skips_the_steps_one_device_skips(budget):
+@pytest.mark.parametrize("model_class", [TinyLM, FusedAdamLM])
+def test_fp16_loss_scaling_skips_the_steps_one_device_skips(budget, model_class):
     """``16-mixed``: the first scales overflow some shard's gradients, and the spilled run skips the same steps and
     backs off the scale as one device does (the overflow's gradients dropped, not summed into the next step's), with
-    its losses and weights; gradients unscaled before they are clipped and accumulated over two batches."""
+    its losses and weights; gradients unscaled before they are clipped and accumulated over two batches. A fused
+    optimizer (which Lightning does not let clip) gets the spilled gradients unscaled too."""
     torch.manual_seed(0)
-    reference = TinyLM()
+    reference = model_class()
     model = copy.deepcopy(reference)
     expected_scales, scales = LossScales(), LossScales()
-    expected = fit(reference, "auto", max_steps=8, plugins=[fp16_with_scale(2.0**18)], callbacks=[expected_scales])
+    options: dict[str, Any] = {"max_steps": 8}
+    if model_class is FusedAdamLM:
+        options["gradient_clip_val"] = None
+    expected = fit(reference, "auto", plugins=[fp16_with_scale(2.0**18)], callbacks=[expected_scales], **options)
     strategy = SpillingStrategy(memory_budget=budget)
-    trainer = fit(model, strategy, max_steps=8, plugins=[fp16_with_scale(2.0**18)], callbacks=[scales])
+    trainer = fit(model, strategy, plugins=[fp16_with_scale(2.0**18)], callbacks=[scales], **options)
 
     assert (len(strategy.shards) > 1) == (budget == BUDGETS[5])
     assert expected_scales.scales[-1] == 2.0**15  # the first three steps overflowed and were skipped, not the others
     assert scales.scales == expected_scales.scales
     torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
     assert_same_model(model, reference)
+
+
+class CappedScaler(torch.amp.GradScaler):
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        super().update(new_scale)
+        if self.get_scale() > 2.0**16:
+            super().update(2.0**16)
+
+
+def test_fp16_keeps_the_users_own_grad_scaler():
+    """A grad scaler of the user's own class stays the plugin's, with what its class changes (a cap on the scale)."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    expected_scales, scales = LossScales(), LossScales()
+    scaler = CappedScaler("cpu", init_scale=2.0**18)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler)
+    expected_plugin = MixedPrecision("16-mixed", "cpu", CappedScaler("cpu", init_scale=2.0**18))
+    fit(reference, "auto", max_steps=4, plugins=[expected_plugin], callbacks=[expected_scales])
+    fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), max_steps=4, plugins=[plugin], callbacks=[scales])
+    assert plugin.scaler is scaler and isinstance(scaler, CappedScaler)
+    assert scales.scales == expected_scales.scales
+    assert max(scales.scales[1:]) == 2.0**16  # capped
 
 
 def test_fp16_resumes_with_its_loss_scale(tmp_path):

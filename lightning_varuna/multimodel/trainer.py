@@ -390,7 +390,10 @@ class _SweepMemberCallback(pl.Callback):
     def _report(self, trainer: pl.Trainer) -> None:
         steps_before = self.member.steps_before or 0
         self.sweep.scheduler.stepped(
-            self.member.name, trainer.global_step - steps_before, float(trainer.estimated_stepping_batches), steps_before
+            self.member.name,
+            trainer.global_step - steps_before,
+            float(trainer.estimated_stepping_batches),
+            steps_before,
         )
 
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from lightning_varuna._torch_private import unscale_and_find_inf
 
-__all__ = ["ShardwiseGradScaler"]
+__all__ = ["ShardwiseGradScaler", "shardwise"]
 
 
 class ShardwiseGradScaler(torch.amp.GradScaler):
@@ -24,32 +24,19 @@ class ShardwiseGradScaler(torch.amp.GradScaler):
 
     _spilled_found_inf: Tensor | None = None
 
-    @classmethod
-    def like(cls, scaler: torch.amp.GradScaler, device: str) -> ShardwiseGradScaler:
-        """A ShardwiseGradScaler with ``scaler``'s settings and state (``device``: "cuda" or "cpu")."""
-        shardwise = cls(
-            device,
-            init_scale=scaler.get_scale(),
-            growth_factor=scaler.get_growth_factor(),
-            backoff_factor=scaler.get_backoff_factor(),
-            growth_interval=scaler.get_growth_interval(),
-            enabled=scaler.is_enabled(),
-        )
-        state = scaler.state_dict()
-        if state:
-            shardwise.load_state_dict(state)
-        return shardwise
-
     def unscale_shard(self, params: list[nn.Parameter]) -> None:
         """Unscale ``params``' gradients in place (a shard's, complete for this step), noting an inf or NaN."""
-        if not self.is_enabled() or self._scale is None:
+        if not self.is_enabled():
             return
+        assert self._scale is not None, "the loss was not scaled before its backward"
         inv_scale = self._scale.double().reciprocal().float()  # as `GradScaler.unscale_` computes it
         if self._spilled_found_inf is None:
             self._spilled_found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
         for p in params:
             if p.grad is not None:
+                if p.grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")  # as `GradScaler.unscale_` refuses
                 by_dtype[p.grad.dtype].append(p.grad)
         for grads in by_dtype.values():
             unscale_and_find_inf(grads, self._spilled_found_inf, inv_scale)
@@ -69,3 +56,13 @@ class ShardwiseGradScaler(torch.amp.GradScaler):
             else:
                 per_device[spilled.device] = spilled
         return per_device
+
+
+def shardwise(scaler: torch.amp.GradScaler) -> ShardwiseGradScaler:
+    """Make ``scaler`` a ShardwiseGradScaler in place: the same object (a user's may be kept elsewhere), its settings,
+    state and class (a user's subclass) kept, with ShardwiseGradScaler's methods added."""
+    if type(scaler) is torch.amp.GradScaler:
+        scaler.__class__ = ShardwiseGradScaler
+    elif not isinstance(scaler, ShardwiseGradScaler):
+        scaler.__class__ = type(f"Shardwise{type(scaler).__name__}", (ShardwiseGradScaler, type(scaler)), {})
+    return scaler  # type: ignore[return-value]

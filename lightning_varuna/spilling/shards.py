@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
+from lightning_varuna._torch_private import foreach_norm
 from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.replay import BufferState, DtypeState, RandomState, generator_states, states_differ
 from lightning_varuna.spilling.segments import Segments, WholeModel
@@ -321,9 +322,11 @@ class ShardedModel:
         if clip is not None:
             # The spilled gradients' norms were taken in their backward; those on the device may have changed since
             # (unscaled by fp16's grad scaler).
-            on_device = self.resident_params + [p for s in self.shards if self.stays for p in s.params]
-            norms = {p: n for s in self.shards if not self.stays for p, n in s.grad_norms.items()}
-            norms.update(_grad_norms(on_device))
+            if self.stays:
+                norms = _grad_norms(self.resident_params + [p for s in self.shards for p in s.params])
+            else:
+                norms = {p: n for s in self.shards for p, n in s.grad_norms.items()}
+                norms.update(_grad_norms(self.resident_params))
             # Combined in the optimizer's order, as `clip_grad_norm_` combines them for the model whole.
             ordered = [norms[p] for group in optimizer.param_groups for p in group["params"] if p in norms]
             total = torch.linalg.vector_norm(torch.stack(ordered)) if ordered else torch.zeros(())
@@ -420,4 +423,7 @@ def _spilled_with_shard(state_value: object) -> bool:
 
 def _grad_norms(params: list[nn.Parameter]) -> dict[nn.Parameter, Tensor]:
     """Each gradient's 2-norm, taken as `torch.nn.utils.get_total_norm` takes it before combining them."""
-    return {p: torch.nn.utils.get_total_norm([p.grad]) for p in params if p.grad is not None}
+    with_grads = [p for p in params if p.grad is not None]
+    if not with_grads:
+        return {}
+    return dict(zip(with_grads, foreach_norm([p.grad for p in with_grads])))  # type: ignore[misc]

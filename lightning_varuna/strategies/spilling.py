@@ -34,7 +34,7 @@ from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
 from lightning_varuna.spilling.checkpoints import checkpoint_pieces, load_model, load_optimizer
-from lightning_varuna.spilling.grad_scaler import ShardwiseGradScaler
+from lightning_varuna.spilling.grad_scaler import ShardwiseGradScaler, shardwise
 from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
 from lightning_varuna.spilling.packing import SegmentMemory, parse_bytes
 from lightning_varuna.spilling.planning import plan_shards
@@ -215,8 +215,8 @@ class SpillingStrategy(SingleDeviceStrategy):
             )
         super().setup(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None and not isinstance(scaler, ShardwiseGradScaler):  # fp16's ("16-mixed")
-            self.precision_plugin.scaler = ShardwiseGradScaler.like(scaler, self.root_device.type)  # type: ignore[attr-defined]
+        if scaler is not None:  # fp16's ("16-mixed")
+            shardwise(scaler)
         summarize_whole_model(trainer, ModelSkeleton(self._module, device=torch.device("meta")))
         if self._sharded is None:
             # Measuring runs the model: training's random numbers and BatchNorm's statistics stay as they are, and
@@ -311,7 +311,10 @@ class SpillingStrategy(SingleDeviceStrategy):
             super(SpillingStrategy, self).backward(loss, optimizer, *args, **kwargs)
 
         scaler = self._scaler() if self._unscaling else None
-        unscale = scaler.unscale_shard if scaler is not None else None
+        unscale = None
+        if scaler is not None:  # as `GradScaler.unscale_`, only the optimizer's parameters
+            trained = {p for group in torch_optimizer(optimizer).param_groups for p in group["params"]}
+            unscale = lambda params: scaler.unscale_shard([p for p in params if p in trained])  # noqa: E731
         self._sharded_model().backward(closure_loss, lightning_backward, self._stepping, unscale)
         return closure_loss
 
@@ -329,7 +332,7 @@ class SpillingStrategy(SingleDeviceStrategy):
             )
         finally:
             self._unscaling = False
-        if not shardwise.stepped:  # the grad scaler skipped the step (an overflow), or the closure returned None
+        if not shardwise.ran_step:  # the grad scaler skipped the step (an overflow), or the closure returned None
             self._sharded_model().drop_gradients()
         return result
 
@@ -495,12 +498,16 @@ class _ShardwiseOptimizer:
     """The user's optimizer as Lightning's precision plugin steps it: ``step(closure)`` runs the closure, then
     steps shard by shard. Everything else is the user's optimizer's."""
 
+    # A fused optimizer unscales the gradients it is given, which fp16's grad scaler then leaves to it: not those
+    # of the spilled shards, which the scaler unscales itself.
+    _step_supports_amp_scaling = False
+
     def __init__(self, optimizer: torch.optim.Optimizer, strategy: SpillingStrategy) -> None:
         self._optimizer, self._strategy = optimizer, strategy
-        self.stepped = False
+        self.ran_step = False
 
     def step(self, closure: Any = None) -> Any:
-        self.stepped = True
+        self.ran_step = True
         strategy = self._strategy
         strategy._stepping = self._optimizer if strategy.optimizer_in_backward else None
         try:
