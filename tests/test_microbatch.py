@@ -26,7 +26,7 @@ from lightning_varuna.pipeline.step_logging import LogRecorder
         (10, 4, [4, 4, 2]),
         (7, 3, [3, 2, 2]),  # a last micro-batch of one row takes one from the one before (BatchNorm)
         (5, 4, [3, 2]),
-        (5, 2, [2, 2, 1]),
+        (5, 2, [2, 3]),  # or joins it, at two rows each
         (3, 8, [3]),
         (5, 1, [1, 1, 1, 1, 1]),
         (6, 6, [6]),
@@ -165,6 +165,12 @@ def test_merge_of_all_none_is_none():
 def test_default_micro_batch_size_gives_four_microbatches_per_stage(batch_size, num_stages, expected_microbatches):
     micro_batch_size = default_micro_batch_size(batch_size, num_stages)
     assert len(microbatch_sizes(batch_size, micro_batch_size)) == expected_microbatches
+
+
+@pytest.mark.parametrize("batch_size", [2, 3, 6, 8, 9])
+def test_the_default_for_batch_norm_never_makes_a_micro_batch_of_one_row(batch_size):
+    micro_batch_size = default_micro_batch_size(batch_size, num_stages=2, min_rows=2)
+    assert min(microbatch_sizes(batch_size, micro_batch_size)) >= 2
 
 
 def test_logged_values_combine_over_micro_batches_as_their_reduce_fx():

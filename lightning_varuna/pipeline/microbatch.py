@@ -44,25 +44,29 @@ def has_ignored_labels(batch: Any) -> bool:
 
 def microbatch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
     """Sizes of the micro-batches: all ``micro_batch_size`` but a smaller last one if it doesn't divide. A last one
-    of a single row takes a row from the one before (``[3, 2]``, not ``[4, 1]``): BatchNorm cannot train on one row,
-    and one-device training never had such a batch."""
+    of a single row takes a row from the one before (``[3, 2]``, not ``[4, 1]``), or joins it at two rows each
+    (``[2, 3]``, not ``[2, 2, 1]``): BatchNorm cannot train on one row, and one-device training never had such a
+    batch."""
     if micro_batch_size < 1:
         raise ValueError(f"`micro_batch_size={micro_batch_size}` must be a positive integer.")
     count = math.ceil(batch_size / micro_batch_size)
     sizes = [min(micro_batch_size, batch_size - i * micro_batch_size) for i in range(count)]
     if count > 1 and sizes[-1] == 1 and micro_batch_size > 2:
         sizes[-2:] = [micro_batch_size - 1, 2]
+    elif count > 1 and sizes[-1] == 1 and micro_batch_size == 2:
+        sizes[-2:] = [3]
     return sizes
 
 
-def default_micro_batch_size(batch_size: int, num_stages: int) -> int:
-    """Rows per micro-batch that split a batch into ``MICROBATCHES_PER_STAGE`` micro-batches per stage.
+def default_micro_batch_size(batch_size: int, num_stages: int, min_rows: int = 1) -> int:
+    """Rows per micro-batch that split a batch into ``MICROBATCHES_PER_STAGE`` micro-batches per stage, at least
+    ``min_rows`` (2 for BatchNorm, which cannot train on one row).
 
     One stage needs no micro-batches: the whole batch is one (as fast as the model allows).
     """
     if num_stages == 1:
         return max(batch_size, 1)
-    return max(1, math.ceil(batch_size / (MICROBATCHES_PER_STAGE * num_stages)))
+    return max(min_rows, math.ceil(batch_size / (MICROBATCHES_PER_STAGE * num_stages)))
 
 
 def split_microbatches(batch: Any, micro_batch_size: int) -> list[Any]:

@@ -511,7 +511,8 @@ class VarunaStrategy(ParallelStrategy):
             rows = self.global_batch_size // self.topology.data_parallel_size
         else:
             rows = batch_size_of(first_batch(trainer))
-        self.micro_batch_size = default_micro_batch_size(rows, num_stages)
+        batch_norm = any(isinstance(m, NormWithRunningStats) for m in self._module.modules())
+        self.micro_batch_size = default_micro_batch_size(rows, num_stages, min_rows=2 if batch_norm else 1)
         self._micro_batch_size_chosen_for = trainer.state.fn
         count = len(microbatch_sizes(rows, self.micro_batch_size))
         rank_zero_info(
