@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_varuna import CutPoint, SpillingStrategy, VarunaStrategy
 from lightning_varuna.checkpoint.consolidate import consolidate
 from lightning_varuna.checkpoint.layout import find_newest, open_complete
+from lightning_varuna.spilling.packing import parse_bytes
 from lightning_varuna.storage import Storage
 
 # Budgets that cut TinyLM with dropout (5 segments, batches of 8) into 1, 2 and 5 shards (one segment each).
@@ -415,6 +416,27 @@ def test_bf16_mixed_trains_like_one_device():
     trainer = fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), precision="bf16-mixed")
     torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
     assert_same_model(model, reference)
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        (2048, 2048),
+        (2e9, 2 * 10**9),
+        ("2e9", 2 * 10**9),
+        ("512MB", 512 * 10**6),
+        ("2GiB", 2 * 2**30),
+        ("1.5 GB", 15 * 10**8),
+    ],
+)
+def test_memory_budget_sizes(size, expected):
+    assert parse_bytes(size) == expected
+
+
+@pytest.mark.parametrize("size", [True, "lots", "0MB", -1, [1]])
+def test_a_bad_memory_budget_is_named(size):
+    with pytest.raises((TypeError, ValueError), match=r"`memory_budget="):
+        parse_bytes(size)
 
 
 class LossScales(L.Callback):

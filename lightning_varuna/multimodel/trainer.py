@@ -66,7 +66,7 @@ class MultiModelTrainer:
         self,
         accelerator: str = "cpu",
         devices: int = 1,
-        memory_budget: int | str | None = None,
+        memory_budget: int | float | str | None = None,
         spill_dir: str | Path | None = None,
         prefetch: bool = True,
         storage_options: dict[str, Any] | None = None,

@@ -11,12 +11,14 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
-def parse_bytes(size: int | str) -> int:
-    """``2048``, ``"512MB"``, ``"2GiB"``, ``"1.5 GB"`` -> bytes."""
-    if isinstance(size, int):
-        value = size
+def parse_bytes(size: int | float | str) -> int:
+    """``2048``, ``2e9``, ``"512MB"``, ``"2GiB"``, ``"1.5 GB"`` -> bytes."""
+    if isinstance(size, bool) or not isinstance(size, (int, float, str)):
+        raise TypeError(f"`memory_budget={size!r}`: write a number of bytes or a size such as '512MB' or '2GiB'.")
+    if isinstance(size, (int, float)):
+        value = int(size)
     else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", size)
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", size)
         unit = match.group(2).upper() if match else None
         if match is None or unit not in _UNITS:
             raise ValueError(f"`memory_budget={size!r}`: write a number of bytes or a size such as '512MB' or '2GiB'.")

@@ -82,7 +82,7 @@ class SpillingStrategy(SingleDeviceStrategy):
 
     def __init__(
         self,
-        memory_budget: int | str | None = None,
+        memory_budget: int | float | str | None = None,
         spill_dir: str | Path | None = None,
         prefetch: bool = True,
         storage_options: dict[str, Any] | None = None,
