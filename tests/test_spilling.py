@@ -418,6 +418,20 @@ def test_bf16_mixed_trains_like_one_device():
     assert_same_model(model, reference)
 
 
+def test_validate_alone_plans_for_a_forward_only():
+    """`trainer.validate` alone holds no gradients, optimizer state or backward's activations: at a batch whose
+    training would not fit the budget (training at batch 8 takes 5 shards of it), it validates as one device does."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    reference = copy.deepcopy(model)
+    loader = DataLoader(token_dataset(64), batch_size=32)
+    options: dict[str, Any] = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    strategy = SpillingStrategy(memory_budget=BUDGETS[5])
+    validated = L.Trainer(strategy=strategy, **options).validate(model, loader, verbose=False)
+    expected = L.Trainer(**options).validate(reference, loader, verbose=False)
+    assert validated == expected
+
+
 @pytest.mark.parametrize(
     ("size", "expected"),
     [

@@ -66,6 +66,7 @@ def plan_shards(
     prefetch: bool,
     tracing: Callable[[], AbstractContextManager[None]] = nullcontext,
     whole_stays: bool = True,
+    training: bool = True,
 ) -> ShardPlan:
     """Shards of ``module`` for a budget of ``memory_budget`` bytes on ``device`` (default: what it has free),
     measured on the forward inputs ``args, kwargs``; spilled to ``spill_dir`` (None: host memory). Each trace of the
@@ -74,7 +75,8 @@ def plan_shards(
     A model that fits in one shard runs whole, by its own forward: it is not traced, and with ``whole_stays`` it
     stays on the device (it fits the budget: nothing need be spilled). A model on the meta device is cut, and
     materialized a segment at a time as it is measured, each segment parked in the store before the next: it is
-    never whole in memory.
+    never whole in memory. Not ``training`` (validate, test, predict alone), a segment holds its parameters alone
+    and its forward keeps nothing for a backward.
     """
     meta = MetaModel(module, device) if MetaModel.needed(module) else None
     random_state = generator_states(device)
@@ -86,7 +88,10 @@ def plan_shards(
     store = SpillStore(device, folder.name if folder is not None else None)
     budget = memory_budget if memory_budget is not None else _free_bytes(device)
     buffer_bytes = sum(_nbytes(b) for b in module.buffers())
-    whole = None if meta else _measure_if_one_shard(module, args, kwargs, device, budget, buffer_bytes, prefetch)
+    measuring = _Measuring(training)
+    whole = (
+        None if meta else _measure_if_one_shard(module, args, kwargs, device, budget, buffer_bytes, prefetch, measuring)
+    )
     if whole is not None:
         segments: Segments | WholeModel = WholeModel(module)
         whole_memory, kept = whole
@@ -97,7 +102,9 @@ def plan_shards(
         segments = Segments(module, cutpoints, device=device, tracing=tracing)
         graph, segment_modules = segments.for_inputs(args, kwargs)
         parked = ParkedSegments(store) if meta else None
-        memory, kept = _measure(module, segment_modules, graph, args, kwargs, cutpoints, device, meta, parked)
+        memory, kept = _measure(
+            module, segment_modules, graph, args, kwargs, cutpoints, device, meta, parked, measuring
+        )
         if meta:
             meta.materialize_rest()
         shards = in_segments = pack_shards(memory, budget, kept, prefetch)
@@ -166,6 +173,7 @@ def _measure(
     device: torch.device,
     meta: MetaModel | None,
     parked: ParkedSegments | None,
+    measuring: _Measuring,
 ) -> tuple[list[SegmentMemory], int]:
     """Each segment's parameters with their gradients and optimizer state (up to two tensors per parameter, as
     Adam's moments), and the activations its forward keeps for backward, measured on the first batch; and the
@@ -180,7 +188,7 @@ def _measure(
     leaves = tree_flatten((args, kwargs))[0]
     values: dict[Source, Any] = {}
     segments, kept = [], sum(_nbytes(b) for b in module.buffers())
-    kept += sum(4 * _nbytes(p) for p, n in uses.items() if n > 1)
+    kept += sum(measuring.state_bytes(p) for p, n in uses.items() if n > 1)
     for s, segment in enumerate(segment_modules):
         inputs = [leaves[src.index] if src.stage is None else values[src] for src in graph.stage_inputs[s]]
         inputs = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x for x in inputs]
@@ -190,13 +198,13 @@ def _measure(
         for p in in_host_memory:
             p.data = p.data.to(device)
         meter = SavedTensorMeter(exclude=[*weights, *segment.parameters()])
-        with meter.measuring(), torch.enable_grad(), buffers_kept(segment):
+        with meter.measuring(), measuring.grad_mode(), buffers_kept(segment):
             out = segment(*inputs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         values.update({Source(s, i): value.detach() for i, value in enumerate(outs)})
         if s < len(segment_modules) - 1:
-            kept += 2 * sum(_nbytes(value) for value in outs if isinstance(value, Tensor))
-        state = sum(4 * _nbytes(p) for p in segment.parameters() if uses[p] == 1)
+            kept += measuring.copies * sum(_nbytes(value) for value in outs if isinstance(value, Tensor))
+        state = sum(measuring.state_bytes(p) for p in segment.parameters() if uses[p] == 1)
         segments.append(SegmentMemory(f"between {names[s]} and {names[s + 1]}", state, meter.peak))
         del out, outs
         for p in in_host_memory:
@@ -207,13 +215,20 @@ def _measure(
 
 
 def _measure_if_one_shard(
-    module: nn.Module, args: tuple, kwargs: dict, device: torch.device, budget: int, buffer_bytes: int, prefetch: bool
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    device: torch.device,
+    budget: int,
+    buffer_bytes: int,
+    prefetch: bool,
+    measuring: _Measuring,
 ) -> tuple[SegmentMemory, int] | None:
     """The whole model's memory on the device and the bytes kept throughout, counted as `_measure` counts them for
     one shard of all segments, from a forward on the first batch; None if they do not fit in one shard (the forward
     is skipped when the parameters alone do not fit, and a forward that runs out of device memory does not fit)."""
     params = list(module.parameters())
-    state = sum(4 * _nbytes(p) for p in params)
+    state = sum(measuring.state_bytes(p) for p in params)
     if state >= shard_share(budget, buffer_bytes, prefetch):
         return None
     in_host_memory = [p for p in params if p.device != device]
@@ -224,7 +239,7 @@ def _measure_if_one_shard(
     try:
         with (
             meter.measuring(),
-            torch.enable_grad(),
+            measuring.grad_mode(),
             buffers_kept(module),
             observe_cutpoints(module, batch_size_of((args, kwargs)), lambda x: at_cutpoints.append(_nbytes(x))),
         ):
@@ -234,10 +249,29 @@ def _measure_if_one_shard(
     finally:
         for p in in_host_memory:
             p.data = p.data.to("cpu")
-    kept = buffer_bytes + 2 * sum(at_cutpoints)  # each activation at a CutPoint and its gradient, as when cut
+    kept = buffer_bytes + measuring.copies * sum(at_cutpoints)  # as when cut
     if state + meter.peak > shard_share(budget, kept, prefetch):
         return None
     return SegmentMemory("the whole model", state, meter.peak), kept
+
+
+@dataclass(frozen=True)
+class _Measuring:
+    """What a run holds on the device: in training, a parameter with its gradient and optimizer state (up to two
+    tensors, as Adam's moments), each activation at a CutPoint with its gradient, and what a forward keeps for its
+    backward; forward only, the parameters and activations alone."""
+
+    training: bool
+
+    def state_bytes(self, param: nn.Parameter) -> int:
+        return (4 if self.training else 1) * _nbytes(param)
+
+    @property
+    def copies(self) -> int:
+        return 2 if self.training else 1
+
+    def grad_mode(self) -> AbstractContextManager[None]:
+        return torch.enable_grad() if self.training else torch.no_grad()
 
 
 def _nbytes(tensor: Tensor) -> int:

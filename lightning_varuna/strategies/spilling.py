@@ -17,7 +17,7 @@ from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
@@ -270,6 +270,7 @@ class SpillingStrategy(SingleDeviceStrategy):
             self.prefetch,
             self._tracing,
             whole_stays=self._whole_model_stays,
+            training=trainer.state.fn == TrainerFn.FITTING,
         )
         self.segment_memory, self.kept_bytes = plan.segment_memory, plan.kept_bytes
         self.shards = plan.shards
