@@ -134,6 +134,12 @@ def test_an_optimizer_over_a_parameter_the_module_does_not_hold_fails_at_spilled
     assert model.trainer.global_step == 0
 
 
+def test_a_cutpoint_used_twice_is_named_once_when_spilled():
+    with pytest.raises(ValueError, match=r"CutPoint `cuts.0` was called twice") as refused:
+        fit(CutPointTwice(), SpillingStrategy(memory_budget="85KB"))
+    assert refused.value.__context__ is None  # not the same error again, raised while handling the first
+
+
 def test_micro_batch_larger_than_batch():
     model = TinyLM()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -34,8 +34,9 @@ def plan_stage(
     if num_stages > len(cutpoints) + 1:
         raise ValueError(
             f"`VarunaStrategy(pipeline_parallel_size={num_stages})` needs at least {num_stages - 1} CutPoints in "
-            f"the forward, but `{type(module).__name__}` calls {len(cutpoints)}: {cutpoints}. Use at most "
-            f"{len(cutpoints) + 1} stages or add CutPoints."
+            f"the forward, but `{type(module).__name__}` calls {len(cutpoints)}: {cutpoints} (one whose output is the "
+            f"forward's output has no work after it and does not count). Use at most {len(cutpoints) + 1} stages or "
+            "add CutPoints between the model's layers."
         )
     boundaries: list[str] = []
     if num_stages > 1:

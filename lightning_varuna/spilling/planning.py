@@ -132,7 +132,8 @@ def _discover(module: nn.Module, args: tuple, kwargs: dict, on_meta: bool) -> li
     try:
         return discover_cutpoints(module, *_moved(first_rows((args, kwargs), 2), where))
     except Exception:  # noqa: BLE001 - e.g. a batch size built into the model: the whole batch says what is wrong
-        return discover_cutpoints(module, *_moved((args, kwargs), where))
+        pass
+    return discover_cutpoints(module, *_moved((args, kwargs), where))  # its error alone, not chained to the first
 
 
 def _moved(inputs: Any, device: torch.device) -> Any:
