@@ -11,6 +11,7 @@ from models import DIM, SEQ, TinyLM
 
 from lightning_varuna.cli import main as cli
 from lightning_varuna.partition.discovery import discover_cutpoints
+from lightning_varuna.pipeline.microbatch import microbatch_sizes
 from lightning_varuna.pipeline.schedules import SCHEDULES
 from lightning_varuna.profiling.autoconfig import candidate_configs, choose_configs, format_ranking, rank_configs
 from lightning_varuna.profiling.calibration import calibrate, measured_step_s
@@ -308,7 +309,7 @@ def test_auto_configured_run_trains_like_one_device_and_traces_its_step(tmp_path
 
     events = [e for e in json.loads((tmp_path / "step1.json").read_text())["traceEvents"] if e["ph"] == "X"]
     for replica in range(D):
-        for stage, actions in enumerate(SCHEDULES[best.schedule](P, -(-6 // D // mb))):
+        for stage, actions in enumerate(SCHEDULES[best.schedule](P, len(microbatch_sizes(6 // D, mb)))):
             mine = [e for e in events if (e["pid"], e["tid"], e["args"]["step"]) == (replica, stage, 1)]
             mine.sort(key=lambda e: e["ts"])
             assert [e["name"] for e in mine] == [*map(str, actions), "all-reduce", "optimizer"]
