@@ -51,10 +51,8 @@ def microbatch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
         raise ValueError(f"`micro_batch_size={micro_batch_size}` must be a positive integer.")
     count = math.ceil(batch_size / micro_batch_size)
     sizes = [min(micro_batch_size, batch_size - i * micro_batch_size) for i in range(count)]
-    if count > 1 and sizes[-1] == 1 and micro_batch_size > 2:
-        sizes[-2:] = [micro_batch_size - 1, 2]
-    elif count > 1 and sizes[-1] == 1 and micro_batch_size == 2:
-        sizes[-2:] = [3]
+    if count > 1 and sizes[-1] == 1 and micro_batch_size >= 2:
+        sizes[-2:] = [micro_batch_size - 1, 2] if micro_batch_size > 2 else [3]
     return sizes
 
 
