@@ -46,6 +46,10 @@ from torch.export.unflatten import _disable_interpreter as generated_code_module
 from torch.fx.graph import _PyTreeCodeGen
 from torch.fx.node import Node
 
+# The base of BatchNorm1d/2d/3d, their lazy forms and SyncBatchNorm: the normalizations over the batch's rows, which
+# a micro-batch of one row (and one value per channel) cannot train. tests/test_microbatch.py.
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNorm
+
 # The base of BatchNorm and InstanceNorm, whose running statistics each data-parallel replica updates from its own
 # micro-batches: VarunaStrategy gives every replica the first one's after each step. tests/test_real_models.py.
 from torch.nn.modules.batchnorm import _NormBase as NormWithRunningStats
@@ -107,6 +111,7 @@ def _storage_references(tensor: Tensor) -> int:
 
 
 __all__ = [
+    "BatchNorm",
     "FakeTensorMode",
     "FsspecReader",
     "NormWithRunningStats",

@@ -168,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--micro-batch-sizes",
         type=int,
         nargs="+",
-        default=[1, 2, 4, 8],
-        help="micro-batch sizes to time each segment at (default: 1 2 4 8); the simulator interpolates between them",
+        help="micro-batch sizes to time each segment at (default: 1 2 4 8, from 2 for a model with BatchNorm); the "
+        "simulator interpolates between them",
     )
     profile.add_argument("--devices", type=int, default=1, help="processes per node to measure communication with")
     profile.add_argument("--output", required=True, help="where to write the profile (any fsspec URL)")

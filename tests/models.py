@@ -170,3 +170,16 @@ def fit_and_report(
         if predict:
             result["predictions"] = torch.cat(trainer.predict(model, loader)).tolist()
     return trainer, result
+
+
+class NormalizesOverRows(TinyLM):
+    """Each row's mean embedding through a BatchNorm1d: one value per channel in a one-row micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__(blocks=2)
+        self.norm = nn.BatchNorm1d(DIM)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        keep = (idx != 0).unsqueeze(-1).float()
+        x = self.blocks[1](self.cuts[0](self.blocks[0](self.emb(idx), keep)), keep)
+        return self.head(x + self.norm(x.mean(1)).unsqueeze(1))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import run_job
-from models import TinyLM, token_dataset
+from models import NormalizesOverRows, TinyLM, token_dataset
 from torch.utils.data import DataLoader
 
 from lightning_varuna import SpillingStrategy, VarunaStrategy
@@ -138,6 +138,16 @@ def test_a_cutpoint_used_twice_is_named_once_when_spilled():
     with pytest.raises(ValueError, match=r"CutPoint `cuts.0` was called twice") as refused:
         fit(CutPointTwice(), SpillingStrategy(memory_budget="85KB"))
     assert refused.value.__context__ is None  # not the same error again, raised while handling the first
+
+
+def test_a_one_row_micro_batch_through_batch_norm_names_the_layer_and_the_fix():
+    model = NormalizesOverRows()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"`norm` \(BatchNorm1d\) got an input of shape \(1, 16\).*micro_batch_size=2"):
+        fit(model, VarunaStrategy(micro_batch_size=1))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    fit(model, VarunaStrategy(micro_batch_size=2))
+    assert model.trainer.global_step == 1
 
 
 def test_micro_batch_larger_than_batch():

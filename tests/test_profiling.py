@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from models import DIM, SEQ, TinyLM
+from models import DIM, SEQ, NormalizesOverRows, TinyLM
 
 from lightning_varuna.cli import main as cli
 from lightning_varuna.partition.discovery import discover_cutpoints
@@ -80,6 +80,19 @@ def test_profiling_again_measures_only_what_is_missing(tiny_profile):
         TinyLM(blocks=4), (tokens(4),), micro_batch_sizes=[1], thread_counts=[1], previous=calibrated, progress=False
     )
     assert len(changed.segments) == 4 and changed.micro_batch_sizes == [1] and changed.overheads == {}
+
+
+def test_a_batch_norm_model_is_profiled_from_two_rows_and_keeps_its_statistics():
+    """Training after profiling starts from the model's own running statistics, as one device's does; a size of one
+    row, from which BatchNorm cannot train, is left out by default and named when asked for."""
+    torch.manual_seed(0)
+    model = NormalizesOverRows()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile = profile_model(model, (tokens(4),), thread_counts=[1], repeats=1, progress=False)
+    assert profile.micro_batch_sizes == [2, 4, 8]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match=r"`norm` \(BatchNorm1d\).*`micro_batch_sizes=\(2, 4, 8\)`"):
+        profile_model(model, (tokens(4),), micro_batch_sizes=[1, 2], thread_counts=[1], repeats=1, progress=False)
 
 
 def test_resize_batch_repeats_or_cuts_rows():

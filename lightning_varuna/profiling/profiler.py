@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from lightning_varuna.partition.discovery import buffers_kept, observe_cutpoints
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
+from lightning_varuna.pipeline.batch_norm import normalizes_over_the_batch, one_value_per_channel_refused
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.profiling.profile import ModelProfile, ProfiledSegment, SegmentTiming
 from lightning_varuna.profiling.segments import float_leaves, measure_segments
@@ -51,7 +52,7 @@ def profile_model(
     args: tuple,
     kwargs: dict | None = None,
     *,
-    micro_batch_sizes: Sequence[int] = (1, 2, 4, 8),
+    micro_batch_sizes: Sequence[int] | None = None,
     thread_counts: Sequence[int] | None = None,
     repeats: int = 5,
     previous: ModelProfile | None = None,
@@ -61,7 +62,8 @@ def profile_model(
 
     Args:
         module: the model; its forward is called with ``args``/``kwargs`` resized to each micro-batch size.
-        micro_batch_sizes: micro-batch sizes to measure (the simulator interpolates between them).
+        micro_batch_sizes: micro-batch sizes to measure (the simulator interpolates between them); by default
+            1, 2, 4 and 8, from 2 for a model with BatchNorm (which may not train on one row).
         thread_counts: CPU threads per process to measure at (default: every ``cores // processes``).
         repeats: timed passes per measurement (the fastest is kept).
         previous: an earlier profile of the same model: what it already has (same segments, size and threads)
@@ -72,8 +74,11 @@ def profile_model(
         A profile without network measurements (see `profile_network`).
     """
     kwargs = kwargs or {}
+    if micro_batch_sizes is None:
+        micro_batch_sizes = (2, 4, 8) if normalizes_over_the_batch(module) else (1, 2, 4, 8)
     thread_counts = sorted(set(thread_counts or default_thread_counts(1)))
-    segments, segment_params = _describe_segments(module, args, kwargs)
+    with buffers_kept(module):
+        segments, segment_params = _describe_segments(module, args, kwargs)
     fingerprints = [s.fingerprint for s in segments]
     same_model = previous is not None and [s.fingerprint for s in previous.segments] == fingerprints
     if previous is not None and same_model:
@@ -91,18 +96,18 @@ def profile_model(
     was_training, threads_before = module.training, torch.get_num_threads()
     module.train()
     traced: dict[int, tuple[PipelineGraph, nn.Module]] = {}
+    advice = "Profile micro-batch sizes of 2 rows or more (`micro_batch_sizes=(2, 4, 8)`)."
     try:
-        with buffers_kept(module):
+        with buffers_kept(module), one_value_per_channel_refused(module, advice):
             for threads, mb in tqdm(todo, desc="Profiling segments", disable=not progress, unit="run"):
                 torch.set_num_threads(threads)
                 if mb is None:
                     _time_optimizer_steps(module, segments, segment_params, threads)
                     continue
-                inputs = resize_batch((args, kwargs), mb)
+                mb_args, mb_kwargs = resize_batch((args, kwargs), mb)
+                timings = measure_segments(module, mb_args, mb_kwargs, repeats)  # eager first: clearer errors
                 if mb not in traced:
-                    traced[mb] = _trace_as_one_stage(module, *inputs)
-                mb_args, mb_kwargs = inputs
-                timings = measure_segments(module, mb_args, mb_kwargs, repeats)
+                    traced[mb] = _trace_as_one_stage(module, mb_args, mb_kwargs)
                 ratios = _runtime_ratio(module, traced[mb], mb_args, mb_kwargs, repeats)
                 for segment, timing in zip(segments, timings):
                     segment.timings.setdefault(threads, {})[mb] = _scaled_time(timing, ratios)

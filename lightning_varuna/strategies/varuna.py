@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.utils._pytree import tree_map
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
@@ -49,6 +49,7 @@ from lightning_varuna.checkpoint.state import (
 )
 from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.plan import plan_stage
+from lightning_varuna.pipeline.batch_norm import normalizes_over_the_batch, one_value_per_channel_refused
 from lightning_varuna.pipeline.gradients import (
     StepGradients,
     agree_on_overflow,
@@ -511,7 +512,7 @@ class VarunaStrategy(ParallelStrategy):
             rows = self.global_batch_size // self.topology.data_parallel_size
         else:
             rows = batch_size_of(first_batch(trainer))
-        min_rows = 2 if _normalizes_over_the_batch(self._module) else 1  # BatchNorm cannot train on one row
+        min_rows = 2 if normalizes_over_the_batch(self._module) else 1  # BatchNorm cannot train on one row
         self.micro_batch_size = default_micro_batch_size(rows, num_stages, min_rows)
         self._micro_batch_size_chosen_for = trainer.state.fn
         count = len(microbatch_sizes(rows, self.micro_batch_size))
@@ -527,18 +528,20 @@ class VarunaStrategy(ParallelStrategy):
             owner, _, name = tie.rpartition(".")
             module.get_submodule(owner).register_parameter(name, module.get_parameter(keep))
         args, kwargs = self._example_forward_inputs(trainer)
-        stage = plan_stage(
-            module,
-            args,
-            kwargs,
-            self.topology,
-            lambda cutpoints: self._segment_costs(args, kwargs, cutpoints),
-            self.root_device,
-            self._groups,
-        )
+        advice = f"Pass `VarunaStrategy(micro_batch_size=2)` or more (it is {self.micro_batch_size})."
+        with one_value_per_channel_refused(module, advice):
+            stage = plan_stage(
+                module,
+                args,
+                kwargs,
+                self.topology,
+                lambda cutpoints: self._segment_costs(args, kwargs, cutpoints),
+                self.root_device,
+                self._groups,
+            )
         cut = f"cut at CutPoints {stage.boundaries}" if stage.boundaries else "not cut"
         rank_zero_info(f"VarunaStrategy: {self.topology.pipeline_parallel_size} stage(s), {cut}")
-        if _normalizes_over_the_batch(module):
+        if normalizes_over_the_batch(module):
             rank_zero_info(
                 f"VarunaStrategy: batch normalization sees one micro-batch ({self.micro_batch_size} rows) at a time, "
                 "as in GPipe; every replica keeps the first replica's running statistics, as DDP does."
@@ -932,11 +935,6 @@ class VarunaStrategy(ParallelStrategy):
         if self._stages is None:
             raise RuntimeError("VarunaStrategy is not set up: it partitions the model in `Trainer.fit/validate/...`.")
         return self._stages
-
-
-def _normalizes_over_the_batch(module: nn.Module) -> bool:
-    """Whether ``module`` has BatchNorm (or another normalization with running statistics)."""
-    return any(isinstance(m, NormWithRunningStats) for m in module.modules())
 
 
 StrategyRegistry.register(
