@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 sys.path.insert(0, os.path.dirname(__file__))
+from ports import free_port  # noqa: E402
 from slurm_cluster import SlurmCluster, missing_requirements  # noqa: E402
 
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")
@@ -130,7 +130,7 @@ def azure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     if command is None:
         pytest.skip("Azurite is needed for the az:// tests: run .ci/run, or `npm install -g azurite`")
     workspace = tmp_path_factory.mktemp("azurite")
-    port = find_free_network_port()
+    port = free_port()
     flags = ["--inMemoryPersistence", "--skipApiVersionCheck", "--loose", "--silent", "--disableTelemetry"]
     with open(workspace / "azurite.log", "wb") as log:
         server = subprocess.Popen(

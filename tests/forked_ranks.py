@@ -20,8 +20,8 @@ import threading
 import traceback
 
 import lightning.pytorch  # noqa: F401 - imported once, before the fork, for every rank
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+from ports import free_port
 
 import lightning_varuna  # noqa: F401
 
@@ -50,7 +50,7 @@ def main(processes: int, devices: int, script: str, args: list[str]) -> int:
     if threading.active_count() > 1:  # a fork copies only the calling thread: the others would be missing in a rank
         raise RuntimeError(f"the imports started threads, which the forked ranks would lack: {threading.enumerate()}")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(find_free_network_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     ranks = []
     for rank in range(processes):
         pid = os.fork()

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from ports import free_port
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel")
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")  # the job states after which a job does not run again
@@ -73,7 +73,7 @@ class SlurmCluster:
         (root / "state").mkdir(parents=True)
         (root / "spool").mkdir()
         self.node = socket.gethostname()
-        ports = {"ctld_port": find_free_network_port(), "slurmd_port": find_free_network_port()}
+        ports = {"ctld_port": free_port(), "slurmd_port": free_port()}
         self.conf = root / "slurm.conf"
         self.conf.write_text(CONFIG.format(root=root, node=self.node, cpus=cpus, **ports))
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint
 from conftest import AZURITE_KEY, azurite_connection_string, clean_env
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import TinyLM, token_dataset
+from ports import free_port
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -139,7 +139,7 @@ def assert_first_save_fails(
 
 
 def test_unreachable_store_fails_at_the_first_save_and_training_state_survives(trained, tmp_path):
-    port = find_free_network_port()  # nobody listens there
+    port = free_port()  # nobody listens there
     options = {
         "endpoint_url": f"http://127.0.0.1:{port}",
         "key": "k",
@@ -176,7 +176,7 @@ def test_a_store_that_never_answers_times_out():
 def test_a_refused_azure_connection_ends_at_the_timeout():
     """Azure's SDK retries a refused connection for ~90 s: the storage timeout ends the wait."""
     pytest.importorskip("adlfs")
-    storage = Storage({"connection_string": azurite_connection_string(find_free_network_port())}, timeout=2)
+    storage = Storage({"connection_string": azurite_connection_string(free_port())}, timeout=2)
     with pytest.raises(TimeoutError, match="Checkpoint storage 'az://bucket/run' did not answer within 2 s"):
         storage.check_writable("az://bucket/run")
 

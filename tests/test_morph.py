@@ -17,8 +17,8 @@ import lightning as L
 import pytest
 import torch
 from conftest import clean_env, run_job
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from models import TinyLM, token_dataset
+from ports import free_port
 from reference import train_reference
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -52,7 +52,7 @@ def torchrun(tmp_path, name: str, nproc: int, cfg: dict, *flags: str):  # noqa: 
     """Run the elastic runner under torchrun; return the process and what each attempt wrote."""
     out = tmp_path / name
     # An explicit c10d rendezvous, as on real machines (`--standalone` restarts fail to reconnect gloo).
-    rendezvous = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_network_port()}"]
+    rendezvous = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
     args = ["-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}", *flags, RUNNER]
     proc = run_job([*args, str(out), json.dumps(cfg)], tmp_path)
     return proc, attempts_in(out)
@@ -218,7 +218,7 @@ def test_a_machine_joining_grows_the_job_and_training_continues(tmp_path, uninte
     workers resume at (2, 2) with the same training."""
     cfg = config(tmp_path, signals=["SIGUSR1", "SIGTERM"], slow_steps_at_world={"2": 15})
     out = tmp_path / "grown"
-    rendezvous = f"--rdzv-endpoint=127.0.0.1:{find_free_network_port()}"
+    rendezvous = f"--rdzv-endpoint=127.0.0.1:{free_port()}"
     # last_call_timeout: the first machine starts alone after 1 s instead of waiting 30 s for a second one.
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2"]
     agent += ["--rdzv-backend=c10d", rendezvous, "--rdzv-conf=last_call_timeout=1", "--max-restarts=0"]
@@ -336,7 +336,7 @@ def test_in_a_slurm_job_a_morph_callback_takes_the_requeue_signal(tmp_path, monk
     requeue signal, writing under the job's id, unless one of its own handles that signal."""
     slurm_task = dict(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_JOB_NAME="train", SLURM_JOB_ID="42")
     slurm_task.update(SLURM_NODELIST="localhost", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
-    for name, value in {**slurm_task, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}.items():
+    for name, value in {**slurm_task, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(name, value)
     own = [] if own_signals is None else [MorphCallback(tmp_path / "own", signal=own_signals)]
     trainer = L.Trainer(

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import clean_env, run_ranks
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from models import TinyLM, token_dataset
+from ports import free_port
 from reference import train_reference
 
 from lightning_varuna.pipeline.microbatch import default_micro_batch_size
@@ -130,7 +130,7 @@ def test_two_nodes_started_by_lightning_train_like_one_device(tmp_path):
     and Lightning starts each node's processes; the 4 stages of the pipeline span both nodes."""
     config = {**parity_config("P4xD1-varuna"), "devices": 2, "num_nodes": 2}
     out = tmp_path / "out"
-    env = {**clean_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
+    env = {**clean_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     command = [sys.executable, RUNNER, str(out), json.dumps(config)]
     nodes = [
         subprocess.Popen(command, env={**env, "NODE_RANK": str(node)}, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
