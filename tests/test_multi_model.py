@@ -443,7 +443,8 @@ def test_a_keyboard_interrupt_in_a_models_step_stops_the_sweep_as_ctrl_c_does(wh
     models[1].layers.insert(1, nn.Dropout(0.2))  # draws random numbers: it needs the generator
     sweep = MultiModelTrainer(devices=2, enable_progress_bar=False)
     data = {"train_dataloaders": regression_data(16), "val_dataloaders": regression_data(16, 32)}
-    trainers = [sweep.add(model, **data, max_steps=6, **QUIET) for model in models]
+    # The other model could not finish before the interrupt, even on a busy machine.
+    trainers = [sweep.add(model, **data, max_steps=steps, **QUIET) for model, steps in zip(models, (6, 10**6))]
     fitting = threading.Thread(target=sweep.fit, daemon=True)
     fitting.start()
     fitting.join(60)

@@ -432,6 +432,43 @@ def test_validate_alone_plans_for_a_forward_only():
     assert validated == expected
 
 
+class WideMLP(L.LightningModule):
+    """Six wide layers with a CutPoint after each but the last: at 512 rows, each activation between them is as
+    large as two layers' weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(6))
+        self.cuts = nn.ModuleList(CutPoint() for _ in range(5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer, cut in zip(self.layers, [*self.cuts, nn.Identity()]):
+            x = cut(torch.tanh(layer(x)))
+        return x
+
+    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self(batch[0]).square().mean())
+
+    def predict_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0])
+
+
+def test_a_forward_only_run_holds_only_the_activations_still_to_be_read():
+    """Validate and predict alone let each activation between shards go once the next shard has read it: a budget
+    too small for all five at once (2.6 MB) but roomy for two runs them, cut, as one device does."""
+    torch.manual_seed(0)
+    model, loader = WideMLP(), DataLoader(TensorDataset(torch.randn(1024, 256)), batch_size=512)
+    options: dict[str, Any] = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    strategy = SpillingStrategy(memory_budget="2MB")
+    trainer = L.Trainer(strategy=strategy, **options)
+    validated = trainer.validate(model, loader, verbose=False)
+    assert len(strategy.shards) > 1
+    predicted = trainer.predict(model, loader)
+    plain = L.Trainer(**options)
+    assert validated == plain.validate(model, loader, verbose=False)
+    torch.testing.assert_close(predicted, plain.predict(model, loader), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("size", "expected"),
     [

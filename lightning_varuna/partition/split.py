@@ -84,6 +84,12 @@ class PipelineGraph:
     def num_stages(self) -> int:
         return len(self.stage_inputs)
 
+    def last_reads(self) -> dict[Source, int]:
+        """The last stage that reads each value; ``num_stages`` for a value of the model's output. A value no stage
+        reads is left out."""
+        last = {src: stage for stage, sources in enumerate(self.stage_inputs) for src in sources}
+        return {**last, **dict.fromkeys(self.output_sources, self.num_stages)}
+
     def sends(self, stage: int) -> dict[int, list[int]]:
         """Consumer stage -> output indices that ``stage`` sends to it."""
         return {c: v for (p, c), v in self.edges.items() if p == stage}

@@ -33,7 +33,7 @@ def one_value_per_channel_refused(module: nn.Module, advice: str) -> Iterator[No
                 f"channel, from which batch normalization cannot train. {advice}"
             )
 
-    names = {m: name for name, m in module.named_modules() if isinstance(m, BatchNorm)}
+    names: dict[nn.Module, str] = {m: name for name, m in module.named_modules() if isinstance(m, BatchNorm)}
     handles = [norm.register_forward_pre_hook(check) for norm in names]
     try:
         yield

@@ -203,8 +203,6 @@ def _measure(
             out = segment(*inputs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         values.update({Source(s, i): value.detach() for i, value in enumerate(outs)})
-        if s < len(segment_modules) - 1:
-            kept += measuring.copies * sum(_nbytes(value) for value in outs if isinstance(value, Tensor))
         state = sum(measuring.state_bytes(p) for p in segment.parameters() if uses[p] == 1)
         segments.append(SegmentMemory(f"between {names[s]} and {names[s + 1]}", state, meter.peak))
         del out, outs
@@ -212,7 +210,8 @@ def _measure(
             p.data = p.data.to("cpu")
         if parked is not None:
             parked.park(s, [p for p in segment.parameters() if uses[p] == 1])
-    return segments, kept
+    sizes = {src: _nbytes(value) for src, value in values.items() if isinstance(value, Tensor)}
+    return segments, kept + measuring.boundary_bytes(sizes, graph.last_reads(), len(segment_modules))
 
 
 def _measure_if_one_shard(
@@ -250,7 +249,10 @@ def _measure_if_one_shard(
     finally:
         for p in in_host_memory:
             p.data = p.data.to("cpu")
-    kept = buffer_bytes + measuring.copies * sum(at_cutpoints)  # as when cut
+    sizes = {Source(s, 0): size for s, size in enumerate(at_cutpoints)}  # as when cut, each read by the next
+    kept = buffer_bytes + measuring.boundary_bytes(
+        sizes, {src: s + 1 for src, s in zip(sizes, range(len(sizes)))}, len(sizes) + 1
+    )
     if state + meter.peak > shard_share(budget, kept, prefetch):
         return None
     return SegmentMemory("the whole model", state, meter.peak), kept
@@ -267,9 +269,21 @@ class _Measuring:
     def state_bytes(self, param: nn.Parameter) -> int:
         return (4 if self.training else 1) * _nbytes(param)
 
-    @property
-    def copies(self) -> int:
-        return 2 if self.training else 1
+    def boundary_bytes(self, sizes: dict[Source, int], last_reads: dict[Source, int], segments: int) -> int:
+        """The bytes of the values the ``segments`` make (``sizes``, by the segment that makes them) held on the
+        device: in training, every one but the last segment's, each with its gradient, kept for the backward;
+        forward only, the most held at once, while a segment runs (its inputs, its outputs and the values that pass
+        it by)."""
+        if self.training:
+            return 2 * sum(size for src, size in sizes.items() if src.stage is not None and src.stage < segments - 1)
+        made = {src: src.stage for src in sizes if src.stage is not None}
+        return max(
+            (
+                sum(sizes[src] for src, m in made.items() if m == s or m < s <= last_reads.get(src, -1))
+                for s in set(made.values())
+            ),
+            default=0,
+        )
 
     def grad_mode(self) -> AbstractContextManager[None]:
         return torch.enable_grad() if self.training else torch.no_grad()

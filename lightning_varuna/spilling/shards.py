@@ -89,7 +89,8 @@ class ShardedModel:
         self._graph: PipelineGraph | None = None
         self._modules: list[nn.Module] = []
         self._boundaries: dict[Source, Any] = {}
-        self._last_consumer: dict[Source, int] = {}
+        self._last_read: dict[Source, int] = {}  # the last segment that reads a value
+        self._last_consumer: dict[Source, int] = {}  # the last shard that reads it
         self._dtypes = DtypeState.current("cpu")  # the forward's, replayed by recomputes
         self.turn: Callable[[str, int], AbstractContextManager[bool]] = lambda work, shard: nullcontext(True)
 
@@ -213,7 +214,7 @@ class ShardedModel:
         # needs a gradient only where it would in the whole model, and kernels choose by it (attention takes
         # another kernel for a mask that needs a gradient, which rounds differently).
         with self._fetching(shard.index + 1, ()):
-            produced = self._run(shard)
+            produced = self._run(shard, training)
         if replayable:
             shard.random_after = generator_states(self.store.device)
         for src, value in produced.items():
@@ -226,23 +227,30 @@ class ShardedModel:
 
     def _use_trace(self, args: tuple, kwargs: dict) -> None:
         self._graph, self._modules = self.segments.for_inputs(args, kwargs)
-        last_consumer: dict[Source, int] = {}
-        for s, sources in enumerate(self._graph.stage_inputs):
-            for src in sources:
-                last_consumer[src] = max(last_consumer.get(src, -1), self._shard_of[s])
-        for src in self._graph.output_sources:
-            last_consumer[src] = len(self.shards)
-        self._last_consumer = last_consumer
+        self._last_read = self._graph.last_reads()
+        self._last_consumer = {
+            src: len(self.shards) if s == self._graph.num_stages else self._shard_of[s]
+            for src, s in self._last_read.items()
+        }
 
-    def _run(self, shard: Shard) -> dict[Source, Any]:
-        """Run the segments of ``shard`` on the kept boundary values; return every value they produce."""
+    def _run(self, shard: Shard, training: bool) -> dict[Source, Any]:
+        """Run the segments of ``shard`` on the kept boundary values; return every value they produce. Forward
+        only, a value is let go once its last reader has run: no backward will need it."""
         assert self._graph is not None
         values: dict[Source, Any] = {}
         for s in shard.segments:
-            args = [values[src] if src in values else self._boundaries[src] for src in self._graph.stage_inputs[s]]
+            inputs = self._graph.stage_inputs[s]
+            args = [values[src] if src in values else self._boundaries[src] for src in inputs]
             out = self._modules[s](*args)
             outs = out if isinstance(out, (tuple, list)) else (out,)
-            values.update({Source(s, i): value for i, value in enumerate(outs)})
+            made = [Source(s, i) for i in range(len(outs))]
+            values.update(zip(made, outs))
+            del args, out, outs
+            if not training:
+                for src in [*inputs, *made]:
+                    if self._last_read.get(src, -1) <= s:
+                        values.pop(src, None)
+                        self._boundaries.pop(src, None)
         return values
 
     # ------------------------------------------------------------------------------------------- backward
@@ -295,7 +303,7 @@ class ShardedModel:
             torch.enable_grad(),
             self._dtypes.replayed(),
         ):
-            produced = self._run(shard)
+            produced = self._run(shard, training=True)
             if random_state is not None:
                 _check_replayed(shard, random_state)
         outputs, grads = [], []
