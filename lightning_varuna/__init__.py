@@ -4,6 +4,7 @@ import warnings
 
 from lightning_varuna.callbacks import MorphCallback, PipelineTrace
 from lightning_varuna.cutpoint import CutPoint, cut_after
+from lightning_varuna.grad_norm import grad_norm
 from lightning_varuna.multimodel import MultiModelTrainer
 from lightning_varuna.strategies import SpillingStrategy, VarunaStrategy
 
@@ -15,6 +16,7 @@ __all__ = [
     "SpillingStrategy",
     "VarunaStrategy",
     "cut_after",
+    "grad_norm",
 ]
 __version__ = "0.1.0"
 

@@ -29,10 +29,12 @@ from lightning.pytorch.callbacks import (
     StochasticWeightAveraging,
 )
 from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from models import DIM, VOCAB, Block, CountingLM, TinyLM, token_dataset
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_varuna
 from lightning_varuna import CutPoint, SpillingStrategy, VarunaStrategy
 from lightning_varuna.checkpoint.consolidate import consolidate
 from lightning_varuna.checkpoint.layout import find_newest, open_complete
@@ -430,6 +432,35 @@ def test_validate_alone_plans_for_a_forward_only():
     validated = L.Trainer(strategy=strategy, **options).validate(model, loader, verbose=False)
     expected = L.Trainer(**options).validate(reference, loader, verbose=False)
     assert validated == expected
+
+
+class GradNormLoggingLM(TinyLM):
+    """Logs every gradient's norm before each step: with Lightning's `grad_norm` (``spilled=False``) or ours."""
+
+    def __init__(self, spilled: bool) -> None:
+        super().__init__()
+        self.norm_of = lightning_varuna.grad_norm if spilled else lightning_grad_norm
+        self.logged: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        norms = self.norm_of(self, 2)
+        self.log_dict(norms)
+        self.logged.append({name: float(norm) for name, norm in norms.items()})
+
+
+@pytest.mark.parametrize("clip", [0.5, None], ids=["clipped", "not-clipped"])
+def test_grad_norm_sees_the_spilled_gradients_as_one_device(clip):
+    """In ``on_before_optimizer_step`` a spilled parameter holds no ``.grad``: `lightning_varuna.grad_norm` logs
+    what Lightning's `grad_norm` logs on one device, every parameter's norm and the total, after accumulation."""
+    torch.manual_seed(0)
+    model, reference = GradNormLoggingLM(spilled=True), GradNormLoggingLM(spilled=False)
+    reference.load_state_dict(model.state_dict())
+    fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), gradient_clip_val=clip)
+    fit(reference, "auto", gradient_clip_val=clip)
+    assert len(model.trainer.strategy.shards) == 5
+    assert len(model.logged) == 4 and model.logged[0].keys() == reference.logged[0].keys()
+    for spilled, plain in zip(model.logged, reference.logged):
+        assert spilled == pytest.approx(plain, rel=1e-5)
 
 
 class WideMLP(L.LightningModule):

@@ -19,6 +19,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 from torchmetrics import Metric
@@ -236,6 +237,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         if not self._sharded.stays:
             _refuse_callbacks_reading_every_weight(trainer, len(self.shards))
             _refuse_finetuning_of_parameters_outside(trainer, optimizer)
+            _note_spilled_gradients(trainer)
         self._sharded.spill_all(optimizer, fill=self._parked.unpark if self._parked is not None else None)
         self._parked = None
         self.optimizer_in_backward = self._can_step_in_backward(trainer)
@@ -243,16 +245,11 @@ class SpillingStrategy(SingleDeviceStrategy):
     def _can_step_in_backward(self, trainer: pl.Trainer) -> bool:
         """Whether each shard may step as soon as its backward is done: nothing between Lightning's backward and
         its optimizer step needs every shard's gradients (no gradient clipping, no ``on_before_optimizer_step``)."""
-        module = self._module
         return not (
             self._scaler() is not None  # an fp16 overflow in any shard skips the step of every shard
             or trainer.gradient_clip_val
-            or is_overridden("configure_gradient_clipping", module, pl.LightningModule)
-            or is_overridden("on_before_optimizer_step", module, pl.LightningModule)
-            or any(
-                is_overridden("on_before_optimizer_step", c, pl.Callback)
-                for c in trainer.callbacks  # type: ignore[attr-defined]
-            )
+            or is_overridden("configure_gradient_clipping", self._module, pl.LightningModule)
+            or _gradient_readers(trainer)
         )
 
     def _shard(self, trainer: pl.Trainer) -> ShardedModel:
@@ -336,6 +333,13 @@ class SpillingStrategy(SingleDeviceStrategy):
         if not shardwise.ran_step:  # the grad scaler skipped the step (an overflow), or the closure returned None
             self._sharded_model().drop_gradients()
         return result
+
+    def spilled_grad_norms(self) -> dict[nn.Parameter, Tensor]:
+        """The 2-norm of each spilled parameter's gradient after the last backward (a spilled parameter holds no
+        ``.grad``): what `lightning_varuna.grad_norm` reads in ``on_before_optimizer_step``."""
+        if self._sharded is None or self._sharded.stays:
+            return {}
+        return {p: norm for shard in self._sharded.shards for p, norm in shard.grad_norms.items()}
 
     def _scaler(self) -> ShardwiseGradScaler | None:
         scaler = getattr(self.precision_plugin, "scaler", None)
@@ -467,6 +471,26 @@ class SpillingStrategy(SingleDeviceStrategy):
             self.checkpoint_io.teardown()
             return
         super().teardown()
+
+
+def _gradient_readers(trainer: pl.Trainer) -> list[str]:
+    """The module and callbacks with an ``on_before_optimizer_step``: it reads the gradients between the backward
+    and the step."""
+    module = trainer.lightning_module
+    readers = [module] if is_overridden("on_before_optimizer_step", module, pl.LightningModule) else []
+    readers += [c for c in trainer.callbacks if is_overridden("on_before_optimizer_step", c, pl.Callback)]  # type: ignore[attr-defined]
+    return [type(reader).__name__ for reader in readers]
+
+
+def _note_spilled_gradients(trainer: pl.Trainer) -> None:
+    readers = _gradient_readers(trainer)
+    if readers and trainer.state.fn == TrainerFn.FITTING:
+        rank_zero_info(
+            f"SpillingStrategy: the `on_before_optimizer_step` of {', '.join(f'`{r}`' for r in readers)} sees the "
+            "gradients of the parameters on the device only: a spilled parameter holds no `.grad` there. "
+            "`lightning_varuna.grad_norm(self)` gives every parameter's gradient norm (Lightning's `grad_norm` "
+            "misses the spilled ones)."
+        )
 
 
 def _refuse_callbacks_reading_every_weight(trainer: pl.Trainer, shards: int) -> None:
