@@ -50,15 +50,29 @@ def cut_after(modules: Iterable[nn.Module]) -> list[CutPoint]:
     Returns:
         The new CutPoints, in the order of ``modules``.
     """
-    cuts = []
+    cuts: list[CutPoint] = []
     for module in modules:
         module = _last_layer(module)
         if hasattr(module, "cutpoint"):
             raise ValueError(f"`{type(module).__name__}` already has a `cutpoint`: call `cut_after` once per module.")
-        module.cutpoint = CutPoint()
+        module.cutpoint = _CutPointAfter()
         module.register_forward_hook(_through_cutpoint)
         cuts.append(module.cutpoint)
     return cuts
+
+
+class _CutPointAfter(CutPoint):
+    """The CutPoint `cut_after` gives a module, as its child: it marks the module's output, passed through it by
+    the module's forward hook. A forward that runs the module's children itself (``for block in self.children()``,
+    as timm's stages do) calls it too, with the last child's output: that call is the identity and marks
+    nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.through_hook = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) if self.through_hook else x
 
 
 def _last_layer(module: nn.Module) -> nn.Module:
@@ -77,6 +91,11 @@ def _last_layer(module: nn.Module) -> nn.Module:
 
 def _through_cutpoint(module: nn.Module, inputs: Any, output: Any) -> Any:
     cut = module.get_submodule("cutpoint")
-    if isinstance(output, tuple) and output:
-        return (cut(output[0]), *output[1:])
-    return cut(output)
+    assert isinstance(cut, _CutPointAfter)
+    cut.through_hook = True
+    try:
+        if isinstance(output, tuple) and output:
+            return (cut(output[0]), *output[1:])
+        return cut(output)
+    finally:
+        cut.through_hook = False

@@ -136,6 +136,30 @@ def test_cut_after_sequentials_cuts_once_after_each():
     assert discover_cutpoints(body, (torch.randn(2, 3),)) == ["0.1.0.cutpoint", "1.cutpoint"]
 
 
+class RunsItsChildren(nn.Module):
+    """A stage whose forward runs its children itself, as timm's (``for block in self.children()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Tanh()
+
+    def forward(self, x):
+        for block in self.children():
+            x = block(x)
+        return x
+
+
+def test_cut_after_a_module_that_runs_its_children_cuts_once_after_it():
+    """Its CutPoint is one of those children: run by the loop it is the identity, and only its output is cut."""
+    torch.manual_seed(0)
+    body = nn.Sequential(RunsItsChildren(), RunsItsChildren(), nn.Linear(3, 2))
+    x = torch.randn(2, 3)
+    expected = body(x)
+    cut_after([body[0], body[1]])
+    assert discover_cutpoints(body, (x,)) == ["0.cutpoint", "1.cutpoint"]
+    torch.testing.assert_close(body(x), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("container", [nn.ModuleList([nn.Linear(3, 3)]), nn.Sequential()], ids=["list", "empty"])
 def test_cut_after_a_container_with_no_output_says_what_to_pass(container):
     with pytest.raises(ValueError, match="`cut_after` got a"):

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_varuna
-from lightning_varuna import CutPoint, SpillingStrategy, VarunaStrategy
+from lightning_varuna import CutPoint, SpillingStrategy, VarunaStrategy, cut_after
 from lightning_varuna.checkpoint.consolidate import consolidate
 from lightning_varuna.checkpoint.layout import find_newest, open_complete
 from lightning_varuna.spilling.packing import parse_bytes
@@ -816,6 +816,24 @@ def test_a_mid_epoch_checkpoint_resumes_where_it_was_taken_when_the_optimizer_re
     assert_same_model(model, reference)
 
 
+@pytest.mark.parametrize("writer", ["varuna", "spilled"])
+def test_a_checkpoint_of_an_optimizer_without_the_frozen_parameters_resumes_spilled(tmp_path, writer):
+    """A frozen block left out of the optimizer (a frozen backbone, LoRA's base weights) has no optimizer state in
+    the checkpoint; the spilled resume asked for it, and refused its own checkpoint as written "with different
+    optimizers"."""
+    torch.manual_seed(0)
+    reference = FrozenEmbeddingLM()
+    reference.blocks[0].requires_grad_(False)
+    model = copy.deepcopy(reference)
+    options: dict[str, Any] = {"limit_val_batches": 0, "max_steps": 6, "accumulate_grad_batches": 1}
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    writing = VarunaStrategy() if writer == "varuna" else SpillingStrategy(memory_budget=BUDGETS[5])
+    expected = fit(reference, writing, callbacks=[saves], **options)
+    resumed = fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), str(tmp_path / "epoch=0-step=3.ckpt"), **options)
+    torch.testing.assert_close(losses(resumed), losses(expected)[3:], rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
 @pytest.mark.parametrize("strategy", ["varuna", "spilled"])
 def test_a_mid_epoch_checkpoint_resumes_accumulating_as_the_epochs_schedule_says(tmp_path, strategy):
     """`GradientAccumulationScheduler({0: 1, 1: 2})`, resumed in the middle of epoch 1: Lightning runs no epoch-start
@@ -1089,6 +1107,50 @@ class NoGradBlockLM(TinyLM):
 def test_a_grad_mode_block_in_the_forward_is_named_with_what_to_use():
     with pytest.raises(RuntimeError, match=r"a `with torch\.no_grad\(\):` .*Use `\.detach\(\)`"):
         fit(NoGradBlockLM(), SpillingStrategy(memory_budget=BUDGETS[5]))
+
+
+class CheckpointedLlama(L.LightningModule):
+    """Hugging Face's gradient checkpointing, reentrant, with a CutPoint after each layer: inside the checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2
+        )
+        self.model = LlamaForCausalLM(config)
+        cut_after(self.model.model.layers)
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return self(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_parameter_outside_the_optimizer_is_planned_without_gradient_or_state():
+    """A frozen block the optimizer does not hold takes its parameters' bytes alone, not 4x (a LoRA model's base
+    weights were planned as if trained, in several times the shards it needs); a trained one takes 4x."""
+    model = FrozenEmbeddingLM()
+    model.blocks[1].requires_grad_(False)
+    trainer = fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), max_steps=1)
+    memory = trainer.strategy.segment_memory
+    frozen, trained = (sum(4 * p.numel() for p in model.blocks[i].parameters()) for i in (1, 2))
+    assert (memory[1].state_bytes, memory[2].state_bytes) == (frozen, 4 * trained)
+
+
+def test_cutpoints_inside_a_reentrant_checkpoint_are_named_with_what_to_use():
+    """torch's split merges their stages without an error (ours said that a stage had no computation)."""
+    pytest.importorskip("transformers")
+    trainer = L.Trainer(accelerator="cpu", strategy=SpillingStrategy(memory_budget="100KB"), max_steps=1, logger=False)
+    data = DataLoader(torch.randint(1, 50, (8, 8)), batch_size=8)
+    with pytest.raises(RuntimeError, match=r"a reentrant `torch\.utils\.checkpoint`.*`use_reentrant=False`"):
+        trainer.fit(CheckpointedLlama(), data)
 
 
 class FrozenEmbeddingLM(TinyLM):

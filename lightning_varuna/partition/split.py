@@ -323,10 +323,13 @@ def _split_traced(
         output_spec=output_specs[-1],
     )
     if pipeline_graph.num_stages != len(boundaries) + 1:
-        raise ValueError(
+        merged = ValueError(
             f"Cutting at {len(boundaries)} CutPoint(s) gave {pipeline_graph.num_stages} stages instead of "
             f"{len(boundaries) + 1}: some stage has no computation. Put work between consecutive CutPoints."
         )
+        if changes_grad_mode(module, args, kwargs):  # CutPoints inside a reentrant checkpoint: its stages merge
+            raise untraceable_forward_error(module, merged, grad_mode_changed=True) from merged
+        raise merged
     return pipeline_graph, stage_modules
 
 

@@ -54,10 +54,12 @@ def load_model(module: nn.Module, saved: SavedByName, visit: Visit) -> None:
 
 
 def load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, saved: SavedByName, visit: Visit) -> None:
-    """Load the saved state of optimizer 0 into ``optimizer``, a shard at a time."""
+    """Load the saved state of optimizer 0 into ``optimizer``, a shard at a time: of the parameters it steps (not
+    frozen ones left out of it, which have none)."""
     names = parameter_names(module)
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for params in visit(("state",), ("state",)):
-        named = {names[id(p)]: p for p in params}
+        named = {names[id(p)]: p for p in params if id(p) in stepped}
         set_optimizer_state(optimizer, named, saved.optimizer(0, list(named)))
 
 

@@ -67,6 +67,7 @@ def plan_shards(
     tracing: Callable[[], AbstractContextManager[None]] = nullcontext,
     whole_stays: bool = True,
     training: bool = True,
+    stepped: list[nn.Parameter] | None = None,
 ) -> ShardPlan:
     """Shards of ``module`` for a budget of ``memory_budget`` bytes on ``device`` (default: what it has free),
     measured on the forward inputs ``args, kwargs``; spilled to ``spill_dir`` (None: host memory). Each trace of the
@@ -76,7 +77,8 @@ def plan_shards(
     stays on the device (it fits the budget: nothing need be spilled). A model on the meta device is cut, and
     materialized a segment at a time as it is measured, each segment parked in the store before the next: it is
     never whole in memory. Not ``training`` (validate, test, predict alone), a segment holds its parameters alone
-    and its forward keeps nothing for a backward.
+    and its forward keeps nothing for a backward. In training, the parameters the optimizer steps (``stepped``;
+    None: all) hold a gradient and optimizer state, the others a gradient only where they require one.
     """
     meta = MetaModel(module, device) if MetaModel.needed(module) else None
     random_state = generator_states(device)
@@ -84,11 +86,11 @@ def plan_shards(
     for b in module.buffers():
         if not b.is_meta:
             b.data = b.data.to(device)  # buffers stay on the device throughout
-    folder = _spill_folder(spill_dir, 4 * sum(_nbytes(p) for p in module.parameters()))
+    measuring = _Measuring(training, frozenset(map(id, module.parameters() if stepped is None else stepped)))
+    folder = _spill_folder(spill_dir, sum(measuring.state_bytes(p) for p in module.parameters()))
     store = SpillStore(device, folder.name if folder is not None else None)
     budget = memory_budget if memory_budget is not None else _free_bytes(device)
     buffer_bytes = sum(_nbytes(b) for b in module.buffers())
-    measuring = _Measuring(training)
     whole = (
         None if meta else _measure_if_one_shard(module, args, kwargs, device, budget, buffer_bytes, prefetch, measuring)
     )
@@ -260,14 +262,18 @@ def _measure_if_one_shard(
 
 @dataclass(frozen=True)
 class _Measuring:
-    """What a run holds on the device: in training, a parameter with its gradient and optimizer state (up to two
-    tensors, as Adam's moments), each activation at a CutPoint with its gradient, and what a forward keeps for its
-    backward; forward only, the parameters and activations alone."""
+    """What a run holds on the device: in training, a parameter the optimizer steps (``stepped``, by id) with its
+    gradient and optimizer state (up to two tensors, as Adam's moments), another one with its gradient if it
+    requires one, each activation at a CutPoint with its gradient, and what a forward keeps for its backward;
+    forward only, the parameters and activations alone."""
 
     training: bool
+    stepped: frozenset[int]
 
     def state_bytes(self, param: nn.Parameter) -> int:
-        return (4 if self.training else 1) * _nbytes(param)
+        stepped = id(param) in self.stepped
+        copies = 1 + (stepped or param.requires_grad) + 2 * stepped if self.training else 1
+        return copies * _nbytes(param)
 
     def boundary_bytes(self, sizes: dict[Source, int], last_reads: dict[Source, int], segments: int) -> int:
         """The bytes of the values the ``segments`` make (``sizes``, by the segment that makes them) held on the

@@ -268,6 +268,7 @@ class SpillingStrategy(SingleDeviceStrategy):
             self._tracing,
             whole_stays=self._whole_model_stays,
             training=trainer.state.fn == TrainerFn.FITTING,
+            stepped=[p for o in self.optimizers for group in torch_optimizer(o).param_groups for p in group["params"]],
         )
         self.segment_memory, self.kept_bytes = plan.segment_memory, plan.kept_bytes
         self.shards = plan.shards
