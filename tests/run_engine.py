@@ -62,8 +62,8 @@ def build_stage(topo: Topology, groups: PipelineGroups, example: Tensor) -> tupl
     model = TinyLM()
     boundaries = BOUNDARIES[topo.pipeline_parallel_size]
     stage = Stage(model, boundaries, topo, torch.device("cpu"), groups.messages)
-    graph, stage_module = stage.stage_for((example,), {})
-    stage.release_other_stages(graph, stage_module)
+    graph, _ = stage.stage_for((example,), {})
+    stage.release_other_stages(graph)
     stage.shared = SharedParameters(graph.stage_parameters, topo, dict(model.named_parameters()))
     return model, stage
 

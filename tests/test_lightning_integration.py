@@ -8,9 +8,11 @@ import sys
 
 import lightning as L
 import pytest
+import torch
 from conftest import clean_env, run_job, run_ranks
 
 from lightning_varuna import VarunaStrategy
+from lightning_varuna.checkpoint.consolidate import consolidate
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
@@ -268,3 +270,66 @@ def test_a_frozen_backbone_is_finetuned_pipelined_as_on_one_device(tmp_path, bac
     (plain,), stages = lines
     assert [lrs for _, _, lrs in stages] == [plain[2]] * 2  # the same groups' learning rates on both stages
     assert abs(float(stages[0][1]) - float(plain[1])) < 1e-5 * abs(float(plain[1]))
+
+
+KEPT_ASIDE = """
+import sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+from models import DIM, TinyLM, token_dataset
+from lightning_varuna import VarunaStrategy
+
+
+class Bands(nn.Module):
+    '''A table computed once and read by the module's own `_apply` (as timm's rotary embedding).'''
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bands", torch.arange(4.0))
+
+    def _apply(self, fn, recurse=True):
+        assert self.bands.dtype == torch.float32
+        return super()._apply(fn, recurse)
+
+
+class KeptAside(TinyLM):
+    '''A frozen block under AdamW over all parameters, and tensors the forward never uses: a frozen copy kept beside
+    what replaced it (as peft's `modules_to_save`) and a table.'''
+
+    def __init__(self):
+        super().__init__()
+        self.blocks[0].requires_grad_(False)
+        self.spare = nn.Linear(DIM, DIM).requires_grad_(False)
+        self.rotary = Bands()
+
+
+torch.manual_seed(0)
+model, data = KeptAside(), token_dataset(32)
+pipelined = {pipelined}
+loader = DataLoader(data, batch_size=8, sampler=None if pipelined else DistributedSampler(data, 1, 0, seed=0))
+strategy = VarunaStrategy(pipeline_parallel_size=2) if pipelined else "auto"
+trainer = L.Trainer(accelerator="cpu", devices=2 if pipelined else 1, strategy=strategy, max_steps=4, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model, loader)
+trainer.save_checkpoint({path!r})
+"""
+
+
+def test_frozen_and_unused_tensors_are_kept_and_saved_pipelined_as_on_one_device(tmp_path):
+    """A frozen parameter in the optimizer got a zero gradient, and AdamW's weight decay moved it; tensors no stage
+    uses were freed on every rank and never saved, and Lightning's move to the CPU at the end of `fit` failed in a
+    module's `_apply` that read one. Now the checkpoint holds what one device's does."""
+    saved = {}
+    for pipelined in (False, True):
+        script, path = tmp_path / f"kept_aside_{pipelined}.py", tmp_path / f"kept_aside_{pipelined}.ckpt"
+        script.write_text(KEPT_ASIDE.format(tests=os.path.dirname(__file__), pipelined=pipelined, path=str(path)))
+        proc = run_ranks([str(script)], 2 if pipelined else 1, tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        saved[pipelined] = consolidate(str(path)) if pipelined else torch.load(path, weights_only=False)
+    plain, pipelined = (saved[p]["state_dict"] for p in (False, True))
+    assert pipelined.keys() == plain.keys() and {"spare.weight", "rotary.bands"} <= plain.keys()
+    for name, value in plain.items():
+        torch.testing.assert_close(pipelined[name], value, rtol=1e-5, atol=1e-6, msg=name)

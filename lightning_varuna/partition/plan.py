@@ -43,8 +43,8 @@ def plan_stage(
         starts = balance_stages(segment_costs(cutpoints), num_stages)
         boundaries = [cutpoints[start - 1] for start in starts[1:]]
     stage = Stage(module, boundaries, topology, device, groups.messages)
-    graph, stage_module = stage.stage_for(args, kwargs)
-    stage.release_other_stages(graph, stage_module)
+    graph, _ = stage.stage_for(args, kwargs)
+    stage.release_other_stages(graph)
     stage.shared = SharedParameters(graph.stage_parameters, topology, dict(module.named_parameters()))
     stage.shared.broadcast_initial_values(groups.replicas)
     return stage

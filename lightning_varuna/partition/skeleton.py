@@ -71,6 +71,11 @@ class ModelSkeleton:
     def parameter_names(self) -> list[str]:
         return list(dict.fromkeys(s.fqn for s in self._slots if s.is_parameter))
 
+    @property
+    def tensor_names(self) -> set[str]:
+        """The canonical FQNs of every parameter and buffer."""
+        return set(self._specs)
+
     def release(self, module: nn.Module, keep: set[str]) -> None:
         """Drop every parameter and buffer whose canonical FQN is not in ``keep`` (frees their memory)."""
         for slot in self._slots:
@@ -79,9 +84,11 @@ class ModelSkeleton:
                 table[slot.name] = None
 
     @contextmanager
-    def stand_ins(self, module: nn.Module, missing_only: bool = False) -> Iterator[None]:
+    def stand_ins(
+        self, module: nn.Module, missing_only: bool = False, device: torch.device | None = None
+    ) -> Iterator[None]:
         """Fill every slot (``missing_only``: every empty slot, such as other stages') with a memory-free stand-in of
-        the right shape; restore the real tensors after."""
+        the right shape (on ``device``; None: the tensor's); restore the real tensors after."""
         saved = [(slot, self._table(module, slot).get(slot.name)) for slot in self._slots]
         made: dict[str, Tensor] = {}
         for slot, tensor in saved:
@@ -89,14 +96,15 @@ class ModelSkeleton:
                 continue
             if slot.fqn not in made:
                 spec = self._specs[slot.fqn]
+                where = device or spec.device
                 if slot.is_parameter:
-                    stand_in = torch.empty((), dtype=spec.dtype, device=spec.device).expand(spec.shape)
+                    stand_in = torch.empty((), dtype=spec.dtype, device=where).expand(spec.shape)
                     made[slot.fqn] = nn.Parameter(stand_in, requires_grad=spec.requires_grad)
                 else:
                     # A forward may update a buffer in place (BatchNorm's running statistics), which a zero-stride
                     # tensor cannot take. Uninitialised memory is never written while tracing (export runs on fake
                     # tensors) and large allocations are only committed when written.
-                    made[slot.fqn] = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
+                    made[slot.fqn] = torch.empty(spec.shape, dtype=spec.dtype, device=where)
             self._table(module, slot)[slot.name] = made[slot.fqn]
         try:
             yield

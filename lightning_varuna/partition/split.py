@@ -67,6 +67,7 @@ class PipelineGraph:
     output_sources: list[Source]
     stage_parameters: list[set[str]]
     output_spec: TreeSpec  # how the values of ``output_sources`` make the model's output
+    stage_buffers: list[set[str]] = field(default_factory=list)  # canonical buffer names used by each stage
     edges: dict[tuple[int, int], list[int]] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -321,6 +322,9 @@ def _split_traced(
             {skeleton.canonical(name) for name, _ in m.named_parameters(remove_duplicate=False)} for m in stage_modules
         ],
         output_spec=output_specs[-1],
+        stage_buffers=[
+            {skeleton.canonical(name) for name, _ in m.named_buffers(remove_duplicate=False)} for m in stage_modules
+        ],
     )
     if pipeline_graph.num_stages != len(boundaries) + 1:
         merged = ValueError(

@@ -60,11 +60,13 @@ class Stage:
             self._traced[key][1].train(self.module.training)
         return self._traced[key]
 
-    def release_other_stages(self, graph: PipelineGraph, stage_module: nn.Module) -> None:
-        """Free the parameters and buffers that ``stage_module``, this rank's stage, does not use."""
-        keep = graph.stage_parameters[self.stage_index] | {
-            self.skeleton.canonical(name) for name, _ in stage_module.named_buffers(remove_duplicate=False)
-        }
+    def release_other_stages(self, graph: PipelineGraph) -> None:
+        """Free the parameters and buffers that this rank's stage does not use. Those no stage uses (a frozen copy
+        kept beside what replaced it, a table computed once) stay with the first stage, which saves them."""
+        used = [params | buffers for params, buffers in zip(graph.stage_parameters, graph.stage_buffers)]
+        keep = used[self.stage_index]
+        if self.stage_index == 0:
+            keep = keep | (self.skeleton.tensor_names - set().union(*used))
         self.skeleton.release(self.module, keep)
         self._real = {name: t for name, t in self._real.items() if name in keep}
         self._own_parameters = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import cached_property
 from typing import Any, Literal, TypeVar
@@ -771,7 +771,9 @@ class VarunaStrategy(ParallelStrategy):
         was weighted by its share of the step's rows, so the sum is the mean)."""
         topo = self.topology
         assert topo is not None
-        params = self._stage_plan().own_parameters()
+        # Not the frozen ones: without a gradient, as on one device, an optimizer over them leaves them alone (a zero
+        # gradient would take AdamW's weight decay).
+        params = [p for p in self._stage_plan().own_parameters() if p.requires_grad]
         if not self._sync_gradients:
             self._step_gradients.accumulate(params)
             return closure_loss
@@ -929,7 +931,15 @@ class VarunaStrategy(ParallelStrategy):
                 self._step_results.flush(self._stop_if_job_ended)
             self._checkpoints.wait(collective=normal_end and distributed_is_initialized())
         finally:
-            super().teardown()
+            # Lightning moves the module to the CPU: a module's own `_apply` may read a tensor of another stage
+            # (timm's rotary embedding), so they are there, on the CPU and memory-free, until it is done.
+            module, stages = self.lightning_module, self._stages
+            with (
+                stages.skeleton.stand_ins(module, missing_only=True, device=torch.device("cpu"))
+                if stages is not None and module is not None
+                else nullcontext()
+            ):
+                super().teardown()
 
     def _stage_plan(self) -> Stage:
         if self._stages is None:
