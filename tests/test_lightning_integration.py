@@ -296,12 +296,14 @@ class Bands(nn.Module):
 
 
 class KeptAside(TinyLM):
-    '''A frozen block under AdamW over all parameters, and tensors the forward never uses: a frozen copy kept beside
-    what replaced it (as peft's `modules_to_save`) and a table.'''
+    '''A frozen block and a frozen weight tied across the first and last stage under AdamW over all parameters, and
+    tensors the forward never uses: a frozen copy kept beside what replaced it (as peft's `modules_to_save`) and a
+    table.'''
 
     def __init__(self):
         super().__init__()
         self.blocks[0].requires_grad_(False)
+        self.emb.requires_grad_(False)  # and the head, tied to it
         self.spare = nn.Linear(DIM, DIM).requires_grad_(False)
         self.rotary = Bands()
 

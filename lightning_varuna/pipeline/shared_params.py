@@ -57,9 +57,11 @@ class SharedParameters:
             dist.broadcast(p.data, src=topo.stage_ranks()[stages[0]], group=group)
 
     def sum_across_stages(self, grads: dict[Tensor, Tensor]) -> None:
-        """Sum, in place, the gradients of the shared parameters over the stages that hold them."""
+        """Sum, in place, the gradients of the shared parameters over the stages that hold them (those in ``grads``:
+        a frozen one, frozen on every stage alike, has none)."""
         for p, _, group in self._mine:
-            dist.all_reduce(grads[p], group=group)
+            if p in grads:
+                dist.all_reduce(grads[p], group=group)
 
     def counted_once(self, params: list[Tensor]) -> list[Tensor]:
         """``params`` less the shared ones whose first holder is another stage (for a global norm)."""
