@@ -65,14 +65,18 @@ class _CutPointAfter(CutPoint):
     """The CutPoint `cut_after` gives a module, as its child: it marks the module's output, passed through it by
     the module's forward hook. A forward that runs the module's children itself (``for block in self.children()``,
     as timm's stages do) calls it too, with the last child's output: that call is the identity and marks
-    nothing."""
+    nothing (``passed`` keeps what it passed, which must be the module's output)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.through_hook = False
+        self.passed: object = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return super().forward(x) if self.through_hook else x
+        if self.through_hook:
+            return super().forward(x)
+        self.passed = x
+        return x
 
 
 def _last_layer(module: nn.Module) -> nn.Module:
@@ -91,11 +95,18 @@ def _last_layer(module: nn.Module) -> nn.Module:
 
 def _through_cutpoint(module: nn.Module, inputs: Any, output: Any) -> Any:
     cut = module.get_submodule("cutpoint")
-    assert isinstance(cut, _CutPointAfter)
-    cut.through_hook = True
+    first = output[0] if isinstance(output, tuple) and output else output
+    if isinstance(cut, _CutPointAfter):
+        passed, cut.passed = cut.passed, None
+        if passed is not None and passed is not first:
+            raise ValueError(
+                f"`cut_after` put a CutPoint in `{type(module).__name__}`, whose forward runs its children itself and "
+                "combines their outputs, so the CutPoint changed its output. Cut after its last child instead, or "
+                "after the modules that call it."
+            )
+        cut.through_hook = True
     try:
-        if isinstance(output, tuple) and output:
-            return (cut(output[0]), *output[1:])
-        return cut(output)
+        return (cut(first), *output[1:]) if first is not output else cut(output)
     finally:
-        cut.through_hook = False
+        if isinstance(cut, _CutPointAfter):
+            cut.through_hook = False

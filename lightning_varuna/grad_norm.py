@@ -15,8 +15,9 @@ __all__ = ["grad_norm"]
 def grad_norm(module: pl.LightningModule, norm_type: float | str = 2, group_separator: str = "/") -> dict[str, Tensor]:
     """Each parameter's gradient norm and their total, named and computed as `lightning.pytorch.utilities.grad_norm`
     does: the same under any strategy, and under `SpillingStrategy` also for the spilled parameters, whose gradients
-    are not in ``.grad``. Call it in ``on_before_optimizer_step``, as Lightning's; spilled, only the 2-norm (the
-    default) is kept.
+    are not in ``.grad``. Call it in ``on_before_optimizer_step``, as Lightning's. Of a model in spilled shards only
+    the 2-norm (the default) is kept: another ``norm_type`` is refused then (a model that fits its budget in one
+    shard takes any).
 
     Example::
 

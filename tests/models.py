@@ -100,9 +100,13 @@ class CountingLM(TinyLM):
 
 
 def model_for(config: dict) -> TinyLM:
-    """The TinyLM a runner config describes (``scheduler``, ``dropout``, ``counting``: a `CountingLM`)."""
+    """The TinyLM a runner config describes (``scheduler``, ``dropout``, ``counting``: a `CountingLM`; ``frozen``:
+    the names of submodules to freeze)."""
     model_class = CountingLM if config.get("counting") else TinyLM
-    return model_class(scheduler=config.get("scheduler", False), dropout=config.get("dropout", 0.0))
+    model = model_class(scheduler=config.get("scheduler", False), dropout=config.get("dropout", 0.0))
+    for name in config.get("frozen", ()):
+        model.get_submodule(name).requires_grad_(False)
+    return model
 
 
 def token_dataset(rows: int, seed: int = 1) -> TensorDataset:

@@ -233,6 +233,24 @@ def test_fp16_loss_scaling_skips_the_same_steps_as_single_device(tmp_path):
             torch.testing.assert_close(value, ref_weights[name], rtol=1e-2, atol=1e-3, msg=f"{name} on rank {rank}")
 
 
+def test_fp16_a_stage_of_frozen_parameters_skips_overflowing_steps_with_the_others(tmp_path):
+    """The first stage's parameters are all frozen (in AdamW, as `self.parameters()` gives them): it holds no
+    gradient, and its grad scaler still skips the steps that overflowed on the last stage and backs off with it
+    (torch's GradScaler refuses a step with no gradients to check), while the frozen weights stay as they were."""
+    frozen = ["emb", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]  # the tied head too: stage 0 has only these
+    config = dict(FP16, pipeline_parallel_size=2, data_parallel_size=1, rows=36, frozen=frozen)
+    result, shards = run_pipelined(tmp_path, config)
+    ref, ref_weights = train_reference(config)
+
+    assert ref["loss_scales"][-1] < config["fp16_init_scale"] / 8  # several steps overflowed and were skipped
+    assert result["loss_scales"] == ref["loss_scales"]
+    for rank, shard in enumerate(shards):
+        for name, value in shard.items():
+            torch.testing.assert_close(value, ref_weights[name], rtol=1e-2, atol=1e-3, msg=f"{name} on rank {rank}")
+            if name.startswith(("emb.", "blocks.0.")):
+                assert torch.equal(value, ref_weights[name]), name  # frozen: untouched, as on one device
+
+
 def test_fp16_replicas_skip_overflowing_steps_together(tmp_path):
     """With replicas, each sums its micro-batches' fp16 gradients before the all-reduce, so a step near the overflow
     threshold may overflow on one device and not here; but all stages and replicas skip alike and stay equal."""

@@ -160,6 +160,24 @@ def test_cut_after_a_module_that_runs_its_children_cuts_once_after_it():
     torch.testing.assert_close(body(x), expected, rtol=0, atol=0)
 
 
+class SumsItsChildren(nn.Module):
+    """Branches whose outputs are added up: a CutPoint among its children would be one more branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return sum(branch(x) for branch in self.children())
+
+
+def test_cut_after_a_module_that_combines_its_children_says_where_to_cut():
+    body = nn.Sequential(SumsItsChildren(), nn.Linear(3, 2))
+    cut_after([body[0]])
+    with pytest.raises(ValueError, match=r"`SumsItsChildren`, whose forward runs its children itself and combines"):
+        discover_cutpoints(body, (torch.randn(2, 3),))
+
+
 @pytest.mark.parametrize("container", [nn.ModuleList([nn.Linear(3, 3)]), nn.Sequential()], ids=["list", "empty"])
 def test_cut_after_a_container_with_no_output_says_what_to_pass(container):
     with pytest.raises(ValueError, match="`cut_after` got a"):

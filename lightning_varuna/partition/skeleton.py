@@ -110,7 +110,8 @@ class ModelSkeleton:
             yield
         finally:
             for slot, tensor in saved:
-                self._table(module, slot)[slot.name] = tensor
+                if not (missing_only and tensor is not None):  # a real tensor, moved meanwhile, stays as it is now
+                    self._table(module, slot)[slot.name] = tensor
 
     @staticmethod
     def _table(module: nn.Module, slot: _Slot) -> dict:

@@ -67,7 +67,7 @@ class PipelineGraph:
     output_sources: list[Source]
     stage_parameters: list[set[str]]
     output_spec: TreeSpec  # how the values of ``output_sources`` make the model's output
-    stage_buffers: list[set[str]] = field(default_factory=list)  # canonical buffer names used by each stage
+    stage_buffers: list[set[str]]  # canonical buffer names used by each stage
     edges: dict[tuple[int, int], list[int]] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -70,13 +70,12 @@ def clip_grad_norm_across_stages(
     return total
 
 
-def agree_on_overflow(params: list[Tensor], device: torch.device) -> None:
-    """If any stage's gradients overflowed (fp16), make every stage's grad scaler see it, so all skip the step."""
+def agree_on_overflow(params: list[Tensor], device: torch.device) -> Tensor:
+    """Whether any stage's gradients overflowed (fp16): 1 or 0, the same on every rank."""
     overflowed = any(not torch.isfinite(p.grad).all() for p in params if p.grad is not None)
-    found = torch.tensor([float(overflowed)], device=device)
+    found = torch.tensor(float(overflowed), device=device)
     dist.all_reduce(found, op=ReduceOp.MAX)
-    if found.item() and params and params[0].grad is not None:
-        params[0].grad.view(-1)[0] = float("inf")
+    return found
 
 
 class StepGradients:

@@ -7,6 +7,7 @@ equal, exactly like the one tensor of single-device training.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -57,11 +58,10 @@ class SharedParameters:
             dist.broadcast(p.data, src=topo.stage_ranks()[stages[0]], group=group)
 
     def sum_across_stages(self, grads: dict[Tensor, Tensor]) -> None:
-        """Sum, in place, the gradients of the shared parameters over the stages that hold them (those in ``grads``:
-        a frozen one, frozen on every stage alike, has none)."""
+        """Sum, in place, the gradients of the shared parameters over the stages that hold them. One without a
+        gradient here (frozen) is summed as zeros, so that every holder takes part whatever it froze."""
         for p, _, group in self._mine:
-            if p in grads:
-                dist.all_reduce(grads[p], group=group)
+            dist.all_reduce(grads[p] if p in grads else torch.zeros_like(p), group=group)
 
     def counted_once(self, params: list[Tensor]) -> list[Tensor]:
         """``params`` less the shared ones whose first holder is another stage (for a global norm)."""

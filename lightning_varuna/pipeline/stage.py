@@ -48,6 +48,7 @@ class Stage:
         self.runtime = StageRuntime(topology.pp_rank, topology.stage_ranks(), device, message_groups)
         self.shared: SharedParameters
         self._own_parameters: list[Tensor] | None = None
+        self._unused_parameters: set[int] = set()  # ids of the parameters no stage uses
 
     def stage_for(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, nn.Module]:
         """The traced stage for inputs of this shape and the module's train/eval mode (traced once each)."""
@@ -63,19 +64,31 @@ class Stage:
     def release_other_stages(self, graph: PipelineGraph) -> None:
         """Free the parameters and buffers that this rank's stage does not use. Those no stage uses (a frozen copy
         kept beside what replaced it, a table computed once) stay with the first stage, which saves them."""
-        used = [params | buffers for params, buffers in zip(graph.stage_parameters, graph.stage_buffers)]
+        used = [params | buffers for params, buffers in zip(graph.stage_parameters, graph.stage_buffers, strict=True)]
         keep = used[self.stage_index]
+        unused = self.skeleton.tensor_names - set().union(*used)
         if self.stage_index == 0:
-            keep = keep | (self.skeleton.tensor_names - set().union(*used))
+            keep = keep | unused
         self.skeleton.release(self.module, keep)
         self._real = {name: t for name, t in self._real.items() if name in keep}
         self._own_parameters = None
+        self._unused_parameters = {id(t) for name, t in self._real.items() if name in unused}
 
     def own_parameters(self) -> list[Tensor]:
         """The parameters this rank holds (after `release_other_stages`: its stage's)."""
         if self._own_parameters is None:
             self._own_parameters = list(self.module.parameters())
         return self._own_parameters
+
+    def trained_parameters(self) -> list[Tensor]:
+        """The parameters of this rank's stage that take gradients: not frozen ones, nor those no stage uses (kept
+        by the first stage), which on one device keep no gradient. (One frozen while its gradients accumulate over
+        batches keeps them until the step.)"""
+        return [
+            p
+            for p in self.own_parameters()
+            if (p.requires_grad or p.grad is not None) and id(p) not in self._unused_parameters
+        ]
 
 
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:

@@ -20,7 +20,8 @@ __all__ = ["ShardwiseGradScaler", "shardwise"]
 
 
 class ShardwiseGradScaler(torch.amp.GradScaler):
-    """A `torch.amp.GradScaler` whose ``unscale_`` also counts the gradients that `unscale_shard` unscaled."""
+    """A `torch.amp.GradScaler` whose ``unscale_`` also counts the gradients that `unscale_shard` unscaled, and
+    what `note_found_inf` noted (VarunaStrategy's stages: what the other stages found)."""
 
     _spilled_found_inf: Tensor | None = None
 
@@ -41,8 +42,15 @@ class ShardwiseGradScaler(torch.amp.GradScaler):
         for grads in by_dtype.values():
             unscale_and_find_inf(grads, self._spilled_found_inf, inv_scale)
 
+    def note_found_inf(self, found: Tensor) -> None:
+        """Count ``found`` (1: an inf or NaN was found elsewhere, 0: none) in the next ``unscale_``: a pipeline
+        stage notes what every stage found, so that all skip a step together, one holding no gradients too."""
+        assert self._scale is not None, "the loss was not scaled before its backward"
+        found = found.reshape(()).to(device=self._scale.device, dtype=torch.float32)
+        self._spilled_found_inf = found if self._spilled_found_inf is None else self._spilled_found_inf + found
+
     def forget_spilled(self) -> None:
-        """Forget what `unscale_shard` found (a new step begins)."""
+        """Forget what `unscale_shard` and `note_found_inf` found (a new step begins)."""
         self._spilled_found_inf = None
 
     def _unscale_grads_(  # type: ignore[override]

@@ -60,6 +60,7 @@ class WholeModel:
     def __init__(self, module: nn.Module) -> None:
         self.module, self._forward = module, module.forward  # its own forward, not one a step patches on later
         self._params = {name for name, _ in module.named_parameters()}
+        self._buffers = {name for name, _ in module.named_buffers()}
         self._by_inputs: dict[TreeSpec, tuple[PipelineGraph, list[nn.Module]]] = {}
 
     def for_inputs(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, list[nn.Module]]:
@@ -68,7 +69,7 @@ class WholeModel:
         if spec not in self._by_inputs:
             inputs = [Source(None, i) for i in range(len(leaves))]
             # The outputs' shapes are what running the model gives: nothing is sent between stages here.
-            graph = PipelineGraph([inputs], [[]], [Source(0, 0)], [self._params], _ONE_VALUE)
+            graph = PipelineGraph([inputs], [[]], [Source(0, 0)], [self._params], _ONE_VALUE, [self._buffers])
             self._by_inputs[spec] = (graph, [_OwnForward(self.module, self._forward, spec)])
         return self._by_inputs[spec]
 

@@ -75,6 +75,7 @@ from lightning_varuna.profiling.autoconfig import choose_configs, format_ranking
 from lightning_varuna.profiling.profile import ModelProfile, segment_costs
 from lightning_varuna.profiling.segments import measure_segments
 from lightning_varuna.profiling.simulator import Config
+from lightning_varuna.spilling.grad_scaler import shardwise
 from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.callback_hooks import callbacks_of, restore_callback_hooks, run_hook_inside
 from lightning_varuna.strategies.clipping import route_gradient_clipping
@@ -771,9 +772,9 @@ class VarunaStrategy(ParallelStrategy):
         was weighted by its share of the step's rows, so the sum is the mean)."""
         topo = self.topology
         assert topo is not None
-        # Not the frozen ones: without a gradient, as on one device, an optimizer over them leaves them alone (a zero
+        # Not frozen or unused ones: without a gradient, as on one device, an optimizer leaves them alone (a zero
         # gradient would take AdamW's weight decay).
-        params = [p for p in self._stage_plan().own_parameters() if p.requires_grad]
+        params = self._stage_plan().trained_parameters()
         if not self._sync_gradients:
             self._step_gradients.accumulate(params)
             return closure_loss
@@ -796,8 +797,10 @@ class VarunaStrategy(ParallelStrategy):
                     statistics, self._groups.replicas, topo.replica_ranks()[0], topo.data_parallel_size
                 )
             )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            self._wait_for_peers(lambda: agree_on_overflow(params, self.root_device))
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:  # every stage's scaler skips a step that overflowed on any
+            found = self._wait_for_peers(lambda: agree_on_overflow(params, self.root_device))
+            shardwise(scaler).note_found_inf(found)
         return closure_loss
 
     def _wait_for_peers(self, collectives: Callable[[], T]) -> T:
