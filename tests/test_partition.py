@@ -614,3 +614,15 @@ def test_forward_hooks_run_in_the_stages_and_backward_hooks_are_named_in_a_warni
         graphs, stages = split_all(model, idx)
     actual, _ = run_by_hand(graphs[0], stages, [idx])
     torch.testing.assert_close(actual[0], expected, rtol=0, atol=0)
+
+
+def test_stand_ins_for_missing_tensors_leave_the_real_ones_as_the_block_changed_them():
+    """Lightning's teardown moves the module (`.cpu()`) with stand-ins in the released slots: the stage's own
+    tensors keep the move, the released slots are empty again."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    skeleton = ModelSkeleton(model)
+    skeleton.release(model, keep={"1.weight", "1.bias", "1.running_mean", "1.running_var", "1.num_batches_tracked"})
+    with skeleton.stand_ins(model, missing_only=True, device=torch.device("cpu")):
+        model.double()
+    assert model[0].weight is None
+    assert model[1].weight.dtype == model[1].running_mean.dtype == torch.float64
