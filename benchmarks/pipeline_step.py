@@ -295,7 +295,7 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     topology = Topology.from_world(world, rank, world, None)
     plan = Stage(model, [cfg.boundary], topology, example.device)
     graph, stage_module = plan.stage_for((example,), {})
-    plan.release_other_stages(graph, stage_module)
+    plan.release_other_stages(graph)
     plan.shared = SharedParameters(graph.stage_parameters, topology, dict(model.named_parameters()))
     params = plan.own_parameters()
     actions = SCHEDULES[variant.schedule](world, cfg.num_microbatches)[topology.pp_rank]

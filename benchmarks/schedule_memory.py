@@ -71,7 +71,7 @@ def worker(schedule: str, stages: int, out: Path) -> None:
     topology = Topology.from_world(stages, rank, stages, None)
     plan = Stage(model, boundaries, topology, example.device)
     graph, stage_module = plan.stage_for((example,), {})
-    plan.release_other_stages(graph, stage_module)
+    plan.release_other_stages(graph)
     params = plan.own_parameters()
     optimizer = torch.optim.AdamW(params, lr=3e-3)
     actions = GENERATORS[schedule](stages, cfg.num_microbatches)[topology.pp_rank]
