@@ -190,6 +190,8 @@ def _measure(
             uses[p] = uses.get(p, 0) + 1
     leaves = tree_flatten((args, kwargs))[0]
     values: dict[Source, Any] = {}
+    sizes: dict[Source, int] = {}
+    last_reads = graph.last_reads()
     segments, kept = [], sum(_nbytes(b) for b in module.buffers())
     kept += sum(measuring.state_bytes(p) for p, n in uses.items() if n > 1)
     for s, segment in enumerate(segment_modules):
@@ -205,6 +207,9 @@ def _measure(
             out = segment(*inputs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         values.update({Source(s, i): value.detach() for i, value in enumerate(outs)})
+        sizes.update({Source(s, i): _nbytes(value) for i, value in enumerate(outs) if isinstance(value, Tensor)})
+        if not measuring.training:  # as the run will, forward only: what is read no more goes
+            values = {src: value for src, value in values.items() if last_reads.get(src, -1) > s}
         state = sum(measuring.state_bytes(p) for p in segment.parameters() if uses[p] == 1)
         segments.append(SegmentMemory(f"between {names[s]} and {names[s + 1]}", state, meter.peak))
         del out, outs
@@ -212,8 +217,7 @@ def _measure(
             p.data = p.data.to("cpu")
         if parked is not None:
             parked.park(s, [p for p in segment.parameters() if uses[p] == 1])
-    sizes = {src: _nbytes(value) for src, value in values.items() if isinstance(value, Tensor)}
-    return segments, kept + measuring.boundary_bytes(sizes, graph.last_reads(), len(segment_modules))
+    return segments, kept + measuring.boundary_bytes(sizes, last_reads, len(segment_modules))
 
 
 def _measure_if_one_shard(
