@@ -317,13 +317,15 @@ trainer = L.Trainer(accelerator="cpu", devices=2 if pipelined else 1, strategy=s
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(model, loader)
 trainer.save_checkpoint({path!r})
+trainer.validate(model, loader, verbose=False)  # moves the module to the device again
 """
 
 
 def test_frozen_and_unused_tensors_are_kept_and_saved_pipelined_as_on_one_device(tmp_path):
     """A frozen parameter in the optimizer got a zero gradient, and AdamW's weight decay moved it; tensors no stage
-    uses were freed on every rank and never saved, and Lightning's move to the CPU at the end of `fit` failed in a
-    module's `_apply` that read one. Now the checkpoint holds what one device's does."""
+    uses were freed on every rank and never saved, and Lightning's moves of the module (to the CPU at the end of
+    `fit`, to the device as `validate` begins) failed in a module's `_apply` that read one. Now the checkpoint holds
+    what one device's does."""
     saved = {}
     for pipelined in (False, True):
         script, path = tmp_path / f"kept_aside_{pipelined}.py", tmp_path / f"kept_aside_{pipelined}.ckpt"

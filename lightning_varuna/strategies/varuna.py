@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from functools import cached_property
 from typing import Any, Literal, TypeVar
@@ -427,7 +427,16 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        with self._released_slots_filled(self.root_device):
+            self.model.to(self.root_device)
+
+    def _released_slots_filled(self, device: torch.device) -> AbstractContextManager[None]:
+        """While the module moves: memory-free stand-ins on ``device`` where this rank released another stage's
+        tensors (after a fit), since a module's own ``_apply`` may read one (timm's rotary embedding)."""
+        module, stages = self.lightning_module, self._stages
+        if stages is None or module is None:
+            return nullcontext()
+        return stages.skeleton.stand_ins(module, missing_only=True, device=device)
 
     # -------------------------------------------------------------------------------------- partitioning
     @override
@@ -934,14 +943,7 @@ class VarunaStrategy(ParallelStrategy):
                 self._step_results.flush(self._stop_if_job_ended)
             self._checkpoints.wait(collective=normal_end and distributed_is_initialized())
         finally:
-            # Lightning moves the module to the CPU: a module's own `_apply` may read a tensor of another stage
-            # (timm's rotary embedding), so they are there, on the CPU and memory-free, until it is done.
-            module, stages = self.lightning_module, self._stages
-            with (
-                stages.skeleton.stand_ins(module, missing_only=True, device=torch.device("cpu"))
-                if stages is not None and module is not None
-                else nullcontext()
-            ):
+            with self._released_slots_filled(torch.device("cpu")):  # Lightning moves the module to the CPU
                 super().teardown()
 
     def _stage_plan(self) -> Stage:
