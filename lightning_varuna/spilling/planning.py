@@ -256,9 +256,8 @@ def _measure_if_one_shard(
         for p in in_host_memory:
             p.data = p.data.to("cpu")
     sizes = {Source(s, 0): size for s, size in enumerate(at_cutpoints)}  # as when cut, each read by the next
-    kept = buffer_bytes + measuring.boundary_bytes(
-        sizes, {src: s + 1 for src, s in zip(sizes, range(len(sizes)))}, len(sizes) + 1
-    )
+    read_next = {src: s + 1 for s, src in enumerate(sizes)}
+    kept = buffer_bytes + measuring.boundary_bytes(sizes, read_next, len(sizes) + 1)
     if state + meter.peak > shard_share(budget, kept, prefetch):
         return None
     return SegmentMemory("the whole model", state, meter.peak), kept

@@ -47,7 +47,7 @@ from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import InProcessLauncher
 from lightning_varuna.strategies.mid_epoch_resume import accumulate_as_scheduled
 from lightning_varuna.strategies.model_summary import summarize_whole_model
-from lightning_varuna.strategies.optimizers import torch_optimizer
+from lightning_varuna.strategies.optimizers import optimized_parameters, torch_optimizer
 from lightning_varuna.strategies.requirements import WEIGHT_AVERAGING, require_automatic_optimization
 
 __all__ = ["SpillingStrategy"]
@@ -268,7 +268,7 @@ class SpillingStrategy(SingleDeviceStrategy):
             self._tracing,
             whole_stays=self._whole_model_stays,
             training=trainer.state.fn == TrainerFn.FITTING,
-            stepped=[p for o in self.optimizers for group in torch_optimizer(o).param_groups for p in group["params"]],
+            stepped=[p for optimizer in self.optimizers for p in optimized_parameters(optimizer)],
         )
         self.segment_memory, self.kept_bytes = plan.segment_memory, plan.kept_bytes
         self.shards = plan.shards
@@ -312,7 +312,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         scaler = self._scaler() if self._unscaling else None
         unscale = None
         if scaler is not None:  # as `GradScaler.unscale_`, only the optimizer's parameters
-            trained = {p for group in torch_optimizer(optimizer).param_groups for p in group["params"]}
+            trained = set(optimized_parameters(optimizer))
             unscale = lambda params: scaler.unscale_shard([p for p in params if p in trained])  # noqa: E731
         self._sharded_model().backward(closure_loss, lightning_backward, self._stepping, unscale)
         return closure_loss
@@ -511,7 +511,7 @@ def _refuse_finetuning_of_parameters_outside(trainer: pl.Trainer, optimizer: Any
     finetuning = callbacks_of(trainer, BaseFinetuning)
     if not finetuning or optimizer is None:
         return
-    held = {id(p) for group in torch_optimizer(optimizer).param_groups for p in group["params"]}
+    held = {id(p) for p in optimized_parameters(optimizer)}
     if any(id(p) not in held for p in trainer.lightning_module.parameters()):
         raise ValueError(
             f"`{type(finetuning[0]).__name__}` would add the parameters it unfreezes to the optimizer, finding them "
