@@ -11,9 +11,9 @@ import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from lightning_varuna import CutPoint
+from lightning_varuna import CutPoint, VarunaStrategy
 
 VOCAB, SEQ, DIM = 11, 6, 16
 
@@ -187,3 +187,16 @@ class NormalizesOverRows(TinyLM):
         keep = (idx != 0).unsqueeze(-1).float()
         x = self.blocks[1](self.cuts[0](self.blocks[0](self.emb(idx), keep)), keep)
         return self.head(x + self.norm(x.mean(1)).unsqueeze(1))
+
+
+def one_device_or_two_stages(
+    pipelined: bool, data: Dataset, batch_size: int, **options: Any
+) -> tuple[L.Trainer, DataLoader]:
+    """A Trainer on one device, or on two pipeline stages (in two processes), and a loader that reads the rows in
+    the same order on both (VarunaStrategy's sampler: one replica's `DistributedSampler`)."""
+    sampler = None if pipelined else DistributedSampler(data, 1, 0, seed=0)  # type: ignore[arg-type]
+    loader = DataLoader(data, batch_size=batch_size, sampler=sampler)
+    strategy = VarunaStrategy(pipeline_parallel_size=2) if pipelined else "auto"
+    options = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, **options}
+    trainer = L.Trainer(accelerator="cpu", devices=2 if pipelined else 1, strategy=strategy, **options)
+    return trainer, loader

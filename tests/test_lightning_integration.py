@@ -109,20 +109,14 @@ def test_sbatch_example_trains(tmp_path, slurm):
 LR_FIND = """
 import sys
 sys.path.insert(0, {tests!r})
-import lightning as L
 import torch
 from lightning.pytorch.tuner import Tuner
-from torch.utils.data import DataLoader, DistributedSampler
-from models import TinyLM, token_dataset
-from lightning_varuna import VarunaStrategy
+from models import TinyLM, one_device_or_two_stages, token_dataset
 
 torch.manual_seed(0)
 model, data = TinyLM(), token_dataset(64)
 pipelined = {pipelined}
-loader = DataLoader(data, batch_size=4, sampler=None if pipelined else DistributedSampler(data, 1, 0, seed=0))
-strategy = VarunaStrategy(pipeline_parallel_size=2) if pipelined else "auto"
-trainer = L.Trainer(accelerator="cpu", devices=2 if pipelined else 1, strategy=strategy, max_steps=3, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False)
+trainer, loader = one_device_or_two_stages(pipelined, data, batch_size=4, max_steps=3)
 found = Tuner(trainer).lr_find(model, train_dataloaders=loader, min_lr=1e-4, max_lr=1.0, num_training=12)
 trainer.fit(model, loader)
 if trainer.global_rank == 0:
@@ -207,9 +201,8 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import BackboneFinetuning
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
-from models import DIM, VOCAB, Block, token_dataset
-from lightning_varuna import CutPoint, VarunaStrategy
+from models import DIM, VOCAB, Block, one_device_or_two_stages, token_dataset
+from lightning_varuna import CutPoint
 
 
 class Finetuned(L.LightningModule):
@@ -241,11 +234,8 @@ class Finetuned(L.LightningModule):
 torch.manual_seed(0)
 model, data = Finetuned({backbone_blocks}), token_dataset(32)
 pipelined = {pipelined}
-loader = DataLoader(data, batch_size=8, sampler=None if pipelined else DistributedSampler(data, 1, 0, seed=0))
-strategy = VarunaStrategy(pipeline_parallel_size=2) if pipelined else "auto"
 finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.1)
-trainer = L.Trainer(accelerator="cpu", devices=2 if pipelined else 1, strategy=strategy, max_epochs=3,
-                    callbacks=[finetuning], logger=False, enable_checkpointing=False, enable_progress_bar=False)
+trainer, loader = one_device_or_two_stages(pipelined, data, batch_size=8, max_epochs=3, callbacks=[finetuning])
 trainer.fit(model, loader)
 lrs = [g["lr"] for g in trainer.optimizers[0].param_groups]
 loss = float(trainer.callback_metrics["train_loss"])
@@ -275,12 +265,9 @@ def test_a_frozen_backbone_is_finetuned_pipelined_as_on_one_device(tmp_path, bac
 KEPT_ASIDE = """
 import sys
 sys.path.insert(0, {tests!r})
-import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
-from models import DIM, TinyLM, token_dataset
-from lightning_varuna import VarunaStrategy
+from models import DIM, TinyLM, one_device_or_two_stages, token_dataset
 
 
 class Bands(nn.Module):
@@ -311,10 +298,7 @@ class KeptAside(TinyLM):
 torch.manual_seed(0)
 model, data = KeptAside(), token_dataset(32)
 pipelined = {pipelined}
-loader = DataLoader(data, batch_size=8, sampler=None if pipelined else DistributedSampler(data, 1, 0, seed=0))
-strategy = VarunaStrategy(pipeline_parallel_size=2) if pipelined else "auto"
-trainer = L.Trainer(accelerator="cpu", devices=2 if pipelined else 1, strategy=strategy, max_steps=4, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer, loader = one_device_or_two_stages(pipelined, data, batch_size=8, max_steps=4, enable_model_summary=False)
 trainer.fit(model, loader)
 trainer.save_checkpoint({path!r})
 trainer.validate(model, loader, verbose=False)  # moves the module to the device again
