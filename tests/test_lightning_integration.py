@@ -72,7 +72,7 @@ def test_lightning_cli_yaml_trains_spilled(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "SpillingStrategy: 5 segment(s) in 4 shard(s)" in proc.stderr + proc.stdout
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in proc.stderr + proc.stdout
-    assert list((tmp_path / "spill").iterdir()) == []  # the spilled shards are removed after training
+    assert not (tmp_path / "spill").exists()  # made for the spilled shards, removed with them after training
 
 
 def test_torchrun_launch(tmp_path):

@@ -14,7 +14,8 @@ import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 from models import TinyLM
-from test_spilling import BUDGETS, LAYERS, DeepMLP, LossScales, assert_same_model, fit, fit_mlp, losses
+from spilled_runs import BUDGETS, LAYERS, DeepMLP, assert_same_model, fit, fit_mlp, losses
+from test_spilling import LossScales
 
 from lightning_varuna import SpillingStrategy
 

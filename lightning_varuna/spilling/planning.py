@@ -3,9 +3,6 @@ segments into shards that fit a memory budget; the shards then start spilled."""
 
 from __future__ import annotations
 
-import errno
-import shutil
-import tempfile
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -22,8 +19,16 @@ from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.microbatch import batch_size_of, first_rows
 from lightning_varuna.pipeline.replay import generator_states, states_differ
 from lightning_varuna.profiling.memory import SavedTensorMeter
+from lightning_varuna.spilling.folder import SpillFolder
 from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
-from lightning_varuna.spilling.packing import SegmentMemory, format_bytes, pack_shards, shard_share
+from lightning_varuna.spilling.packing import (
+    Packing,
+    SegmentMemory,
+    format_bytes,
+    pack_shards,
+    shard_share,
+    smallest_budgets,
+)
 from lightning_varuna.spilling.segments import Segments, WholeModel
 from lightning_varuna.spilling.shards import ShardedModel
 from lightning_varuna.spilling.store import SpillStore
@@ -45,6 +50,7 @@ class ShardPlan:
         folder: the spill folder (removed with it), if spilling to disk.
         forward_draws: whether measuring drew from torch's CPU generator or the GPU's (the model's forward, or
             materializing a model built on the meta device).
+        budget: the memory budget, in bytes.
     """
 
     model: ShardedModel
@@ -52,8 +58,9 @@ class ShardPlan:
     segment_memory: list[SegmentMemory]
     kept_bytes: int
     parked: ParkedSegments | None
-    folder: tempfile.TemporaryDirectory | None
+    folder: SpillFolder | None
     forward_draws: bool
+    budget: int
 
 
 def plan_shards(
@@ -61,7 +68,7 @@ def plan_shards(
     args: tuple,
     kwargs: dict,
     device: torch.device,
-    memory_budget: int | None,
+    memory_budget: int | float | None,
     spill_dir: Path | None,
     prefetch: bool,
     tracing: Callable[[], AbstractContextManager[None]] = nullcontext,
@@ -69,7 +76,7 @@ def plan_shards(
     training: bool = True,
     stepped: list[nn.Parameter] | None = None,
 ) -> ShardPlan:
-    """Shards of ``module`` for a budget of ``memory_budget`` bytes on ``device`` (default: what it has free),
+    """Shards of ``module`` for a budget of ``memory_budget`` on ``device`` (see `resolve_budget`),
     measured on the forward inputs ``args, kwargs``; spilled to ``spill_dir`` (None: host memory). Each trace of the
     forward (now, and for inputs of a new shape) runs inside ``tracing()``.
 
@@ -89,38 +96,88 @@ def plan_shards(
     measuring = _Measuring(training, frozenset(map(id, module.parameters() if stepped is None else stepped)))
     folder = _spill_folder(spill_dir, sum(measuring.state_bytes(p) for p in module.parameters()))
     store = SpillStore(device, folder.name if folder is not None else None)
-    budget = memory_budget if memory_budget is not None else _free_bytes(device)
-    buffer_bytes = sum(_nbytes(b) for b in module.buffers())
-    whole = (
-        None if meta else _measure_if_one_shard(module, args, kwargs, device, budget, buffer_bytes, prefetch, measuring)
-    )
-    if whole is not None:
-        segments: Segments | WholeModel = WholeModel(module)
-        whole_memory, kept = whole
-        memory, parked = [whole_memory], None
-        segment_modules = segments.for_inputs(args, kwargs)[1]
-        shards, in_segments = [[0]], [list(range(len(cutpoints) + 1))]  # one segment module: all the segments
-    else:
-        segments = Segments(module, cutpoints, device=device, tracing=tracing)
-        graph, segment_modules = segments.for_inputs(args, kwargs)
-        parked = ParkedSegments(store) if meta else None
-        memory, kept = _measure(
-            module, segment_modules, graph, args, kwargs, cutpoints, device, meta, parked, measuring
-        )
-        if meta:
-            meta.materialize_rest()
-        shards = in_segments = pack_shards(memory, budget, kept, prefetch)
+    budget = resolve_budget(memory_budget, device)
+    try:
+        whole = None if meta else _measure_if_one_shard(module, args, kwargs, device, budget, prefetch, measuring)
+        if whole is not None:
+            segments: Segments | WholeModel = WholeModel(module)
+            memory, kept, parked = [whole[0]], whole[1], None
+            segment_modules = segments.for_inputs(args, kwargs)[1]
+            packing = Packing([[0]], [], [True], 0)  # one shard: nothing to fetch meanwhile
+            in_segments = [list(range(len(cutpoints) + 1))]  # one segment module: all the segments
+        else:
+            segments = Segments(module, cutpoints, device=device, tracing=tracing)
+            graph, segment_modules = segments.for_inputs(args, kwargs)
+            parked = ParkedSegments(store) if meta else None
+            memory, kept = _measure(
+                module, segment_modules, graph, args, kwargs, cutpoints, device, meta, parked, measuring
+            )
+            if meta:
+                meta.materialize_rest()
+            packing = pack_shards(memory, budget, kept, prefetch, training)
+            in_segments = packing.shards
+    except BaseException:
+        store.close()
+        if folder is not None:
+            folder.cleanup()
+        raise
     forward_draws = states_differ(random_state, generator_states(device))
     stays = whole is not None and whole_stays
-    where = f"`{folder.name}`" if folder is not None else "host memory"
-    rank_zero_info(
-        f"SpillingStrategy: {len(cutpoints) + 1} segment(s) in {len(shards)} shard(s) "
-        f"(segments {[shard[0] if len(shard) == 1 else (shard[0], shard[-1]) for shard in in_segments]}) for a "
-        f"budget of {format_bytes(budget)}{'' if whole is None else ', run whole (not cut)'}; "
-        + ("kept on the device (not spilled)." if stays else f"spilled to {where}.")
-    )
-    model = ShardedModel(segments, segment_modules, shards, store, prefetch=prefetch, stays=stays)
-    return ShardPlan(model, in_segments, memory, kept, parked, folder, forward_draws)
+    where = None if stays else f"`{folder.name}`" if folder is not None else "host memory"
+    _log_plan(packing, in_segments, memory, budget, kept, prefetch, where)
+    activations = [sum(memory[s].activation_bytes for s in shard) for shard in packing.shards]
+    model = ShardedModel(segments, segment_modules, packing, store, activations, stays=stays)
+    return ShardPlan(model, in_segments, memory, kept, parked, folder, forward_draws, budget)
+
+
+def resolve_budget(memory_budget: int | float | None, device: torch.device) -> int:
+    """Bytes for a `memory_budget` of bytes, a share of the device's memory (a float, 0.5 for "50%"), or None:
+    what the device has free."""
+    if memory_budget is None:
+        return _free_bytes(device)
+    if isinstance(memory_budget, float):
+        return int(memory_budget * _total_bytes(device))
+    return memory_budget
+
+
+def _log_plan(
+    packing: Packing,
+    in_segments: list[list[int]],
+    memory: list[SegmentMemory],
+    budget: int,
+    kept: int,
+    prefetch: bool,
+    where: str | None,
+) -> None:
+    """Say how the model is cut and where it waits (``where``: None, it stays on the device), which shards compute
+    their forward again in backward, and which are not fetched while another computes."""
+    whole = len(memory) == 1
+    if where is None:
+        placement = "run whole (not cut); kept on the device (not spilled)."
+    elif whole:
+        placement = f"run whole (not cut), as one shard that waits in {where} between its turns on the device."
+    else:
+        placement = f"spilled to {where}."
+    groups = [shard[0] if len(shard) == 1 else (shard[0], shard[-1]) for shard in in_segments]
+    lines = [
+        f"SpillingStrategy: {in_segments[-1][-1] + 1} segment(s) in {len(in_segments)} shard(s) (segments {groups}) "
+        f"for a budget of {format_bytes(budget)}; {placement}"
+    ]
+    recomputed = [k for k, keeps in enumerate(packing.keeps[:-1]) if not keeps]
+    if recomputed:
+        lines.append(
+            f"Shard(s) {recomputed} compute their forward again in backward: the budget has no room to keep their "
+            "activations."
+        )
+    apart = [[k, k + 1] for k, fits in enumerate(packing.overlaps) if not fits]
+    if prefetch and apart:
+        smallest, with_prefetch, largest = smallest_budgets(memory, kept)
+        lines.append(
+            f"Shards {', '.join(map(str, apart))} do not fit on the device together, so neither is fetched while "
+            f"the other computes (slower; the segment {largest.name} sets this): `memory_budget={with_prefetch}` "
+            f"({format_bytes(with_prefetch)}) fetches every shard ahead."
+        )
+    rank_zero_info(" ".join(lines))
 
 
 def _discover(module: nn.Module, args: tuple, kwargs: dict, on_meta: bool) -> list[str]:
@@ -142,28 +199,9 @@ def _moved(inputs: Any, device: torch.device) -> Any:
     return tree_map_only(Tensor, lambda t: t.to(device), inputs)
 
 
-def _spill_folder(spill_dir: Path | None, needed: int) -> tempfile.TemporaryDirectory | None:
+def _spill_folder(spill_dir: Path | None, needed: int) -> SpillFolder | None:
     """A fresh folder in ``spill_dir`` with ``needed`` bytes free there (None: spill to host memory)."""
-    if spill_dir is None:
-        return None
-    try:
-        spill_dir.mkdir(parents=True, exist_ok=True)
-        folder = tempfile.TemporaryDirectory(prefix="spill-", dir=spill_dir)
-    except OSError as error:
-        raise OSError(
-            f"`SpillingStrategy(spill_dir={str(spill_dir)!r})` is not a folder this process can write "
-            f"to ({error.strerror}). Pass a writable folder, or `spill_dir=None` to spill to host memory."
-        ) from error
-    free = shutil.disk_usage(spill_dir).free
-    if free < needed:
-        folder.cleanup()
-        raise OSError(
-            errno.ENOSPC,
-            f"`SpillingStrategy(spill_dir={str(spill_dir)!r})` has {format_bytes(free)} free, but the model's "
-            f"parameters, gradients and optimizer state need up to {format_bytes(needed)} ({needed} bytes) there. "
-            "Free space, pick a `spill_dir` on a larger disk, or pass `spill_dir=None` to spill to host memory.",
-        )
-    return folder
+    return SpillFolder(spill_dir, needed) if spill_dir is not None else None
 
 
 def _measure(
@@ -226,7 +264,6 @@ def _measure_if_one_shard(
     kwargs: dict,
     device: torch.device,
     budget: int,
-    buffer_bytes: int,
     prefetch: bool,
     measuring: _Measuring,
 ) -> tuple[SegmentMemory, int] | None:
@@ -235,6 +272,7 @@ def _measure_if_one_shard(
     is skipped when the parameters alone do not fit, and a forward that runs out of device memory does not fit)."""
     params = list(module.parameters())
     state = sum(measuring.state_bytes(p) for p in params)
+    buffer_bytes = sum(_nbytes(b) for b in module.buffers())
     if state >= shard_share(budget, buffer_bytes, prefetch):
         return None
     in_host_memory = [p for p in params if p.device != device]
@@ -305,6 +343,16 @@ def _nbytes(tensor: Tensor) -> int:
 def _free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    return _meminfo("MemAvailable")
+
+
+def _total_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return _meminfo("MemTotal")
+
+
+def _meminfo(field: str) -> int:
     with open("/proc/meminfo") as f:
         info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) * 1024
+    return int(info[field].split()[0]) * 1024

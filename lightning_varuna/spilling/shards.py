@@ -1,10 +1,14 @@
 """A model whose shards take turns on the device: forward shard by shard keeping only the activations at shard
-boundaries, backward in reverse recomputing each shard's forward, optimizer step shard by shard.
+boundaries (and, where the budget has room, those a shard's backward needs), backward in reverse (recomputing the
+forward of each shard that did not keep its activations), optimizer step shard by shard.
 
 A shard is a run of consecutive segments of the model cut at all its CutPoints (`split_into_all_stages`); while a
 shard is spilled its parameters, gradients and optimizer state are in the `SpillStore`, and its parameters hold no
 elements (so that a stray use fails loudly).
 Parameters used by more than one shard (tied weights) and all buffers stay on the device.
+
+A step may call the model more than once (a consistency loss on two inputs, a metric under `torch.no_grad`): each
+call with gradients is a `_Call`, and the backward runs each shard's part of every call before the shard leaves.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from torch.utils._pytree import tree_leaves, tree_unflatten
 from lightning_varuna._torch_private import foreach_norm
 from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.replay import BufferState, DtypeState, RandomState, generator_states, states_differ
+from lightning_varuna.spilling.packing import Packing
+from lightning_varuna.spilling.saved_parameters import parameters_saved_by_reference
 from lightning_varuna.spilling.segments import Segments, WholeModel
 from lightning_varuna.spilling.store import SpillStore
 
@@ -35,12 +41,42 @@ class Shard:
     segments: list[int]
     params: list[nn.Parameter]
     grad_norms: dict[nn.Parameter, Tensor] = field(default_factory=dict, repr=False)  # after its last backward
-    random_state: RandomState | None = field(default=None, repr=False)  # before its forward (dropout on recompute)
-    buffers: BufferState | None = field(default=None, repr=False)  # as its forward found them (for its recompute)
-    random_after: list[Tensor] | None = field(default=None, repr=False)  # the generators' states after its forward
 
     def key(self, part: str) -> str:
         return f"shard{self.index}.{part}"
+
+
+@dataclass
+class _ShardRun:
+    """What one shard's forward in a call leaves for its backward: the outputs it sends on, with their autograd
+    graph (``kept``: its activations were kept), or what computing it again needs."""
+
+    kept: dict[Source, Tensor] | None = None
+    random_state: RandomState | None = None  # before its forward (dropout on recompute)
+    buffers: BufferState | None = None  # as its forward found them
+    random_after: list[Tensor] | None = None  # the generators' states after its forward
+
+
+class _Call:
+    """One call of the model with gradients, from its forward to its backward: the values at shard boundaries (the
+    inputs, and each shard's outputs read by later shards or returned) and what each shard's forward left."""
+
+    def __init__(
+        self,
+        graph: PipelineGraph,
+        modules: list[nn.Module],
+        inputs: list[Any],
+        shard_of: dict[int, int],
+        dtypes: DtypeState,
+    ) -> None:
+        self.graph, self.modules, self.dtypes = graph, modules, dtypes  # the forward's dtypes, replayed by recomputes
+        self.boundaries: dict[Source, Any] = {Source(None, i): leaf for i, leaf in enumerate(inputs)}
+        self.last_read = graph.last_reads()  # the last segment that reads a value
+        last_shard = max(shard_of.values())
+        self.last_consumer = {  # the last shard that reads it (past the last: an output)
+            src: last_shard + 1 if s == graph.num_stages else shard_of[s] for src, s in self.last_read.items()
+        }
+        self.runs: dict[int, _ShardRun] = {}
 
 
 class ShardedModel:
@@ -49,9 +85,10 @@ class ShardedModel:
     Args:
         segments: the model cut at every CutPoint (traced per input shape and mode), or whole.
         segment_modules: the segment modules of one trace (all traces bind the same parameters).
-        shards: the segment indices of each shard, in order.
+        packing: the shards (segment indices, in order), which neighbours fit on the device together (one fetched
+            while the other computes), and which keep their activations for backward.
         store: where spilled shards wait.
-        prefetch: fetch the next shard while the current one computes.
+        activation_bytes: what each shard's forward keeps for its backward, as measured.
         stays: keep every shard on the device, never spilled (a model that fits its budget in one shard).
 
     Each piece of a shard's work (its forward, its backward, its optimizer step) runs inside ``turn(work, shard)``,
@@ -64,14 +101,15 @@ class ShardedModel:
         self,
         segments: Segments | WholeModel,
         segment_modules: list[nn.Module],
-        shards: list[list[int]],
+        packing: Packing,
         store: SpillStore,
-        prefetch: bool = True,
+        activation_bytes: list[int],
         stays: bool = False,
     ) -> None:
-        self.segments, self.store = segments, store
-        self.prefetch_next, self.stays = prefetch, stays
-        self._shard_of = {s: k for k, shard in enumerate(shards) for s in shard}
+        self.segments, self.store, self.packing = segments, store, packing
+        self.stays = stays
+        self._activation_bytes = activation_bytes
+        self._shard_of = {s: k for k, shard in enumerate(packing.shards) for s in shard}
         # A shard spills the parameters only its segments use; the others (tied weights) stay on the device.
         owners: dict[nn.Parameter, set[int]] = {}
         for s, module in enumerate(segment_modules):
@@ -79,19 +117,15 @@ class ShardedModel:
                 owners.setdefault(p, set()).add(self._shard_of[s])
         self.shards = [
             Shard(k, segment_indices, [p for p, ks in owners.items() if ks == {k}])
-            for k, segment_indices in enumerate(shards)
+            for k, segment_indices in enumerate(packing.shards)
         ]
         self.resident_params = [p for p in segments.module.parameters() if len(owners.get(p, ())) != 1]
         self._loaded: dict[int, set[str]] = {k: {"params", "grads", "state"} for k in range(len(self.shards))}
         self._has_grad: set[nn.Parameter] = set()  # spilled parameters whose gradients are in the store
         self._state_slots: dict[int, list[tuple[nn.Parameter, str]]] = {}  # shard -> its spilled optimizer state
         self._optimizer: torch.optim.Optimizer | None = None
-        self._graph: PipelineGraph | None = None
-        self._modules: list[nn.Module] = []
-        self._boundaries: dict[Source, Any] = {}
-        self._last_read: dict[Source, int] = {}  # the last segment that reads a value
-        self._last_consumer: dict[Source, int] = {}  # the last shard that reads it
-        self._dtypes = DtypeState.current("cpu")  # the forward's, replayed by recomputes
+        self._calls: list[_Call] = []  # the calls with gradients since the last backward
+        self._kept_activations = 0  # of those calls' shards that keep them (beyond the first call's last shard)
         self.turn: Callable[[str, int], AbstractContextManager[bool]] = lambda work, shard: nullcontext(True)
 
     # ------------------------------------------------------------------------------------------ residency
@@ -136,19 +170,19 @@ class ShardedModel:
             loaded.add("state")
 
     @contextmanager
-    def _fetching(self, index: int, parts: tuple[str, ...]) -> Iterator[None]:
-        """Fetch shard ``index`` (if there is one) while the block computes the current one. On the CPU the fetch (a
+    def _fetching(self, current: int, index: int, parts: tuple[str, ...]) -> Iterator[None]:
+        """Fetch shard ``index`` (if there is one) while the block computes shard ``current``. On the CPU the fetch (a
         disk read) starts first; on a GPU, where the block only issues its work, it starts after, so that it can wait
         for the shard before the current one to leave the device (see `SpillStore`) while the GPU computes."""
         if self.store.device.type != "cuda":
-            self._prefetch(index, parts)
+            self._prefetch(current, index, parts)
         yield
         if self.store.device.type == "cuda":
-            self._prefetch(index, parts)
+            self._prefetch(current, index, parts)
 
-    def _prefetch(self, index: int, parts: tuple[str, ...]) -> None:
-        """Start fetching shard ``index`` (if there is one)."""
-        if not 0 <= index < len(self.shards) or not self.prefetch_next or index in self._loaded:
+    def _prefetch(self, current: int, index: int, parts: tuple[str, ...]) -> None:
+        """Start fetching shard ``index`` (if there is one, and it fits on the device beside shard ``current``)."""
+        if not 0 <= index < len(self.shards) or index in self._loaded or not self.packing.overlaps[min(current, index)]:
             return
         shard = self.shards[index]
         for part in ("params", *parts):
@@ -193,65 +227,87 @@ class ShardedModel:
         """The model's output, computed shard by shard. With gradients enabled, the last shard stays on the device
         with its autograd graph; the outputs of the others are leaves whose ``.grad`` `backward` reads."""
         training = torch.is_grad_enabled()
-        self._use_trace(args, kwargs)
-        self._dtypes = DtypeState.current(self.store.device.type)
-        inputs = tree_leaves((args, kwargs))
-        self._boundaries = {Source(None, i): leaf for i, leaf in enumerate(inputs)}
-        last = len(self.shards) - 1
+        graph, modules = self.segments.for_inputs(args, kwargs)
+        dtypes = DtypeState.current(self.store.device.type)
+        call = _Call(graph, modules, tree_leaves((args, kwargs)), self._shard_of, dtypes)
+        if self._calls and self._kept_activations == 0:
+            # The first call's last shard keeps its activations (counted in its own room) while this call runs.
+            self._kept_activations = self._activation_bytes[-1]
         for shard in self.shards:
             with self.turn("forward", shard.index) as holds_generator:
-                self._forward_shard(shard, training and holds_generator, training, training and shard.index == last)
-        assert self._graph is not None
-        outputs = [self._boundaries[src] for src in self._graph.output_sources]
-        return tree_unflatten(outputs, self._graph.output_spec)
+                keeps = training and self._keeps(shard)
+                self._forward_shard(call, shard, training, keeps, replayable=training and holds_generator)
+        if training:
+            self._calls.append(call)
+        outputs = [call.boundaries[src] for src in graph.output_sources]
+        return tree_unflatten(outputs, graph.output_spec)
 
-    def _forward_shard(self, shard: Shard, replayable: bool, training: bool, with_graph: bool) -> None:
-        self._bring(shard, ("grads",) if with_graph else ())
-        shard.random_state = RandomState(self.store.device) if replayable else None
-        recomputed = training and not with_graph
-        shard.buffers = BufferState(self._modules[s] for s in shard.segments) if recomputed else None
+    def _keeps(self, shard: Shard) -> bool:
+        """Whether ``shard``'s forward in this call keeps its activations for backward: planned so where the budget
+        has room, and while the calls of this step so far leave that room (a step may call the model twice)."""
+        last = shard.index == len(self.shards) - 1
+        if self.stays or last and not self._calls:
+            return True
+        if not (last or self.packing.keeps[shard.index]):
+            return False
+        more = self._activation_bytes[shard.index]
+        if self._kept_activations + more > self.packing.kept_activation_bytes:
+            return False
+        self._kept_activations += more
+        return True
+
+    def _forward_shard(self, call: _Call, shard: Shard, training: bool, keeps: bool, replayable: bool) -> None:
+        last = shard.index == len(self.shards) - 1
+        stays_for_loss = keeps and last  # its outputs go to the loss with their graph
+        for other in [k for k in self._loaded if k != shard.index]:
+            self._evict(self.shards[other], write=("grads",))  # the last shard of an earlier call of the step
+        self._bring(shard, ("grads",) if stays_for_loss else ())
+        run = _ShardRun(kept={} if keeps else None)
+        if training and not keeps:
+            run.random_state = RandomState(self.store.device) if replayable else None
+            run.buffers = BufferState(call.modules[s] for s in shard.segments)
         # In training, with autograd on even where the graph is then dropped: a value crossing to the next shard
         # needs a gradient only where it would in the whole model, and kernels choose by it (attention takes
         # another kernel for a mask that needs a gradient, which rounds differently).
-        with self._fetching(shard.index + 1, ()):
-            produced = self._run(shard, training)
-        if replayable:
-            shard.random_after = generator_states(self.store.device)
+        saved = parameters_saved_by_reference(shard.params) if keeps and not self.stays else nullcontext()
+        with self._fetching(shard.index, shard.index + 1, ()), saved:
+            produced = self._run(call, shard, training)
+        if run.random_state is not None:
+            run.random_after = generator_states(self.store.device)
         for src, value in produced.items():
-            if self._last_consumer.get(src, -1) > shard.index:
-                if training and not with_graph and isinstance(value, Tensor) and value.requires_grad:
+            if call.last_consumer.get(src, -1) > shard.index:
+                if training and not stays_for_loss and isinstance(value, Tensor) and value.requires_grad:
+                    if run.kept is not None:
+                        run.kept[src] = value
                     value = value.detach().requires_grad_(True)
-                self._boundaries[src] = value
-        if not with_graph:
+                call.boundaries[src] = value
+        if training:
+            call.runs[shard.index] = run
+        if not stays_for_loss:
             self._evict(shard)
 
-    def _use_trace(self, args: tuple, kwargs: dict) -> None:
-        self._graph, self._modules = self.segments.for_inputs(args, kwargs)
-        self._last_read = self._graph.last_reads()
-        self._last_consumer = {
-            src: len(self.shards) if s == self._graph.num_stages else self._shard_of[s]
-            for src, s in self._last_read.items()
-        }
-
-    def _run(self, shard: Shard, training: bool) -> dict[Source, Any]:
-        """Run the segments of ``shard`` on the kept boundary values; return every value they produce. Forward
+    def _run(self, call: _Call, shard: Shard, training: bool) -> dict[Source, Any]:
+        """Run the segments of ``shard`` on the call's boundary values; return every value they produce. Forward
         only, a value is let go once its last reader has run: no backward will need it."""
-        assert self._graph is not None
         values: dict[Source, Any] = {}
         for s in shard.segments:
-            inputs = self._graph.stage_inputs[s]
-            args = [values[src] if src in values else self._boundaries[src] for src in inputs]
-            out = self._modules[s](*args)
+            inputs = call.graph.stage_inputs[s]
+            args = [values[src] if src in values else call.boundaries[src] for src in inputs]
+            out = call.modules[s](*args)
             outs = out if isinstance(out, (tuple, list)) else (out,)
             made = [Source(s, i) for i in range(len(outs))]
             values.update(zip(made, outs))
             del args, out, outs
             if not training:
                 for src in [*inputs, *made]:
-                    if self._last_read.get(src, -1) <= s:
+                    if call.last_read.get(src, -1) <= s:
                         values.pop(src, None)
-                        self._boundaries.pop(src, None)
+                        call.boundaries.pop(src, None)
         return values
+
+    def discard_calls(self) -> None:
+        """Forget the calls of a step that ran no backward (its `training_step` returned None)."""
+        self._calls, self._kept_activations = [], 0
 
     # ------------------------------------------------------------------------------------------- backward
     def backward(
@@ -261,24 +317,27 @@ class ShardedModel:
         optimizer: torch.optim.Optimizer | None = None,
         unscale: Callable[[list[nn.Parameter]], None] | None = None,
     ) -> None:
-        """``backward(loss)`` through the last shard, then each earlier shard recomputed and backpropagated, in
-        reverse; each shard's gradients (summed into those of earlier batches) are spilled with it.
+        """``backward(loss)`` through the last shard, then each earlier shard, in reverse, backpropagated for every
+        call of the step (from the activations it kept, or computed again); each shard's gradients (summed into those
+        of earlier batches) are spilled with it.
 
         With ``optimizer``, each shard steps as soon as its gradients are complete, while it is on the device
         (nothing needs the gradients of all shards first: no clipping by their norm), and only its parameters and
         optimizer state are spilled: the separate optimizer pass over all shards is saved. ``unscale(params)`` (fp16
         loss scaling, before a step) gets each spilled shard's complete gradients before they are spilled.
         """
+        calls = self._calls
+        self.discard_calls()
         self._optimizer = optimizer or self._optimizer
         parts = ("grads", "state") if optimizer is not None else ("grads",)
         for shard in reversed(self.shards):
             with self.turn("backward", shard.index) as holds_generator:
                 self._bring(shard, parts)
-                with self._fetching(shard.index - 1, parts):
+                with self._fetching(shard.index, shard.index - 1, parts):
                     if shard.index == len(self.shards) - 1:
                         backward(loss)
-                    else:
-                        self._backward_through(shard, replay=holds_generator)
+                    for call in reversed(calls):
+                        self._backward_through(call, shard, replay=holds_generator)
                 if optimizer is not None:
                     self._step_shard(optimizer, shard.params)
                     self._evict(shard, write=("params", "grads", "state"))
@@ -290,30 +349,36 @@ class ShardedModel:
         if optimizer is not None and self.resident_params:
             with self.turn("step", len(self.shards)):
                 self._step_shard(optimizer, self.resident_params, keep_grads=True)
-        self._boundaries = {}
 
-    def _backward_through(self, shard: Shard, replay: bool) -> None:
-        """Run ``shard``'s forward again as it first ran (random numbers, if ``replay``; autocast and default dtype;
-        the buffers as it found them, and those it updated left alone) and backpropagate the gradients of its
-        outputs."""
-        random_state = shard.random_state if replay else None
-        with (
-            random_state.replayed() if random_state is not None else nullcontext(),
-            shard.buffers.replayed() if shard.buffers is not None else nullcontext(),
-            torch.enable_grad(),
-            self._dtypes.replayed(),
-        ):
-            produced = self._run(shard, training=True)
-            if random_state is not None:
-                _check_replayed(shard, random_state)
-        outputs, grads = [], []
-        for src, value in produced.items():
-            leaf = self._boundaries.get(src)
-            if isinstance(leaf, Tensor) and leaf is not value and leaf.grad is not None and value.requires_grad:
-                outputs.append(value)
-                grads.append(leaf.grad)
+    def _backward_through(self, call: _Call, shard: Shard, replay: bool) -> None:
+        """Backpropagate the gradients of ``shard``'s outputs in ``call`` through it: from the activations its forward
+        kept, or from its forward run again as it first ran (random numbers, if ``replay``; autocast and default dtype;
+        the buffers as it found them, and those it updated left alone)."""
+        run = call.runs.get(shard.index)
+        made = set(shard.segments)
+        grads = {
+            src: leaf.grad
+            for src, leaf in call.boundaries.items()
+            if src.stage in made and isinstance(leaf, Tensor) and leaf.is_leaf and leaf.grad is not None
+        }
+        if run is None or not grads:
+            return  # no gradient reaches this shard's outputs in this call (or they went to the loss directly)
+        if run.kept is not None:
+            produced = run.kept
+        else:
+            random_state = run.random_state if replay else None
+            with (
+                random_state.replayed() if random_state is not None else nullcontext(),
+                run.buffers.replayed() if run.buffers is not None else nullcontext(),
+                torch.enable_grad(),
+                call.dtypes.replayed(),
+            ):
+                produced = self._run(call, shard, training=True)
+                if random_state is not None:
+                    _check_replayed(shard, random_state, run.random_after)
+        outputs = [src for src in grads if src in produced and produced[src].requires_grad]
         if outputs:
-            torch.autograd.backward(outputs, grads)
+            torch.autograd.backward([produced[src] for src in outputs], [grads[src] for src in outputs])
 
     # ------------------------------------------------------------------------------------------ optimizer
     def step(
@@ -341,7 +406,7 @@ class ShardedModel:
         for shard in self.shards:
             with self.turn("step", shard.index):
                 self._bring(shard, ("grads", "state"))
-                with self._fetching(shard.index + 1, ("grads", "state")):
+                with self._fetching(shard.index, shard.index + 1, ("grads", "state")):
                     if clip is not None and total is not None:
                         clip(shard.params, total)
                     self._step_shard(optimizer, shard.params)
@@ -376,7 +441,7 @@ class ShardedModel:
         last the parameters that stay on the device. To read or write the whole model a shard at a time."""
         for shard in self.shards:
             self._bring(shard, parts)
-            self._prefetch(shard.index + 1, parts)
+            self._prefetch(shard.index, shard.index + 1, parts)
             try:
                 yield shard.params
             finally:
@@ -385,24 +450,42 @@ class ShardedModel:
 
     def restore(self, device: torch.device) -> None:
         """Put every shard's parameters, gradients and optimizer state back into the model for good (after
-        training), on ``device``, a shard at a time; drop the store."""
+        training), a shard at a time; drop the store. A shard on the device goes to ``device``; a spilled one takes
+        the host memory it waits in (the disk tier's files mapped into memory: read only where touched, and counted
+        as the files' pages, not as the process's own memory)."""
         for shard in self.shards:
-            self._bring(shard, ("grads", "state"))
-            for p in shard.params:
-                p.data = p.data.to(device)
-                if p.grad is not None:
-                    p.grad = p.grad.to(device)
-                if self._optimizer is not None:
-                    state = self._optimizer.state.get(p, {})
-                    state.update({k: v.to(device) for k, v in state.items() if _spilled_with_shard(v)})
+            if shard.index in self._loaded:
+                self._restore_loaded(shard, device)
+                continue
+            for p, t in zip(shard.params, self.store.in_host_memory(shard.key("params"))):
+                p.data = t
+            if shard.key("grads") in self.store:
+                grads = iter(self.store.in_host_memory(shard.key("grads")))
+                for p in shard.params:
+                    if p in self._has_grad:
+                        p.grad = next(grads)
+            if shard.key("state") in self.store and self._optimizer is not None:
+                state = self.store.in_host_memory(shard.key("state"))
+                for (p, name), t in zip(self._state_slots[shard.index], state):
+                    self._optimizer.state[p][name] = t
         self.store.close()
 
+    def _restore_loaded(self, shard: Shard, device: torch.device) -> None:
+        self._bring(shard, ("grads", "state"))
+        for p in shard.params:
+            p.data = p.data.to(device)
+            if p.grad is not None:
+                p.grad = p.grad.to(device)
+            if self._optimizer is not None:
+                state = self._optimizer.state.get(p, {})
+                state.update({k: v.to(device) for k, v in state.items() if _spilled_with_shard(v)})
 
-def _check_replayed(shard: Shard, random_state: RandomState) -> None:
+
+def _check_replayed(shard: Shard, random_state: RandomState, random_after: list[Tensor] | None) -> None:
     """A recompute that drew random numbers must end where its forward ended, or its dropout masks differ."""
     replayed = generator_states(random_state.device)
     drew = states_differ(random_state.states, replayed)
-    if drew and states_differ(replayed, shard.random_after):  # type: ignore[arg-type]
+    if drew and states_differ(replayed, random_after):  # type: ignore[arg-type]
         raise RuntimeError(
             f"Shard {shard.index}'s forward could not be replayed for its backward: its random numbers (dropout) "
             "differ from the first run's, because something else drew from torch's global generator while that "

@@ -140,6 +140,25 @@ class SpillStore:
                 t.record_stream(current)
         return tensors
 
+    def in_host_memory(self, key: str) -> list[Tensor]:
+        """The tensors spilled under ``key``, in host memory, without copying them: the host tier's own (or its pinned
+        copies), or the disk tier's file mapped into memory (shared: its pages are read where touched, count as the
+        file's rather than as the process's own memory, and stay valid after the file is removed)."""
+        if self.folder is None:
+            if self._last_stored is not None:
+                self._last_stored.synchronize()  # the pinned copies are complete
+            return list(self._host[key])
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            pending.result()  # a read under way: let it end
+        self.wait_written(key)
+        slots = self._layouts[key]
+        size = max((s.offset + s.nbytes for s in slots), default=0)
+        if size == 0:
+            return [torch.empty(s.shape, dtype=s.dtype) for s in slots]
+        data = torch.from_file(str(self.folder / f"{key}.bin"), shared=True, size=size, dtype=torch.uint8)
+        return [data[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in slots]
+
     def wait_written(self, key: str) -> None:
         """Wait until what `put` stored under ``key`` is written (and its tensors freed); raise if the write failed."""
         write = self._writes.get(key)

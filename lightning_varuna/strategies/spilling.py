@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections.abc import Generator, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -35,6 +34,7 @@ from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
 from lightning_varuna.spilling.checkpoints import checkpoint_pieces, load_model, load_optimizer
+from lightning_varuna.spilling.folder import SpillFolder
 from lightning_varuna.spilling.grad_scaler import ShardwiseGradScaler, shardwise
 from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
 from lightning_varuna.spilling.packing import SegmentMemory, parse_bytes
@@ -66,8 +66,8 @@ class SpillingStrategy(SingleDeviceStrategy):
     one device, by its own forward and backward.
 
     Args:
-        memory_budget: bytes (or a size such as ``"512MB"``, ``"2GiB"``) the strategy may hold on the device;
-            default: what the device has free.
+        memory_budget: what the strategy may hold on the device: bytes, a size such as ``"512MB"`` or ``"2GiB"``,
+            or a share of the device's memory such as ``"50%"``; default: what the device has free.
         spill_dir: a folder for spilled shards (one file per shard part, read back ahead of use), or None to keep
             them in host memory.
         prefetch: fetch the next shard while the current one computes.
@@ -96,9 +96,11 @@ class SpillingStrategy(SingleDeviceStrategy):
         self.prefetch = prefetch
         self._devices: list[torch.device] = []
         self._sharded: ShardedModel | None = None
-        self._folder: tempfile.TemporaryDirectory | None = None
+        self._folder: SpillFolder | None = None
         self._clip: tuple[str, float] | None = None
         self.shards: list[list[int]] = []  # the segments of each shard, chosen at set-up
+        self.recomputing_shards: list[int] = []  # those that compute their forward again in backward (no room)
+        self.budget_bytes: int | None = None  # `memory_budget` in bytes, at set-up
         # What each segment was measured to need on the device (one entry for a model that fits in one shard).
         self.segment_memory: list[SegmentMemory] = []
         self.kept_bytes = 0  # what stays on the device throughout (boundary activations, buffers, tied weights)
@@ -271,7 +273,8 @@ class SpillingStrategy(SingleDeviceStrategy):
             stepped=[p for optimizer in self.optimizers for p in optimized_parameters(optimizer)],
         )
         self.segment_memory, self.kept_bytes = plan.segment_memory, plan.kept_bytes
-        self.shards = plan.shards
+        self.shards, self.budget_bytes = plan.shards, plan.budget
+        self.recomputing_shards = [k for k, keeps in enumerate(plan.model.packing.keeps[:-1]) if not keeps]
         self._parked, self._folder = plan.parked, plan.folder
         self.forward_draws = plan.forward_draws
         return plan.model
@@ -282,6 +285,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         rows = batch_size_of(args[0])
         self._batch_size = max(self._batch_size or 0, rows)
         self._data.advance(rows, self._module.trainer)
+        self._sharded_model().discard_calls()  # of a step that ran no backward
         with self._forward_through_shards():
             return super().training_step(*args, **kwargs)
 
