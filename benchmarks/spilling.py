@@ -1,6 +1,7 @@
-"""Step time of SpillingStrategy against in-memory training, side by side, and against the disk's floor.
+"""Step time of SpillingStrategy against in-memory training, side by side, and against the disk's floor; and the
+largest model this benchmark trains at a 1 GB budget.
 
-Run from the repository root (about 3 minutes on 2 CPU cores)::
+Run from the repository root (about 5 minutes on 2 CPU cores, 20 GB free on the disk of ``--spill-dir``)::
 
     python benchmarks/spilling.py
 
@@ -8,22 +9,28 @@ The model is an MLP of ``--layers`` Linear(``--width``, ``--width``) layers with
 AdamW on batches of ``--batch`` rows, one thread per process. Each variant runs in a fresh process:
 
 * ``in-memory``: ``Trainer(devices=1)`` with Lightning's default strategy (the model fits in memory here);
-* ``spill-host``: ``SpillingStrategy(spill_dir=None)``: on the CPU host memory is the device's, so nothing moves:
-  this is the strategy's compute (recomputed forwards included) without transfers;
-* ``spill-disk``: ``SpillingStrategy(spill_dir=...)`` with the budget of one layer per shard: every step reads and
-  writes every shard's parameters, gradients and AdamW state through the disk (files written through and dropped
-  from the page cache, so reads come from the disk), the next shard read while the current one computes;
+* ``spill-host``: ``SpillingStrategy(spill_dir=None)`` with the budget of one layer per shard, the next arriving and
+  room to keep every shard's activations for its backward: on the CPU host memory is the device's, so nothing moves:
+  this is the strategy's own cost without transfers;
+* ``spill-host-recompute``: the same at the smallest budget that still fetches every shard ahead (the one a refusal
+  names): no room for the activations, so every shard but the last computes its forward again in backward;
+* ``spill-disk``: ``SpillingStrategy(spill_dir=...)`` at spill-host's budget: every step reads and writes every
+  shard's parameters, gradients and AdamW state through the disk (files written through and dropped from the page
+  cache, so reads come from the disk), the next shard read while the current one computes;
 * ``spill-disk-no-prefetch``: the same, each shard read only when it is needed;
 * ``spill-disk-clipped``: the same as spill-disk with ``gradient_clip_val=1.0``: clipping by the norm over all shards
   needs every shard's gradients first, so the optimizer steps in a pass of its own after backward (the other
-  variants step each shard right after its backward).
+  variants step each shard right after its backward);
+* ``largest-1GB``: an MLP of ``--largest-layers`` Linear(``--largest-width``, ...) layers built in
+  ``configure_model`` (never whole in memory), on the disk tier at ``memory_budget="1GB"``, batches of 8.
 
 The disk's bandwidth is measured first, in the spill store's own pattern (32 files of a shard's parameters and
 gradients, each rewritten in place with ``fdatasync`` and dropped from the page cache, then read back). The floor
 of a disk step is max(compute, bytes read / read bandwidth + bytes written / write bandwidth), compute being the
 spill-host step. Step time is the median over the timed steps after the warm-up; the optimizer's share is the
 time of the shard-by-shard optimizer step (it runs on the device, here the CPU, one shard at a time with its state
-read from the disk).
+read from the disk). Each variant also reports its whole ``fit`` (set-up and end included) and the growth of the
+process's anonymous memory over it (``RssAnon``, sampled every 10 ms and at the end).
 
 Writes ``benchmarks/results/spilling.json``.
 """
@@ -34,10 +41,12 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,7 +61,15 @@ from lightning_varuna import CutPoint, SpillingStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "spilling.json"
-VARIANTS = ["in-memory", "spill-host", "spill-disk", "spill-disk-no-prefetch", "spill-disk-clipped"]
+VARIANTS = [
+    "in-memory",
+    "spill-host",
+    "spill-host-recompute",
+    "spill-disk",
+    "spill-disk-no-prefetch",
+    "spill-disk-clipped",
+    "largest-1GB",
+]
 
 
 class MLP(L.LightningModule):
@@ -93,19 +110,82 @@ def layer_state_bytes(width: int) -> int:
     return 4 * (width * width + width) * 4
 
 
+class BuiltLate(MLP):
+    """The MLP with its layers built in ``configure_model``: on the meta device, then a segment at a time."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        L.LightningModule.__init__(self)
+        self.width, self.num_layers = width, layers
+        self.layers: nn.ModuleList | None = None
+
+    def configure_model(self) -> None:
+        if self.layers is None:
+            self.layers = nn.ModuleList(nn.Linear(self.width, self.width) for _ in range(self.num_layers))
+            self.cuts = nn.ModuleList(CutPoint() for _ in range(self.num_layers - 1))
+
+
+class AnonymousMemory:
+    """The growth of this process's anonymous memory (`RssAnon`) from entering the block to its peak, sampled."""
+
+    def __enter__(self) -> AnonymousMemory:
+        self.start = _rss_anon()
+        self._samples = [self.start]
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.01):
+            self._samples.append(_rss_anon())
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.growth = max([*self._samples, _rss_anon()]) - self.start
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def refused_budgets(args: argparse.Namespace) -> tuple[int, int]:
+    """The smallest budget that trains the model and the smallest that fetches every shard ahead, as a refusal
+    names them."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=SpillingStrategy(memory_budget=1), max_steps=1, logger=False
+    )
+    data = TensorDataset(torch.randn(args.batch, args.width), torch.randn(args.batch, args.width))
+    try:
+        trainer.fit(MLP(args.width, args.layers), DataLoader(data, batch_size=args.batch))
+    except ValueError as refusal:
+        smallest, prefetching = map(int, re.findall(r"`memory_budget=(\d+)`", str(refusal)))
+        return smallest, prefetching
+    raise AssertionError("a budget of 1 byte trained")
+
+
 def worker(variant: str, args: argparse.Namespace, out: Path) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = MLP(args.width, args.layers)
-    rows = args.batch * (args.warmup + args.steps)
-    data = TensorDataset(torch.randn(rows, args.width), torch.randn(rows, args.width))
-    budget = 3 * layer_state_bytes(args.width)  # one layer per shard, the next arriving, boundaries beside
+    largest = variant == "largest-1GB"
+    width, batch = (args.largest_width, 8) if largest else (args.width, args.batch)
+    model = BuiltLate(width, args.largest_layers) if largest else MLP(args.width, args.layers)
+    warmup, steps = (1, 2) if largest else (args.warmup, args.steps)
+    rows = batch * (warmup + steps)
+    data = TensorDataset(torch.randn(rows, width), torch.randn(rows, width))
+    budget: int | str = 3 * layer_state_bytes(args.width)  # one layer per shard, the next arriving, boundaries beside
     if variant == "spill-disk-no-prefetch":
         budget //= 2  # without a shard arriving the budget would allow two layers per shard: keep the same shards
+    if variant == "spill-host-recompute":
+        budget = refused_budgets(argparse.Namespace(**{**vars(args), "batch": batch}))[1]
+    if largest:
+        budget = "1GB"
     strategy: Any = "auto"
     optimizer_s: list[float] = []
     if variant != "in-memory":
-        spill_dir = tempfile.mkdtemp(dir=args.spill_dir) if variant.startswith("spill-disk") else None
+        on_disk = variant.startswith("spill-disk") or largest
+        spill_dir = tempfile.mkdtemp(dir=args.spill_dir) if on_disk else None
         strategy = SpillingStrategy(
             memory_budget=budget, spill_dir=spill_dir, prefetch=variant != "spill-disk-no-prefetch"
         )
@@ -122,7 +202,7 @@ def worker(variant: str, args: argparse.Namespace, out: Path) -> None:
         accelerator="cpu",
         devices=1,
         strategy=strategy,
-        max_steps=args.warmup + args.steps,
+        max_steps=warmup + steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -136,24 +216,31 @@ def worker(variant: str, args: argparse.Namespace, out: Path) -> None:
         class Bytes(L.Callback):
             def on_train_batch_end(self, trainer: L.Trainer, *rest: Any) -> None:
                 store = strategy._sharded.store
-                if trainer.global_step == args.warmup:
+                if trainer.global_step == warmup:
                     moved.update(read=store.bytes_read, written=store.bytes_written)
-                if trainer.global_step == args.warmup + args.steps:
+                if trainer.global_step == warmup + steps:
                     moved.update(read=store.bytes_read - moved["read"], written=store.bytes_written - moved["written"])
 
         trainer.callbacks.append(Bytes())
-    trainer.fit(model, DataLoader(data, batch_size=args.batch))
+    start = time.perf_counter()
+    with AnonymousMemory() as memory:
+        trainer.fit(model, DataLoader(data, batch_size=batch))
+    fit_s = time.perf_counter() - start
     state = sum(4 * p.numel() * p.element_size() for p in model.parameters())
     result = {
         "variant": variant,
-        "step_s": statistics.median(timer.step_s[args.warmup :]),
-        "optimizer_s": statistics.median(optimizer_s[args.warmup :]) if optimizer_s else None,
+        "step_s": statistics.median(timer.step_s[warmup:]),
+        "fit_s": fit_s,
+        "anonymous_growth_bytes": memory.growth,
+        "optimizer_s": statistics.median(optimizer_s[warmup:]) if optimizer_s else None,
         "optimizer_in_backward": getattr(strategy, "optimizer_in_backward", None),
         "shards": len(strategy.shards) if variant != "in-memory" else None,
+        "recomputing_shards": len(strategy.recomputing_shards) if variant != "in-memory" else None,
+        "parameters": sum(p.numel() for p in model.parameters()),
         "state_bytes": state,
-        "budget_bytes": budget if variant != "in-memory" else None,
-        "read_bytes_per_step": moved.get("read", 0) / args.steps,
-        "written_bytes_per_step": moved.get("written", 0) / args.steps,
+        "budget_bytes": strategy.budget_bytes if variant != "in-memory" else None,
+        "read_bytes_per_step": moved.get("read", 0) / steps,
+        "written_bytes_per_step": moved.get("written", 0) / steps,
     }
     out.write_text(json.dumps(result))
 
@@ -194,6 +281,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--spill-dir", default=tempfile.gettempdir(), help="folder on the disk to measure")
+    parser.add_argument("--largest-width", type=int, default=4096)
+    parser.add_argument("--largest-layers", type=int, default=64)
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -209,10 +299,11 @@ def main() -> None:
         flush=True,
     )
     rows = []
-    for variant in VARIANTS:
+    for variant in args.variants:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             command = [sys.executable, __file__, "--worker", variant, "--out", out.name]
-            command += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "out")]
+            forwarded = {k: v for k, v in vars(args).items() if k not in ("worker", "out", "variants")}
+            command += [f"--{k.replace('_', '-')}={v}" for k, v in forwarded.items()]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
             subprocess.run(command, check=True, env=env, cwd=ROOT, capture_output=True)
             row = json.loads(Path(out.name).read_text())
@@ -220,31 +311,38 @@ def main() -> None:
         print(f"  {variant:<24} {1000 * row['step_s']:8.1f} ms/step", flush=True)
 
     by_name = {row["variant"]: row for row in rows}
-    compute = by_name["spill-host"]["step_s"]
+    compute = by_name["spill-host"]["step_s"] if "spill-host" in by_name else None
     for row in rows:
-        row["vs_in_memory"] = row["step_s"] / by_name["in-memory"]["step_s"]
+        same_model = row["variant"] != "largest-1GB" and "in-memory" in by_name
+        row["vs_in_memory"] = row["step_s"] / by_name["in-memory"]["step_s"] if same_model else None
         io = row["read_bytes_per_step"] / read_bw + row["written_bytes_per_step"] / write_bw
-        row["floor_s"] = max(compute, io) if row["variant"].startswith("spill-disk") else None
+        on_disk = row["variant"].startswith("spill-disk") or row["variant"] == "largest-1GB"
+        row["floor_s"] = max(compute or 0.0, io) if on_disk else None
         row["vs_floor"] = row["step_s"] / row["floor_s"] if row["floor_s"] else None
     print()
-    print("| variant | step ms | vs in-memory | MiB read + written per step | floor ms | vs floor | optimizer ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| variant | step ms | vs in-memory | shards (recomputing) | MiB read + written per step | floor ms | vs floor "
+        "| optimizer ms | fit s | anonymous memory growth MiB |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         moved = (r["read_bytes_per_step"] + r["written_bytes_per_step"]) / 2**20
-        floor = f"{1000 * r['floor_s']:.0f}" if r["floor_s"] else "-"
-        vs_floor = f"{r['vs_floor']:.2f}x" if r["vs_floor"] else "-"
-        optimizer = f"{1000 * r['optimizer_s']:.0f}" if r["optimizer_s"] else "-"
+        shards = f"{r['shards']} ({r['recomputing_shards']})" if r["shards"] else "-"
         print(
-            f"| {r['variant']} | {1000 * r['step_s']:.0f} | {r['vs_in_memory']:.2f}x | {moved:.0f} | {floor} "
-            f"| {vs_floor} | {optimizer} |"
+            f"| {r['variant']} | {1000 * r['step_s']:.0f} | {_ratio(r['vs_in_memory'])} | {shards} | {moved:.0f} "
+            f"| {_ms(r['floor_s'])} | {_ratio(r['vs_floor'])} | {_ms(r['optimizer_s'])} | {r['fit_s']:.1f} "
+            f"| {r['anonymous_growth_bytes'] / 2**20:.0f} |"
         )
-    spilled = by_name["spill-disk"]
-    print(
-        f"\nmodel state (parameters, gradients, AdamW) {spilled['state_bytes'] / 2**20:.0f} MiB, budget "
-        f"{spilled['budget_bytes'] / 2**20:.1f} MiB: {spilled['state_bytes'] / spilled['budget_bytes']:.1f}x, in "
-        f"{spilled['shards']} shards; prefetch: {by_name['spill-disk-no-prefetch']['step_s'] / spilled['step_s']:.2f}x "
-        "faster than without"
-    )
+    for r in rows:
+        if r["budget_bytes"]:
+            print(
+                f"{r['variant']}: {r['parameters'] / 1e6:.1f} M parameters, state (parameters, gradients, AdamW) "
+                f"{r['state_bytes'] / 2**20:.0f} MiB, budget {r['budget_bytes'] / 2**20:.1f} MiB: "
+                f"{r['state_bytes'] / r['budget_bytes']:.1f}x"
+            )
+    if "spill-disk" in by_name and "spill-disk-no-prefetch" in by_name:
+        ratio = by_name["spill-disk-no-prefetch"]["step_s"] / by_name["spill-disk"]["step_s"]
+        print(f"prefetch: {ratio:.2f}x faster than without")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     header = {"torch": torch.__version__, "lightning": L.__version__, "python": platform.python_version()}
     RESULTS.write_text(
@@ -255,6 +353,14 @@ def main() -> None:
         + "\n"
     )
     print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}x" if value else "-"
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{1000 * seconds:.0f}" if seconds else "-"
 
 
 if __name__ == "__main__":

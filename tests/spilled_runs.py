@@ -24,7 +24,8 @@ class StepLosses(L.Callback):
         self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
+        if outputs:  # none: the step skipped the batch
+            self.losses.append(float(outputs["loss"]))
 
 
 def fit(

@@ -5,14 +5,18 @@ host memory and on disk, with dropout (each call's masks replayed for its own ba
 from __future__ import annotations
 
 import copy
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 from models import TinyLM
-from spilled_runs import BUDGETS, assert_same_model, fit, losses
+from spilled_runs import BUDGETS, StepLosses, assert_same_model, fit, losses
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_varuna import SpillingStrategy
+from lightning_varuna import CutPoint, SpillingStrategy
 
 
 class ConsistencyLM(TinyLM):
@@ -83,3 +87,79 @@ def test_a_step_calling_the_model_several_times_trains_like_one_device(tmp_path,
     for name, value in metrics.items():
         torch.testing.assert_close(trainer.callback_metrics[name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert_same_model(model, reference)
+
+
+class SkipsOddBatchesLM(TinyLM):
+    """`training_step` returns None on odd batches: with two batches a step, the last batch of each window skips."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 2 else loss
+
+
+@pytest.mark.parametrize("clip", [0.5, None], ids=["clipped", "stepped-in-backward"])
+def test_a_window_whose_last_batch_skips_steps_on_the_batches_before_like_one_device(clip):
+    """Lightning steps the optimizer on what the window's other batches accumulated even when the last batch's
+    step returns None; a spilled model that steps each shard in its backward must step them all the same (it did not
+    step, and carried the gradients into the next window)."""
+    torch.manual_seed(0)
+    reference = SkipsOddBatchesLM()
+    model = copy.deepcopy(reference)
+    expected = fit(reference, "auto", gradient_clip_val=clip, limit_val_batches=0)
+    strategy = SpillingStrategy(memory_budget=BUDGETS[5])
+    trainer = fit(model, strategy, gradient_clip_val=clip, limit_val_batches=0)
+    assert strategy.optimizer_in_backward == (clip is None)
+    assert trainer.global_step == expected.global_step == 4
+    assert_same_model(model, reference)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), TinyLM().parameters()))
+
+
+class Refiner(L.LightningModule):
+    """Six layers, a CutPoint after each but the last; its step feeds the output back in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        self.cuts = nn.ModuleList(CutPoint() for _ in range(5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer, cut in zip(self.layers, [*self.cuts, nn.Identity()]):
+            x = cut(torch.tanh(layer(x)))
+        return x
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.mse_loss(self(self(x)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def fit_refiner(model: L.LightningModule, strategy: Any, steps: int = 4, **kwargs: Any) -> L.Trainer:
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 16, generator=generator), torch.randn(64, 16, generator=generator))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False, callbacks=[StepLosses()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(data, batch_size=16))
+    return trainer
+
+
+def test_a_call_on_an_earlier_calls_output_is_refused_before_any_step():
+    model = Refiner()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"calls `self\(\.\.\.\)` again on a tensor that needs a gradient"):
+        fit_refiner(model, SpillingStrategy(memory_budget="20KB"))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+
+
+class CallsInAnEpochEndHook(TinyLM):
+    def on_train_epoch_end(self) -> None:
+        self(torch.zeros(2, 3, dtype=torch.long, device=self.device))
+
+
+def test_a_call_outside_a_step_is_refused_naming_the_module():
+    with pytest.raises(RuntimeError, match=r"`blocks\.0\.norm` runs while its parameters are spilled: .*inside"):
+        fit(CallsInAnEpochEndHook(), SpillingStrategy(memory_budget=BUDGETS[5]), max_epochs=1, max_steps=-1)

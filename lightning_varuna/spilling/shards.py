@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves, tree_unflatten
 from lightning_varuna._torch_private import foreach_norm
 from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.replay import BufferState, DtypeState, RandomState, generator_states, states_differ
+from lightning_varuna.spilling.outside_calls import refuse_calls_while_spilled
 from lightning_varuna.spilling.packing import Packing
 from lightning_varuna.spilling.saved_parameters import parameters_saved_by_reference
 from lightning_varuna.spilling.segments import Segments, WholeModel
@@ -77,6 +78,9 @@ class _Call:
             src: last_shard + 1 if s == graph.num_stages else shard_of[s] for src, s in self.last_read.items()
         }
         self.runs: dict[int, _ShardRun] = {}
+        # The leaves whose ``.grad`` backward reads, of the outputs a shard sends on: the boundaries hold a view of
+        # each, which autocast casts anew at each use, as it does the value on one device (it caches casts of leaves).
+        self.leaves: dict[Source, Tensor] = {}
 
 
 class ShardedModel:
@@ -127,6 +131,7 @@ class ShardedModel:
         self._calls: list[_Call] = []  # the calls with gradients since the last backward
         self._kept_activations = 0  # of those calls' shards that keep them (beyond the first call's last shard)
         self.turn: Callable[[str, int], AbstractContextManager[bool]] = lambda work, shard: nullcontext(True)
+        self._allow_outside_calls: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------------------------------ residency
     def spill_all(
@@ -148,6 +153,10 @@ class ShardedModel:
                 for p in shard.params:
                     p.data = p.data.to(self.store.device)
             self._evict(shard, write=("params", "grads", "state"))
+        if not self.stays:
+            self._allow_outside_calls()
+            spilled = [p for shard in self.shards for p in shard.params]
+            self._allow_outside_calls = refuse_calls_while_spilled(self.segments.module, spilled)
 
     def _bring(self, shard: Shard, parts: tuple[str, ...]) -> None:
         """Put ``shard``'s parameters and the other ``parts`` ("grads", "state") that are spilled on the device."""
@@ -230,9 +239,8 @@ class ShardedModel:
         graph, modules = self.segments.for_inputs(args, kwargs)
         dtypes = DtypeState.current(self.store.device.type)
         call = _Call(graph, modules, tree_leaves((args, kwargs)), self._shard_of, dtypes)
-        if self._calls and self._kept_activations == 0:
-            # The first call's last shard keeps its activations (counted in its own room) while this call runs.
-            self._kept_activations = self._activation_bytes[-1]
+        if training and self._calls:
+            _refuse_inputs_from_earlier_calls(args, kwargs)
         for shard in self.shards:
             with self.turn("forward", shard.index) as holds_generator:
                 keeps = training and self._keeps(shard)
@@ -251,7 +259,9 @@ class ShardedModel:
         if not (last or self.packing.keeps[shard.index]):
             return False
         more = self._activation_bytes[shard.index]
-        if self._kept_activations + more > self.packing.kept_activation_bytes:
+        # The first call's last shard holds its activations (counted in its own room) while later calls run.
+        held = self._kept_activations + (self._activation_bytes[-1] if self._calls else 0)
+        if held + more > self.packing.kept_activation_bytes:
             return False
         self._kept_activations += more
         return True
@@ -279,7 +289,8 @@ class ShardedModel:
                 if training and not stays_for_loss and isinstance(value, Tensor) and value.requires_grad:
                     if run.kept is not None:
                         run.kept[src] = value
-                    value = value.detach().requires_grad_(True)
+                    leaf = call.leaves[src] = value.detach().requires_grad_(True)
+                    value = leaf.view_as(leaf)
                 call.boundaries[src] = value
         if training:
             call.runs[shard.index] = run
@@ -356,11 +367,7 @@ class ShardedModel:
         the buffers as it found them, and those it updated left alone)."""
         run = call.runs.get(shard.index)
         made = set(shard.segments)
-        grads = {
-            src: leaf.grad
-            for src, leaf in call.boundaries.items()
-            if src.stage in made and isinstance(leaf, Tensor) and leaf.is_leaf and leaf.grad is not None
-        }
+        grads = {src: leaf.grad for src, leaf in call.leaves.items() if src.stage in made and leaf.grad is not None}
         if run is None or not grads:
             return  # no gradient reaches this shard's outputs in this call (or they went to the loss directly)
         if run.kept is not None:
@@ -468,6 +475,7 @@ class ShardedModel:
                 state = self.store.in_host_memory(shard.key("state"))
                 for (p, name), t in zip(self._state_slots[shard.index], state):
                     self._optimizer.state[p][name] = t
+        self._allow_outside_calls()
         self.store.close()
 
     def _restore_loaded(self, shard: Shard, device: torch.device) -> None:
@@ -479,6 +487,19 @@ class ShardedModel:
             if self._optimizer is not None:
                 state = self._optimizer.state.get(p, {})
                 state.update({k: v.to(device) for k, v in state.items() if _spilled_with_shard(v)})
+
+
+def _refuse_inputs_from_earlier_calls(args: tuple, kwargs: dict) -> None:
+    """A second call of the model in a step may not take a value that needs a gradient through the model (an output
+    of an earlier call, or computed from one): each call is backpropagated shard by shard on its own."""
+    if any(isinstance(x, Tensor) and x.requires_grad and x.grad_fn is not None for x in tree_leaves((args, kwargs))):
+        raise ValueError(
+            "This step calls `self(...)` again on a tensor that needs a gradient through what was computed before in "
+            "the step (an output of an earlier `self(...)`, or computed from one, as in `self(self(x))`). "
+            "SpillingStrategy backpropagates each call of the model shard by shard on its own, so that gradient "
+            "cannot flow back into the earlier call. Pass the input detached (`self(out.detach())`) if no gradient "
+            "should flow back through it, or compute the repeated part inside `forward`, where it is one call."
+        )
 
 
 def _check_replayed(shard: Shard, random_state: RandomState, random_after: list[Tensor] | None) -> None:

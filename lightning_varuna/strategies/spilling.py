@@ -318,7 +318,8 @@ class SpillingStrategy(SingleDeviceStrategy):
         if scaler is not None:  # as `GradScaler.unscale_`, only the optimizer's parameters
             trained = set(optimized_parameters(optimizer))
             unscale = lambda params: scaler.unscale_shard([p for p in params if p in trained])  # noqa: E731
-        self._sharded_model().backward(closure_loss, lightning_backward, self._stepping, unscale)
+        stepping, self._stepping = self._stepping, None  # taken: this backward steps each shard
+        self._sharded_model().backward(closure_loss, lightning_backward, stepping, unscale)
         return closure_loss
 
     @override
@@ -543,8 +544,11 @@ class _ShardwiseOptimizer:
         try:
             result = closure() if closure is not None else None
         finally:
-            stepped, strategy._stepping = strategy._stepping, None
-        if stepped is None:
+            not_taken, strategy._stepping = strategy._stepping, None
+        if not strategy.optimizer_in_backward or not_taken is not None:
+            # No backward stepped the shards (the closure's step returned None: no backward, as on the last batch
+            # of an accumulation window that skips): step them on the gradients accumulated so far, as torch's
+            # optimizer steps whatever a closure leaves.
             strategy._step_shards(self._optimizer)
         return result
 
