@@ -542,22 +542,25 @@ def test_fp16_keeps_the_users_own_grad_scaler():
 
 
 def test_fp16_resumes_with_its_loss_scale(tmp_path):
-    """A checkpoint taken after the overflowing steps keeps the backed-off scale: resumed at another budget, the run
-    goes on with the scales, losses and weights of an uninterrupted one."""
+    """A checkpoint taken after the overflowing steps keeps the backed-off scale: resumed at another budget, the
+    spilled run goes on with the scales, losses and weights of an uninterrupted run on one device (plain Lightning,
+    the same fp16 plugin, the same steps)."""
     torch.manual_seed(0)
     reference = TinyLM()
     model = copy.deepcopy(reference)
     expected_scales, scales = LossScales(), LossScales()
 
-    def fit_in_fp16(model: TinyLM, budget: str, ckpt_path: str | None = None, **kwargs: Any) -> L.Trainer:
-        strategy = SpillingStrategy(memory_budget=budget)
+    def fit_in_fp16(model: TinyLM, strategy: Any, ckpt_path: str | None = None, **kwargs: Any) -> L.Trainer:
         return fit(model, strategy, ckpt_path, plugins=[fp16_with_scale(2.0**18)], **kwargs)
 
-    expected = fit_in_fp16(reference, BUDGETS[5], max_steps=8, callbacks=[expected_scales])
+    expected = fit_in_fp16(reference, "auto", max_steps=8, callbacks=[expected_scales])
     saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5)
-    fit_in_fp16(copy.deepcopy(model), BUDGETS[5], max_steps=5, callbacks=[saves])
-    trainer = fit_in_fp16(model, BUDGETS[2], saves.best_model_path, max_steps=8, callbacks=[scales])
+    first = SpillingStrategy(memory_budget=BUDGETS[5])
+    fit_in_fp16(copy.deepcopy(model), first, max_steps=5, callbacks=[saves])
+    resumed = SpillingStrategy(memory_budget=BUDGETS[2])
+    trainer = fit_in_fp16(model, resumed, saves.best_model_path, max_steps=8, callbacks=[scales])
 
+    assert len(first.shards) > 1 and len(resumed.shards) > 1
     assert scales.scales == expected_scales.scales[10:]
     assert scales.scales[0] == 2.0**15  # the scale backed off by the first run's overflows
     torch.testing.assert_close(losses(trainer), losses(expected)[10:], rtol=1e-5, atol=1e-6)
