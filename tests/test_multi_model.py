@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import os
@@ -10,6 +11,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_varuna import CutPoint, MultiModelTrainer, SpillingStrategy
 from lightning_varuna.multimodel import DeviceScheduler, SweepStopped
+from lightning_varuna.multimodel import scheduler as scheduler_module
 from lightning_varuna.multimodel.scheduler import HOLD_S
 from lightning_varuna.multimodel.trainer import staying_models
 
@@ -221,9 +224,23 @@ def test_the_longest_remaining_model_gets_the_free_device():
     assert served == ["unmeasured-big", "long", "short", "unmeasured-small"]
 
 
-def test_a_device_given_back_by_the_longest_model_is_held_for_it_briefly():
-    """Between two turns a model runs Lightning's code for a moment: the device it gave back waits up to HOLD_S for
-    it (if it is among the D longest), then goes to the next model."""
+class StoppedClock:
+    """The scheduler's `time.perf_counter`: it stands still until the test moves it on."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_a_device_given_back_by_the_longest_model_is_held_for_it_briefly(monkeypatch):
+    """Between two turns a model runs Lightning's code for a moment: the device it gave back waits for it (if it is
+    among the D longest) while less than HOLD_S has passed, then goes to the next model. The scheduler's clock stands
+    still here until the test moves it on: the order of the turns depends on the hold alone, not on how soon this
+    test's threads run."""
+    clock = StoppedClock()
+    monkeypatch.setattr(scheduler_module, "time", clock)
     scheduler = DeviceScheduler(devices=1)
     scheduler.add("long", 100)
     scheduler.add("short", 1)
@@ -235,15 +252,20 @@ def test_a_device_given_back_by_the_longest_model_is_held_for_it_briefly():
         with scheduler.turn("short", "forward", 0):
             served.append("short")
 
-    short = threading.Thread(target=take_turn)
+    short = threading.Thread(target=take_turn, daemon=True)
     with scheduler.turn("long", "forward", 0):
         short.start()
         while scheduler.queue() != ["short"]:
             time.sleep(0.001)
-    with scheduler.turn("long", "forward", 1):  # back at once: served before "short", which waits
+    time.sleep(5 * HOLD_S)  # "long" comes back late in real time, but within the hold on the scheduler's clock
+    assert served == [] and scheduler.queue() == ["short"]
+    with scheduler.turn("long", "forward", 1):  # served before "short", which waits
         assert served == []
-    short.join(timeout=100 * HOLD_S)  # "long" does not come back: "short" gets the device
+    assert scheduler.queue() == ["short"]  # the device is held for "long" again
+    clock.now += 2 * HOLD_S  # "long" does not come back within the hold: "short" gets the device
+    short.join(timeout=10)
     assert served == ["short"]
+    assert [(span.model, span.shard) for span in scheduler.spans] == [("long", 0), ("long", 1), ("short", 0)]
 
 
 def test_a_model_is_ranked_again_as_its_step_ends():
@@ -313,19 +335,22 @@ def test_on_the_cpu_a_turn_runs_pinned_to_its_devices_core():
 
 
 def test_a_failing_model_ends_alone_with_its_checkpoints_intact(tmp_path):
-    """An exception in one model's step ends that model's fit with its error; its last checkpoint resumes; the other
-    model trains on exactly as alone."""
+    """An exception in one model's step ends that model's fit with its error; its last checkpoint resumes, and the
+    resumed model goes on exactly as an uninterrupted run of it in plain single-device Lightning (the same per-step
+    losses from the checkpoint on, the same final weights); the other model trains on exactly as alone."""
     torch.manual_seed(0)
     failing, healthy = MLP(32, 3, fail_at=4), MLP(48, 2)
-    reference = copy.deepcopy(healthy)
+    uninterrupted, reference = copy.deepcopy(failing), copy.deepcopy(healthy)
+    uninterrupted.fail_at = -1
     sweep = MultiModelTrainer(devices=2, memory_budget="100KB", enable_progress_bar=False)
+    failing_losses = StepLosses()
     sweep.add(
         failing,
         train_dataloaders=regression_data(32),
         max_steps=8,
         logger=False,
         name="failing",
-        callbacks=[ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)],
+        callbacks=[ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1), failing_losses],
     )
     sweep.add(
         healthy,
@@ -341,15 +366,22 @@ def test_a_failing_model_ends_alone_with_its_checkpoints_intact(tmp_path):
     assert (failed.status, finished.status) == ("failed", "finished")
     assert isinstance(failed.error, ValueError) and "bad batch at step 4" in str(failed.error)
     assert trainers[0].global_step == 4
+    assert len(trainers[0].strategy.shards) > 1  # type: ignore[attr-defined]
     fit_alone(reference, regression_data(48), max_steps=8)
     assert_same_weights(healthy, reference)
 
     saved = sorted(p.name for p in tmp_path.iterdir())
     assert saved == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    expected = step_losses(fit_alone(uninterrupted, regression_data(32), max_steps=8))
+    torch.testing.assert_close(failing_losses.losses, expected[:4], rtol=1e-5, atol=1e-6)
     resumed = MLP(32, 3)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, strategy=SpillingStrategy(), **QUIET)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=8, strategy=SpillingStrategy(), callbacks=[StepLosses()], **QUIET
+    )
     trainer.fit(resumed, regression_data(32), ckpt_path=str(tmp_path / "epoch=0-step=4.ckpt"))
-    assert trainer.global_step == 6
+    assert trainer.global_step == 8
+    torch.testing.assert_close(step_losses(trainer), expected[4:], rtol=1e-5, atol=1e-6)
+    assert_same_weights(resumed, uninterrupted)
 
 
 def test_a_models_steps_count_the_step_whose_callback_failed():
@@ -454,30 +486,131 @@ def test_a_keyboard_interrupt_in_a_models_step_stops_the_sweep_as_ctrl_c_does(wh
     assert [sum(p.numel() for p in model.parameters()) for model in models] == [2 * 272, 2 * 272]
 
 
+_DRAWS: dict[int, list[tuple[int, torch.Tensor]]] = {}  # a model -> (its layer, a mask drawn), in order
+_MODEL_IDS = itertools.count()
+
+
+@torch.library.custom_op("test_multi_model::dropout_mask", mutates_args=())
+def dropout_mask(like: torch.Tensor, p: float, model_id: int, layer: int) -> torch.Tensor:
+    """A dropout mask for ``like``, drawn from torch's global generator as `nn.Dropout`'s is; logged under
+    ``model_id``."""
+    mask = torch.empty_like(like).bernoulli_(1 - p)
+    _DRAWS[model_id].append((layer, mask.clone()))
+    return mask
+
+
+@dropout_mask.register_fake
+def _(like: torch.Tensor, p: float, model_id: int, layer: int) -> torch.Tensor:
+    return torch.empty_like(like)
+
+
+class LoggedDropout(nn.Module):
+    """Dropout whose every mask (a forward's, a recompute's) is logged, even when the model runs as a traced graph
+    (the mask is an op of its own); with ``replay`` set, it takes its masks from there instead (plain Lightning
+    training with the masks that a sweep drew)."""
+
+    def __init__(self, p: float, model_id: int, layer: int) -> None:
+        super().__init__()
+        self.p, self.model_id, self.layer = p, model_id, layer
+        self.replay: Iterator[torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        if self.replay is not None:
+            mask = next(self.replay)
+        else:
+            mask = torch.ops.test_multi_model.dropout_mask(x.detach(), self.p, self.model_id, self.layer)
+        return x * mask / (1 - self.p)
+
+
+class DrawnMasks(L.Callback):
+    """Logs where each training step starts among its model's masks, and the batch the step trains on."""
+
+    def __init__(self) -> None:
+        self.model_id = next(_MODEL_IDS)
+        _DRAWS[self.model_id] = []
+        self.batches: list[list[torch.Tensor]] = []
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        _DRAWS[self.model_id].append((-1, torch.empty(0)))
+        self.batches.append([t.clone() for t in batch])
+
+    def forward_masks(self, layers: int) -> tuple[list[list[torch.Tensor]], int]:
+        """Each layer's mask in each step: the step's first draw of it (its forward's), and how many later draws the
+        steps made (the recomputes of shards that did not keep their activations), each of which must be the same
+        mask as its forward's."""
+        steps: list[dict[int, list[torch.Tensor]]] = []
+        for layer, mask in _DRAWS.pop(self.model_id):
+            if layer < 0:
+                steps.append({})
+            elif steps:  # before the first step: set-up's measuring runs
+                steps[-1].setdefault(layer, []).append(mask)
+        assert all(sorted(step) == list(range(layers)) for step in steps)
+        for i, step in enumerate(steps):
+            for layer, masks in step.items():
+                replayed = all(torch.equal(mask, masks[0]) for mask in masks[1:])
+                assert replayed, f"step {i}: a recompute of layer {layer} drew other masks than its forward"
+        recomputes = sum(len(masks) - 1 for step in steps for masks in step.values())
+        return [[step[layer][0] for step in steps] for layer in range(layers)], recomputes
+
+
+def lm_with_logged_dropout(p: float, drawn: DrawnMasks) -> TinyLM:
+    """TinyLM whose blocks' dropout masks are logged under ``drawn``."""
+    model = TinyLM(dropout=p)
+    for layer, block in enumerate(model.blocks):
+        block.drop = LoggedDropout(p, drawn.model_id, layer)
+    return model
+
+
+def assert_trained_as_alone_with_its_masks(
+    model: TinyLM, initial: TinyLM, drawn: DrawnMasks, losses: StepLosses, max_steps: int
+) -> None:
+    """``model``, trained from a copy of ``initial`` in a sweep, has the per-step losses and final weights of plain
+    Lightning training of ``initial`` on the batches and with the dropout masks that its forwards drew in the sweep
+    (each recompute, of which there were some, having drawn its forward's masks again)."""
+    masks, recomputes = drawn.forward_masks(len(initial.blocks))
+    assert recomputes > 0
+    for block, layer_masks in zip(initial.blocks, masks):
+        block.drop.replay = iter(layer_masks)
+    alone = fit_alone(initial, DataLoader(drawn.batches, batch_size=None), max_steps=max_steps)
+    torch.testing.assert_close(losses.losses, step_losses(alone), rtol=1e-5, atol=1e-6)
+    assert_same_weights(model, initial)
+
+
 def test_dropout_models_share_the_generator_one_at_a_time():
-    """Models with dropout take their forward and recompute turns one at a time on torch's global generator (each
-    recompute replays its forward's masks, or the fit fails); a model without dropout runs beside them and trains
-    exactly as alone."""
+    """Models with dropout take their forward and recompute turns one at a time on torch's global generator: each
+    recompute draws its forward's masks again, and each model trains as plain Lightning does with the masks (and
+    batches) that its forwards drew; a model without dropout runs beside them and trains exactly as alone."""
     torch.manual_seed(0)
-    dropout_models = [TinyLM(dropout=0.2), TinyLM(dropout=0.1)]
+    drawn = [DrawnMasks(), DrawnMasks()]
+    dropout_models = [lm_with_logged_dropout(0.2, drawn[0]), lm_with_logged_dropout(0.1, drawn[1])]
+    initial = [copy.deepcopy(model) for model in dropout_models]
     plain = MLP(32, 3)
     reference = copy.deepcopy(plain)
     sweep = MultiModelTrainer(devices=2, memory_budget="85KB", enable_progress_bar=False)
-    for model in dropout_models:
+    losses = [StepLosses(), StepLosses()]
+    for model, model_drawn, model_losses in zip(dropout_models, drawn, losses):
         sweep.add(
             model,
             train_dataloaders=DataLoader(token_dataset(64), batch_size=8, shuffle=True),
             max_steps=8,
             logger=False,
             enable_checkpointing=False,
+            callbacks=[model_drawn, model_losses],
         )
     sweep.add(plain, train_dataloaders=regression_data(32), max_steps=8, logger=False, enable_checkpointing=False)
-    sweep.fit()
+    trainers = sweep.fit()
     assert [r.status for r in sweep.results] == ["finished"] * 3, [r.error for r in sweep.results]
     names = [r.name for r in sweep.results]
     for name in names[:2]:
         assert any(sweep.scheduler.clock(name).draws.values())
     assert not any(sweep.scheduler.clock(names[2]).draws.values())
+    for trainer, model, start, model_drawn, model_losses in zip(trainers, dropout_models, initial, drawn, losses):
+        assert len(trainer.strategy.shards) > 1  # type: ignore[attr-defined]
+        assert_trained_as_alone_with_its_masks(model, start, model_drawn, model_losses, max_steps=8)
     fit_alone(reference, regression_data(32), max_steps=8)
     assert_same_weights(plain, reference)
 
@@ -622,19 +755,27 @@ def test_no_model_steps_while_another_traces():
 def test_models_with_dropout_and_a_sanity_check_all_finish():
     """Each model's Lightning sanity check ends by restoring torch's generator, outside any turn: it must never land
     in another model's forward, or that model's recompute could not replay its dropout masks (it failed most sweeps
-    of four such models before)."""
+    of four such models before). Each model trains as plain Lightning does with the masks (and batches) that its
+    forwards drew, each recompute drawing its forward's masks again."""
     torch.manual_seed(0)
     sweep = MultiModelTrainer(devices=2, memory_budget="85KB", enable_progress_bar=False)
-    for i in range(4):
+    drawn = [DrawnMasks() for _ in range(4)]
+    models = [lm_with_logged_dropout(0.2, model_drawn) for model_drawn in drawn]
+    initial = [copy.deepcopy(model) for model in models]
+    losses = [StepLosses() for _ in models]
+    for i, (model, model_drawn, model_losses) in enumerate(zip(models, drawn, losses)):
         sweep.add(
-            TinyLM(dropout=0.2),
+            model,
             train_dataloaders=DataLoader(token_dataset(64, seed=i), batch_size=8, shuffle=True),
             val_dataloaders=DataLoader(token_dataset(16, seed=9), batch_size=8),
             max_steps=6,
+            callbacks=[model_drawn, model_losses],
             **QUIET,
         )
     sweep.fit()
     assert [r.status for r in sweep.results] == ["finished"] * 4, [r.error for r in sweep.results]
+    for model, start, model_drawn, model_losses in zip(models, initial, drawn, losses):
+        assert_trained_as_alone_with_its_masks(model, start, model_drawn, model_losses, max_steps=6)
 
 
 class DrawsKnownAtTrainStart(L.Callback):
