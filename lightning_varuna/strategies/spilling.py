@@ -37,9 +37,10 @@ from lightning_varuna.spilling.checkpoints import checkpoint_pieces, load_model,
 from lightning_varuna.spilling.folder import SpillFolder
 from lightning_varuna.spilling.grad_scaler import ShardwiseGradScaler, shardwise
 from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
+from lightning_varuna.spilling.optimizer_step import ShardwiseStep
 from lightning_varuna.spilling.packing import SegmentMemory, parse_bytes
 from lightning_varuna.spilling.planning import plan_shards
-from lightning_varuna.spilling.shards import ShardedModel
+from lightning_varuna.spilling.shards import ShardedModel, any_time
 from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.callback_hooks import callbacks_of, restore_callback_hooks
 from lightning_varuna.strategies.clipping import route_gradient_clipping
@@ -97,7 +98,6 @@ class SpillingStrategy(SingleDeviceStrategy):
         self._devices: list[torch.device] = []
         self._sharded: ShardedModel | None = None
         self._folder: SpillFolder | None = None
-        self._clip: tuple[str, float] | None = None
         self.shards: list[list[int]] = []  # the segments of each shard, chosen at set-up
         self.recomputing_shards: list[int] = []  # those that compute their forward again in backward (no room)
         self.budget_bytes: int | None = None  # `memory_budget` in bytes, at set-up
@@ -106,16 +106,15 @@ class SpillingStrategy(SingleDeviceStrategy):
         self.kept_bytes = 0  # what stays on the device throughout (boundary activations, buffers, tied weights)
         self.optimizer_in_backward = False  # each shard steps right after its backward (decided at set-up)
         self.forward_draws = True  # whether the forward drew random numbers (CPU's or GPU's) when measured at set-up
-        self._stepping: torch.optim.Optimizer | None = None  # the optimizer whose step runs the current closure
-        self._unscaling = False  # the current backward is the last before a step: fp16's scaler unscales it
+        # The optimizer step whose closure runs now: Lightning calls `backward` (and clipping) from inside it with no
+        # way to pass it on, and its backward steps or unscales the shards as the step says.
+        self._step: ShardwiseStep | None = None
         self.checkpoint_storage = Storage(storage_options)
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage)
         self._loading: SavedTensors | TensorsByName | None = None  # the checkpoint being restored
         self._data = DataProgress()
         self._batch_size: int | None = None  # the largest training batch so far
         self._parked: ParkedSegments | None = None  # segments of a meta-device model materialized at set-up
-        # A model that fits its budget in one shard stays on the device (a sweep's may not: they share it).
-        self._whole_model_stays = True
 
     # ------------------------------------------------------------------------------------------- the device
     @property
@@ -231,7 +230,7 @@ class SpillingStrategy(SingleDeviceStrategy):
                 self.precision_plugin.tensor_init_context(),
             ):
                 self._sharded = self._shard(trainer)
-        route_gradient_clipping(self.precision_plugin, self._request_clip_by_norm, self._request_clip_by_value)
+        route_gradient_clipping(self.precision_plugin, self._clip_by_norm, self._clip_by_value)
         optimizer = self.optimizers[0] if self.optimizers else None
         if len(self.optimizers) > 1:
             raise ValueError("SpillingStrategy trains with one optimizer; `configure_optimizers` returned several.")
@@ -268,7 +267,8 @@ class SpillingStrategy(SingleDeviceStrategy):
             self.spill_dir,
             self.prefetch,
             self._tracing,
-            whole_stays=self._whole_model_stays,
+            self._turn,
+            whole_stays=self._keeps_whole_model(),
             training=trainer.state.fn == TrainerFn.FITTING,
             stepped=[p for optimizer in self.optimizers for p in optimized_parameters(optimizer)],
         )
@@ -310,73 +310,58 @@ class SpillingStrategy(SingleDeviceStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        def lightning_backward(loss: Tensor) -> None:
-            super(SpillingStrategy, self).backward(loss, optimizer, *args, **kwargs)
-
-        scaler = self._scaler() if self._unscaling else None
-        unscale = None
-        if scaler is not None:  # as `GradScaler.unscale_`, only the optimizer's parameters
-            trained = set(optimized_parameters(optimizer))
-            unscale = lambda params: scaler.unscale_shard([p for p in params if p in trained])  # noqa: E731
-        stepping, self._stepping = self._stepping, None  # taken: this backward steps each shard
-        self._sharded_model().backward(closure_loss, lightning_backward, stepping, unscale)
+        """Lightning's backward through the last shard, then each shard's in reverse (`ShardwiseStep.backward`)."""
+        with self._step.backward() if self._step is not None else self._sharded_model().backward():
+            super().backward(closure_loss, optimizer, *args, **kwargs)
         return closure_loss
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's closure (training step, backward, clipping request), then the optimizer shard by shard."""
-        shardwise = _ShardwiseOptimizer(optimizer, self)
-        scaler = self._scaler()
-        if scaler is not None:
-            scaler.forget_spilled()
-        self._unscaling = True  # the closure's backward is the last before this step
+        step = self._step = ShardwiseStep(optimizer, self._sharded_model(), self.optimizer_in_backward, self._scaler())
         try:
-            result = self.precision_plugin.optimizer_step(
-                shardwise, model=model or self._module, closure=closure, **kwargs
-            )
+            result = self.precision_plugin.optimizer_step(step, model=model or self._module, closure=closure, **kwargs)
         finally:
-            self._unscaling = False
-        if not shardwise.ran_step:  # the grad scaler skipped the step (an overflow), or the closure returned None
+            self._step = None
+        if not step.ran:  # the grad scaler skipped the step (an overflow), or the closure returned None
             self._sharded_model().drop_gradients()
         return result
 
     def spilled_grad_norms(self) -> dict[nn.Parameter, Tensor]:
         """The 2-norm of each spilled parameter's gradient after the last backward (a spilled parameter holds no
         ``.grad``): what `lightning_varuna.grad_norm` reads in ``on_before_optimizer_step``."""
-        if self._sharded is None or self._sharded.stays:
-            return {}
-        return {p: norm for shard in self._sharded.shards for p, norm in shard.grad_norms.items()}
+        return self._sharded.spilled_grad_norms() if self._sharded is not None else {}
 
     def _scaler(self) -> ShardwiseGradScaler | None:
         scaler = getattr(self.precision_plugin, "scaler", None)
         return scaler if isinstance(scaler, ShardwiseGradScaler) else None
 
-    def _request_clip_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        self._clip = ("norm", float(clip_val))
+    def _clip_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        self._running_step().clip_by_norm(float(clip_val))
 
-    def _request_clip_by_value(self, optimizer: Any, clip_val: float) -> None:
-        self._clip = ("value", float(clip_val))
+    def _clip_by_value(self, optimizer: Any, clip_val: float) -> None:
+        self._running_step().clip_by_value(float(clip_val))
 
-    def _step_shards(self, optimizer: torch.optim.Optimizer) -> None:
-        clip, self._clip = self._clip, None
-        clip_fn = None
-        if clip is not None and clip[0] == "norm":
-            max_norm = clip[1]
+    def _running_step(self) -> ShardwiseStep:
+        if self._step is None:
+            raise RuntimeError(
+                "SpillingStrategy clips the gradients of a whole optimizer step, whose shards are spilled outside it: "
+                "clip them in `configure_gradient_clipping` (or with `Trainer(gradient_clip_val=...)`)."
+            )
+        return self._step
 
-            def clip_fn(params: list[nn.Parameter], total: Tensor) -> None:
-                torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
-
-        elif clip is not None:
-            value = clip[1]
-
-            def clip_fn(params: list[nn.Parameter], total: Tensor) -> None:
-                torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], value)
-
-        self._sharded_model().step(optimizer, clip_fn)
-
+    # How the model shares its device: alone here; a sweep's model (`MultiModelTrainer`) overrides these.
     def _tracing(self) -> AbstractContextManager[None]:
         """Where each trace of the model's forward runs (a sweep's model traces while the others wait)."""
         return nullcontext()
+
+    def _turn(self, work: str, shard: int) -> AbstractContextManager[bool]:
+        """Where each piece of a shard's work runs (`ShardedModel`): at once (a sweep's waits for a device)."""
+        return any_time(work, shard)
+
+    def _keeps_whole_model(self) -> bool:
+        """Whether a model that fits its budget in one shard stays on the device (a sweep's may not: they share it)."""
+        return True
 
     def _sharded_model(self) -> ShardedModel:
         if self._sharded is None:
@@ -523,37 +508,6 @@ def _refuse_finetuning_of_parameters_outside(trainer: pl.Trainer, optimizer: Any
             "by their values, which a spilled model's parameters do not hold. Build the optimizer over all of the "
             "model's parameters (`self.parameters()`): the frozen ones get no gradients and stay as they are."
         )
-
-
-class _ShardwiseOptimizer:
-    """The user's optimizer as Lightning's precision plugin steps it: ``step(closure)`` runs the closure, then
-    steps shard by shard. Everything else is the user's optimizer's."""
-
-    # A fused optimizer unscales the gradients it is given, which fp16's grad scaler then leaves to it: not those
-    # of the spilled shards, which the scaler unscales itself.
-    _step_supports_amp_scaling = False
-
-    def __init__(self, optimizer: torch.optim.Optimizer, strategy: SpillingStrategy) -> None:
-        self._optimizer, self._strategy = optimizer, strategy
-        self.ran_step = False
-
-    def step(self, closure: Any = None) -> Any:
-        self.ran_step = True
-        strategy = self._strategy
-        strategy._stepping = self._optimizer if strategy.optimizer_in_backward else None
-        try:
-            result = closure() if closure is not None else None
-        finally:
-            not_taken, strategy._stepping = strategy._stepping, None
-        if not strategy.optimizer_in_backward or not_taken is not None:
-            # No backward stepped the shards (the closure's step returned None: no backward, as on the last batch
-            # of an accumulation window that skips): step them on the gradients accumulated so far, as torch's
-            # optimizer steps whatever a closure leaves.
-            strategy._step_shards(self._optimizer)
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._optimizer, name)
 
 
 StrategyRegistry.register(
