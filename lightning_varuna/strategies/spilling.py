@@ -13,12 +13,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
-from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 from torchmetrics import Metric
@@ -42,14 +39,19 @@ from lightning_varuna.spilling.packing import SegmentMemory, parse_bytes
 from lightning_varuna.spilling.planning import plan_shards
 from lightning_varuna.spilling.shards import ShardedModel, any_time
 from lightning_varuna.storage import Storage
-from lightning_varuna.strategies.callback_hooks import callbacks_of, restore_callback_hooks
+from lightning_varuna.strategies.callback_hooks import restore_callback_hooks
 from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import InProcessLauncher
 from lightning_varuna.strategies.mid_epoch_resume import accumulate_as_scheduled
 from lightning_varuna.strategies.model_summary import summarize_whole_model
 from lightning_varuna.strategies.optimizers import optimized_parameters, torch_optimizer
-from lightning_varuna.strategies.requirements import WEIGHT_AVERAGING, require_automatic_optimization
+from lightning_varuna.strategies.spilling_requirements import (
+    check_callbacks_of_spilled_model,
+    check_module_to_spill,
+    one_optimizer,
+    shards_may_step_in_backward,
+)
 
 __all__ = ["SpillingStrategy"]
 
@@ -201,77 +203,49 @@ class SpillingStrategy(SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if self.root_device.type not in ("cpu", "cuda"):
-            raise NotImplementedError(
-                f"SpillingStrategy runs on the CPU or a CUDA GPU; `{self.root_device}` is not supported. "
-                "Use `Trainer(accelerator='cpu')` or `'gpu'`."
-            )
-        require_automatic_optimization(
-            self._module, "SpillingStrategy", "the forward and backward of `training_step` shard by shard"
-        )
-        if self._module._compiler_ctx is not None:
-            raise ValueError(
-                "SpillingStrategy cannot train a LightningModule compiled whole (`torch.compile(model)`): its forward "
-                "runs shard by shard, over parameters that are spilled between their turns. Pass the module itself; "
-                "compiling its parts inside it (`self.net = torch.compile(net)`) works."
-            )
+        """Cut the model into shards that fit the budget (measured on the first batch) and spill them."""
+        check_module_to_spill(self._module, self.root_device)
         super().setup(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # fp16's ("16-mixed")
             shardwise(scaler)
         summarize_whole_model(trainer, ModelSkeleton(self._module, device=torch.device("meta")))
         if self._sharded is None:
-            # Measuring runs the model: training's random numbers and BatchNorm's statistics stay as they are, and
-            # the forward's new tensors get the precision's dtype as in the steps (a "true" precision sets it).
-            devices = [self.root_device] if self.root_device.type == "cuda" else []
-            with (
-                torch.random.fork_rng(devices=devices),
-                buffers_kept(self._module),
-                self.precision_plugin.tensor_init_context(),
-            ):
-                self._sharded = self._shard(trainer)
+            self._sharded = self._shard(trainer)
         route_gradient_clipping(self.precision_plugin, self._clip_by_norm, self._clip_by_value)
-        optimizer = self.optimizers[0] if self.optimizers else None
-        if len(self.optimizers) > 1:
-            raise ValueError("SpillingStrategy trains with one optimizer; `configure_optimizers` returned several.")
-        parameter_group_names([torch_optimizer(o) for o in self.optimizers], self._module)  # each one the module's
+        optimizer = one_optimizer(self.optimizers, self._module)
         if not self._sharded.stays:
-            _refuse_callbacks_reading_every_weight(trainer, len(self.shards))
-            _refuse_finetuning_of_parameters_outside(trainer, optimizer)
-            _note_spilled_gradients(trainer)
+            check_callbacks_of_spilled_model(trainer, len(self.shards), optimizer)
         self._sharded.spill_all(optimizer, fill=self._parked.unpark if self._parked is not None else None)
         self._parked = None
-        self.optimizer_in_backward = self._can_step_in_backward(trainer)
-
-    def _can_step_in_backward(self, trainer: pl.Trainer) -> bool:
-        """Whether each shard may step as soon as its backward is done: nothing between Lightning's backward and
-        its optimizer step needs every shard's gradients (no gradient clipping, no ``on_before_optimizer_step``)."""
-        return not (
-            self._scaler() is not None  # an fp16 overflow in any shard skips the step of every shard
-            or trainer.gradient_clip_val
-            or is_overridden("configure_gradient_clipping", self._module, pl.LightningModule)
-            or _gradient_readers(trainer)
-        )
+        self.optimizer_in_backward = shards_may_step_in_backward(trainer, loss_scaled=self._scaler() is not None)
 
     def _shard(self, trainer: pl.Trainer) -> ShardedModel:
         module = self._module
         assert trainer.state.fn is not None
-        batch = self.batch_to_device(first_batch(trainer))
-        args, kwargs = capture_forward_inputs(module, STEP_OF_FN[trainer.state.fn], batch)
-        plan = plan_shards(
-            module,
-            args,
-            kwargs,
-            self.root_device,
-            self.memory_budget,
-            self.spill_dir,
-            self.prefetch,
-            self._tracing,
-            self._turn,
-            whole_stays=self._keeps_whole_model(),
-            training=trainer.state.fn == TrainerFn.FITTING,
-            stepped=[p for optimizer in self.optimizers for p in optimized_parameters(optimizer)],
-        )
+        # Measuring runs the model: training's random numbers and BatchNorm's statistics stay as they are, and the
+        # forward's new tensors get the precision's dtype as in the steps (a "true" precision sets it).
+        with (
+            torch.random.fork_rng(devices=[self.root_device] if self.root_device.type == "cuda" else []),
+            buffers_kept(module),
+            self.precision_plugin.tensor_init_context(),
+        ):
+            batch = self.batch_to_device(first_batch(trainer))
+            args, kwargs = capture_forward_inputs(module, STEP_OF_FN[trainer.state.fn], batch)
+            plan = plan_shards(
+                module,
+                args,
+                kwargs,
+                self.root_device,
+                self.memory_budget,
+                self.spill_dir,
+                self.prefetch,
+                self._tracing,
+                self._turn,
+                whole_stays=self._keeps_whole_model(),
+                training=trainer.state.fn == TrainerFn.FITTING,
+                stepped=[p for optimizer in self.optimizers for p in optimized_parameters(optimizer)],
+            )
         self.segment_memory, self.kept_bytes = plan.segment_memory, plan.kept_bytes
         self.shards, self.budget_bytes = plan.shards, plan.budget
         self.recomputing_shards = [k for k, keeps in enumerate(plan.model.packing.keeps[:-1]) if not keeps]
@@ -462,52 +436,6 @@ class SpillingStrategy(SingleDeviceStrategy):
             self.checkpoint_io.teardown()
             return
         super().teardown()
-
-
-def _gradient_readers(trainer: pl.Trainer) -> list[str]:
-    """The module and callbacks with an ``on_before_optimizer_step``: it reads the gradients between the backward
-    and the step."""
-    module = trainer.lightning_module
-    readers = [module] if is_overridden("on_before_optimizer_step", module, pl.LightningModule) else []
-    readers += [c for c in trainer.callbacks if is_overridden("on_before_optimizer_step", c, pl.Callback)]  # type: ignore[attr-defined]
-    return [type(reader).__name__ for reader in readers]
-
-
-def _note_spilled_gradients(trainer: pl.Trainer) -> None:
-    readers = _gradient_readers(trainer)
-    if readers and trainer.state.fn == TrainerFn.FITTING:
-        rank_zero_info(
-            f"SpillingStrategy: the `on_before_optimizer_step` of {', '.join(f'`{r}`' for r in readers)} sees the "
-            "gradients of the parameters on the device only: a spilled parameter holds no `.grad` there. "
-            "`lightning_varuna.grad_norm(self)` gives every parameter's gradient norm (Lightning's `grad_norm` "
-            "misses the spilled ones)."
-        )
-
-
-def _refuse_callbacks_reading_every_weight(trainer: pl.Trainer, shards: int) -> None:
-    """Weight averaging (SWA, EMA) copies every parameter after each step, where spilled ones hold no elements."""
-    averaging = callbacks_of(trainer, WEIGHT_AVERAGING)
-    if averaging:
-        raise ValueError(
-            f"`{type(averaging[0]).__name__}` averages every parameter of the model after each step, but "
-            f"SpillingStrategy keeps them spilled there ({shards} shard(s), not staying on the device). Give the model "
-            "a `memory_budget` that holds it in one shard, or train it without the callback."
-        )
-
-
-def _refuse_finetuning_of_parameters_outside(trainer: pl.Trainer, optimizer: Any) -> None:
-    """Lightning's `BaseFinetuning` finds the parameters it unfreezes among the optimizer's by their values, which
-    spilled parameters do not hold: all would look alike."""
-    finetuning = callbacks_of(trainer, BaseFinetuning)
-    if not finetuning or optimizer is None:
-        return
-    held = {id(p) for p in optimized_parameters(optimizer)}
-    if any(id(p) not in held for p in trainer.lightning_module.parameters()):
-        raise ValueError(
-            f"`{type(finetuning[0]).__name__}` would add the parameters it unfreezes to the optimizer, finding them "
-            "by their values, which a spilled model's parameters do not hold. Build the optimizer over all of the "
-            "model's parameters (`self.parameters()`): the frozen ones get no gradients and stay as they are."
-        )
 
 
 StrategyRegistry.register(
