@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Generator, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -17,7 +16,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 from torchmetrics import Metric
 from typing_extensions import override
 
@@ -25,6 +24,7 @@ from lightning_varuna.checkpoint.consolidate import RUN_SHAPE
 from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.checkpoint.sharded import SavedTensors, ShardedCheckpoints
 from lightning_varuna.checkpoint.state import OPTIMIZER_PARAMETER_NAMES, TensorsByName, parameter_group_names
+from lightning_varuna.data.one_device import resumable_on_one_device
 from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.discovery import buffers_kept
 from lightning_varuna.partition.skeleton import ModelSkeleton
@@ -153,18 +153,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         """Make the training DataLoader resumable mid-epoch (a map-style dataset read in order or shuffled)."""
         if self._module.trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
             return dataloader
-        sampler, batch_size = dataloader.sampler, dataloader.batch_size
-        if type(sampler) not in (SequentialSampler, RandomSampler) or batch_size is None:
-            return dataloader
-        if isinstance(sampler, RandomSampler) and (
-            sampler.replacement or sampler.num_samples != len(sampler.data_source) or sampler.generator is not None
-        ):
-            return dataloader  # an order of the user's own making
-        shuffle, seed = isinstance(sampler, RandomSampler), int(os.getenv("PL_GLOBAL_SEED", 0))
-        one_replica: DistributedSampler = DistributedSampler(
-            dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed
-        )
-        return self._data.resumable(dataloader, one_replica, batch_size, replicas=1)
+        return resumable_on_one_device(dataloader, self._data)
 
     @override
     def on_train_start(self) -> None:
