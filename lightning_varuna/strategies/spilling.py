@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +21,14 @@ from torch.utils.data import DataLoader
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_varuna.checkpoint.consolidate import RUN_SHAPE
 from lightning_varuna.checkpoint.layout import run_shape
-from lightning_varuna.checkpoint.sharded import SavedTensors, ShardedCheckpoints
-from lightning_varuna.checkpoint.state import OPTIMIZER_PARAMETER_NAMES, TensorsByName, parameter_group_names
 from lightning_varuna.data.one_device import resumable_on_one_device
 from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.discovery import buffers_kept
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
-from lightning_varuna.spilling.checkpoints import checkpoint_pieces, load_model, load_optimizer
+from lightning_varuna.spilling.checkpoints import SpilledCheckpoints
 from lightning_varuna.spilling.folder import SpillFolder
 from lightning_varuna.spilling.grad_scaler import ShardwiseGradScaler, shardwise
 from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
@@ -112,8 +110,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         # way to pass it on, and its backward steps or unscales the shards as the step says.
         self._step: ShardwiseStep | None = None
         self.checkpoint_storage = Storage(storage_options)
-        self._checkpoints = ShardedCheckpoints(self.checkpoint_storage)
-        self._loading: SavedTensors | TensorsByName | None = None  # the checkpoint being restored
+        self._checkpoints = SpilledCheckpoints(self.checkpoint_storage)
         self._data = DataProgress()
         self._batch_size: int | None = None  # the largest training batch so far
         self._parked: ParkedSegments | None = None  # segments of a meta-device model materialized at set-up
@@ -352,51 +349,28 @@ class SpillingStrategy(SingleDeviceStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write a sharded checkpoint (VarunaStrategy's format) to the folder ``filepath`` (any fsspec URL), one shard
         at a time: the model is never gathered."""
-        lightning_state = dict(checkpoint)
-        lightning_state.pop("state_dict", None)
-        with_optimizer = lightning_state.pop("optimizer_states", None) is not None
         shape = run_shape(1, 1, None, self._batch_size, self._data.saved(self._module.trainer))
-        optimizer = torch_optimizer(self.optimizers[0]) if with_optimizer and self.optimizers else None
-        if optimizer is not None:
-            lightning_state[OPTIMIZER_PARAMETER_NAMES] = parameter_group_names([optimizer], self._module)
-        pieces = checkpoint_pieces(self._module, optimizer, self._visit)
-        self._checkpoints.save_pieces(pieces, lightning_state, str(filepath), shape, storage_options)
+        optimizer = torch_optimizer(self.optimizers[0]) if self.optimizers else None
+        self._checkpoints.save(checkpoint, str(filepath), shape, self._module, optimizer, self._visit, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """The training state of a checkpoint of SpillingStrategy or VarunaStrategy (any shape), or of a plain
         Lightning checkpoint file; its tensors are read a shard at a time by `load_model_state_dict` and
         `load_optimizer_state_dict`."""
-        url = str(checkpoint_path)
-        fs, path = self.checkpoint_storage.fs(url)
         optimizers = [torch_optimizer(o) for o in self.optimizers]
-        if fs.isfile(path):
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-            self._data.restore((checkpoint.get(RUN_SHAPE) or {}).get("data_position"), checkpoint.get("loops", {}))
-            self._loading = TensorsByName(checkpoint, self._module, optimizers)
-        else:
-            saved = SavedTensors(self.checkpoint_storage, url)
-            checkpoint = saved.training_state()
-            self._data.restore(saved.info.shape.get("data_position"), checkpoint.get("loops", {}))
-            self._loading = saved
-        checkpoint["state_dict"] = {}
-        if self._loading.has_optimizer_state:
-            checkpoint["optimizer_states"] = [{} for _ in optimizers]
+        load_file = partial(super().load_checkpoint, checkpoint_path, weights_only)
+        checkpoint, shape = self._checkpoints.load(str(checkpoint_path), self._module, optimizers, load_file)
+        self._data.restore(shape.get("data_position"), checkpoint.get("loops", {}))
         return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        load_model(self._module, self._saved_tensors(), self._visit)
+        self._checkpoints.load_model(self._module, self._visit)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        load_optimizer(self._module, torch_optimizer(self.optimizers[0]), self._saved_tensors(), self._visit)
-        self._loading = None
-
-    def _saved_tensors(self) -> SavedTensors | TensorsByName:
-        if self._loading is None:
-            raise RuntimeError("SpillingStrategy reads a checkpoint's tensors after `load_checkpoint`.")
-        return self._loading
+        self._checkpoints.load_optimizer(self._module, torch_optimizer(self.optimizers[0]), self._visit)
 
     def _visit(self, parts: tuple[str, ...] = (), write: tuple[str, ...] = ()) -> Iterator[list[nn.Parameter]]:
         """The model's parameters a shard at a time (`ShardedModel.visit`); all at once if it is not spilled."""
