@@ -49,7 +49,8 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerE
 
 # Private attributes and formats read or changed:
 # - `LightningModule._compiler_ctx`, set by `Trainer.fit` for a module compiled whole (`torch.compile(model)`), which
-#   SpillingStrategy refuses: strategies/spilling.py. tests/test_spilling.py::test_a_model_compiled_whole_is_refused.
+#   SpillingStrategy refuses: strategies/spilling_requirements.py.
+#   tests/test_spilling.py::test_a_model_compiled_whole_is_refused.
 # - `trainer._checkpoint_connector` (its class is swapped for the extended connector): strategies/launchers.py.
 # - `loop._data_source.dataloader()`: the first batch of the running loop, to trace the model at start-up, and
 #   `LightningModule._on_before_batch_transfer`, through which the loop passes each batch: strategies/first_batch.py.

@@ -5,9 +5,9 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_varuna.strategies.spilling import SpillingStrategy
+from lightning_varuna.spilling.spilled_grad_norms import SpilledGradNorms
 
 __all__ = ["grad_norm"]
 
@@ -25,7 +25,9 @@ def grad_norm(module: pl.LightningModule, norm_type: float | str = 2, group_sepa
             self.log_dict(lightning_varuna.grad_norm(self))
     """
     strategy = module._trainer.strategy if module._trainer is not None else None
-    spilled = strategy.spilled_grad_norms() if isinstance(strategy, SpillingStrategy) else {}
+    spilled: dict[nn.Parameter, Tensor] = {}
+    if isinstance(strategy, SpilledGradNorms):
+        spilled = strategy.spilled_grad_norms()
     if not spilled:
         return lightning_grad_norm(module, norm_type, group_separator)  # type: ignore[return-value]  # tensors
     if float(norm_type) != 2.0:

@@ -127,24 +127,23 @@ class MultiModelTrainer:
         spill_dir = None if self.spill_dir is None else Path(self.spill_dir) / f"model{len(self._members)}"
         if spill_dir is not None:
             spill_dir.mkdir(parents=True, exist_ok=True)
-        strategy = _SweepMemberStrategy(
-            self.scheduler,
-            name,
-            memory_budget=self.memory_budget,
-            spill_dir=spill_dir,
-            prefetch=self.prefetch,
-            storage_options=self.storage_options,
-        )
         member = _Member(
             name,
             model,
-            strategy,
             dict(
                 datamodule=datamodule,
                 train_dataloaders=train_dataloaders,
                 val_dataloaders=val_dataloaders,
                 ckpt_path=ckpt_path,
             ),
+        )
+        strategy = _SweepMemberStrategy(
+            self.scheduler,
+            member,
+            memory_budget=self.memory_budget,
+            spill_dir=spill_dir,
+            prefetch=self.prefetch,
+            storage_options=self.storage_options,
         )
         trainer_kwargs.setdefault("enable_progress_bar", False)
         trainer_kwargs.setdefault("enable_model_summary", False)
@@ -185,7 +184,7 @@ class MultiModelTrainer:
         else:
             stays = [self.keep_on_device] * len(self._members)
         for member, member_stays in zip(self._members, stays):
-            member.strategy._whole_model_stays = member_stays
+            member.stays_on_device = member_stays
         self.results = [ModelResult(m.name, m.trainer) for m in self._members]
         self._display = SweepDisplay([m.name for m in self._members]) if self.enable_progress_bar else None
         if not torch.cuda.is_available():
@@ -278,9 +277,9 @@ class MultiModelTrainer:
 class _Member:
     name: str
     model: pl.LightningModule
-    strategy: _SweepMemberStrategy
     fit_kwargs: dict[str, Any]
     trainer: pl.Trainer = field(init=False)
+    stays_on_device: bool = False  # if it fits its budget in one shard (`keep_on_device`, decided by `fit`)
     last_loss: float | None = None
     steps_before: int | None = None  # the global step at which this sweep's training started
 
@@ -289,10 +288,9 @@ class _SweepMemberStrategy(SpillingStrategy):
     """`SpillingStrategy` whose shards wait for the sweep's devices; its set-up (which runs the model to measure it)
     holds a device and torch's global generator, and it traces its forward while the other models wait."""
 
-    def __init__(self, scheduler: DeviceScheduler, name: str, **kwargs: Any) -> None:
+    def __init__(self, scheduler: DeviceScheduler, member: _Member, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.scheduler, self.sweep_name = scheduler, name
-        self._whole_model_stays = False  # the models share the device: `fit` decides which stay (`keep_on_device`)
+        self.scheduler, self.sweep_name, self._member = scheduler, member.name, member
 
     @override
     def _configure_launcher(self) -> None:
@@ -306,7 +304,6 @@ class _SweepMemberStrategy(SpillingStrategy):
         clock.size = sum(m.state_bytes + m.activation_bytes for m in self.segment_memory)
         if not self.forward_draws:  # measured holding the generator: none of its turns needs it, not even its first
             clock.draws.update({(i, self._module.training): False for i in range(len(self.shards))})
-        self._sharded_model().turn = self._turn
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -331,8 +328,13 @@ class _SweepMemberStrategy(SpillingStrategy):
     def _tracing(self) -> AbstractContextManager[None]:
         return self.scheduler.alone(self.sweep_name)
 
+    @override
     def _turn(self, work: str, shard: int) -> AbstractContextManager[bool]:
         return self.scheduler.turn(self.sweep_name, work, shard, training=self._module.training)
+
+    @override
+    def _keeps_whole_model(self) -> bool:
+        return self._member.stays_on_device
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -30,7 +30,7 @@ from lightning_varuna.spilling.packing import (
     smallest_budgets,
 )
 from lightning_varuna.spilling.segments import Segments, WholeModel
-from lightning_varuna.spilling.shards import ShardedModel
+from lightning_varuna.spilling.shards import ShardedModel, Turn, any_time
 from lightning_varuna.spilling.store import SpillStore
 
 __all__ = ["ShardPlan", "plan_shards"]
@@ -72,13 +72,15 @@ def plan_shards(
     spill_dir: Path | None,
     prefetch: bool,
     tracing: Callable[[], AbstractContextManager[None]] = nullcontext,
+    turn: Turn = any_time,
     whole_stays: bool = True,
     training: bool = True,
     stepped: list[nn.Parameter] | None = None,
 ) -> ShardPlan:
     """Shards of ``module`` for a budget of ``memory_budget`` on ``device`` (see `resolve_budget`),
     measured on the forward inputs ``args, kwargs``; spilled to ``spill_dir`` (None: host memory). Each trace of the
-    forward (now, and for inputs of a new shape) runs inside ``tracing()``.
+    forward (now, and for inputs of a new shape) runs inside ``tracing()``, each piece of a shard's work inside
+    ``turn(work, shard)`` (`ShardedModel`).
 
     A model that fits in one shard runs whole, by its own forward: it is not traced, and with ``whole_stays`` it
     stays on the device (it fits the budget: nothing need be spilled). A model on the meta device is cut, and
@@ -126,7 +128,7 @@ def plan_shards(
     where = None if stays else f"`{folder.name}`" if folder is not None else "host memory"
     _log_plan(packing, in_segments, memory, budget, kept, prefetch, where)
     activations = [sum(memory[s].activation_bytes for s in shard) for shard in packing.shards]
-    model = ShardedModel(segments, segment_modules, packing, store, activations, stays=stays)
+    model = ShardedModel(segments, segment_modules, packing, store, activations, stays=stays, turn=turn)
     return ShardPlan(model, in_segments, memory, kept, parked, folder, forward_draws, budget)
 
 

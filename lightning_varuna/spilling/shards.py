@@ -31,7 +31,16 @@ from lightning_varuna.spilling.saved_parameters import parameters_saved_by_refer
 from lightning_varuna.spilling.segments import Segments, WholeModel
 from lightning_varuna.spilling.store import SpillStore
 
-__all__ = ["Shard", "ShardedModel"]
+__all__ = ["Shard", "ShardedModel", "Turn", "any_time"]
+
+# ``turn(work, shard)``: a context in which ``shard``'s ``work`` ("forward", "backward" or "step") runs; it yields
+# whether it holds torch's global generator.
+Turn = Callable[[str, int], AbstractContextManager[bool]]
+
+
+def any_time(work: str, shard: int) -> AbstractContextManager[bool]:
+    """The turn of a model alone on its device: at once, holding torch's global generator."""
+    return nullcontext(True)
 
 
 @dataclass
@@ -94,11 +103,10 @@ class ShardedModel:
         store: where spilled shards wait.
         activation_bytes: what each shard's forward keeps for its backward, as measured.
         stays: keep every shard on the device, never spilled (a model that fits its budget in one shard).
-
-    Each piece of a shard's work (its forward, its backward, its optimizer step) runs inside ``turn(work, shard)``,
-    ``work`` being "forward", "backward" or "step": a sweep of models (`MultiModelTrainer`) waits there for a device.
-    The turn yields whether it holds torch's global generator: only then is a forward's random state kept to be
-    replayed by its recompute (a turn that does not hold it runs a shard found to draw no random numbers).
+        turn: each piece of a shard's work (its forward, its backward, its optimizer step) runs inside
+            ``turn(work, shard)``: a sweep of models (`MultiModelTrainer`) waits there for a device. The turn yields
+            whether it holds torch's global generator: only then is a forward's random state kept to be replayed by
+            its recompute (a turn that does not hold it runs a shard found to draw no random numbers).
     """
 
     def __init__(
@@ -109,9 +117,10 @@ class ShardedModel:
         store: SpillStore,
         activation_bytes: list[int],
         stays: bool = False,
+        turn: Turn = any_time,
     ) -> None:
         self.segments, self.store, self.packing = segments, store, packing
-        self.stays = stays
+        self.stays, self._turn = stays, turn
         self._activation_bytes = activation_bytes
         self._shard_of = {s: k for k, shard in enumerate(packing.shards) for s in shard}
         # A shard spills the parameters only its segments use; the others (tied weights) stay on the device.
@@ -130,7 +139,6 @@ class ShardedModel:
         self._optimizer: torch.optim.Optimizer | None = None
         self._calls: list[_Call] = []  # the calls with gradients since the last backward
         self._kept_activations = 0  # of those calls' shards that keep them (beyond the first call's last shard)
-        self.turn: Callable[[str, int], AbstractContextManager[bool]] = lambda work, shard: nullcontext(True)
         self._allow_outside_calls: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------------------------------ residency
@@ -242,7 +250,7 @@ class ShardedModel:
         if training and self._calls:
             _refuse_inputs_from_earlier_calls(args, kwargs)
         for shard in self.shards:
-            with self.turn("forward", shard.index) as holds_generator:
+            with self._turn("forward", shard.index) as holds_generator:
                 keeps = training and self._keeps(shard)
                 self._forward_shard(call, shard, training, keeps, replayable=training and holds_generator)
         if training:
@@ -321,16 +329,16 @@ class ShardedModel:
         self._calls, self._kept_activations = [], 0
 
     # ------------------------------------------------------------------------------------------- backward
+    @contextmanager
     def backward(
         self,
-        loss: Tensor,
-        backward: Callable[[Tensor], None],
         optimizer: torch.optim.Optimizer | None = None,
         unscale: Callable[[list[nn.Parameter]], None] | None = None,
-    ) -> None:
-        """``backward(loss)`` through the last shard, then each earlier shard, in reverse, backpropagated for every
-        call of the step (from the activations it kept, or computed again); each shard's gradients (summed into those
-        of earlier batches) are spilled with it.
+    ) -> Iterator[None]:
+        """The step's backward, shard by shard: the block backpropagates the loss through the last shard (on the
+        device, with the gradients of earlier batches); then each shard, in reverse, is backpropagated for every call
+        of the step (from the activations it kept, or computed again); each shard's gradients (summed into those of
+        earlier batches) are spilled with it.
 
         With ``optimizer``, each shard steps as soon as its gradients are complete, while it is on the device
         (nothing needs the gradients of all shards first: no clipping by their norm), and only its parameters and
@@ -342,11 +350,11 @@ class ShardedModel:
         self._optimizer = optimizer or self._optimizer
         parts = ("grads", "state") if optimizer is not None else ("grads",)
         for shard in reversed(self.shards):
-            with self.turn("backward", shard.index) as holds_generator:
+            with self._turn("backward", shard.index) as holds_generator:
                 self._bring(shard, parts)
                 with self._fetching(shard.index, shard.index - 1, parts):
                     if shard.index == len(self.shards) - 1:
-                        backward(loss)
+                        yield  # the loss's backward
                     for call in reversed(calls):
                         self._backward_through(call, shard, replay=holds_generator)
                 if optimizer is not None:
@@ -358,8 +366,13 @@ class ShardedModel:
                     shard.grad_norms = _grad_norms(shard.params)
                     self._evict(shard, write=("grads",))
         if optimizer is not None and self.resident_params:
-            with self.turn("step", len(self.shards)):
+            with self._turn("step", len(self.shards)):
                 self._step_shard(optimizer, self.resident_params, keep_grads=True)
+
+    def spilled_grad_norms(self) -> dict[nn.Parameter, Tensor]:
+        """The 2-norm of each spilled parameter's gradient after the last backward (a spilled parameter holds no
+        ``.grad``); none while the model stays on the device."""
+        return {} if self.stays else {p: norm for shard in self.shards for p, norm in shard.grad_norms.items()}
 
     def _backward_through(self, call: _Call, shard: Shard, replay: bool) -> None:
         """Backpropagate the gradients of ``shard``'s outputs in ``call`` through it: from the activations its forward
@@ -411,7 +424,7 @@ class ShardedModel:
             ordered = [norms[p] for group in optimizer.param_groups for p in group["params"] if p in norms]
             total = torch.linalg.vector_norm(torch.stack(ordered)) if ordered else torch.zeros(())
         for shard in self.shards:
-            with self.turn("step", shard.index):
+            with self._turn("step", shard.index):
                 self._bring(shard, ("grads", "state"))
                 with self._fetching(shard.index, shard.index + 1, ("grads", "state")):
                     if clip is not None and total is not None:
@@ -419,7 +432,7 @@ class ShardedModel:
                     self._step_shard(optimizer, shard.params)
                 self._evict(shard, write=("params", "grads", "state"))
         if self.resident_params:
-            with self.turn("step", len(self.shards)):
+            with self._turn("step", len(self.shards)):
                 if clip is not None and total is not None:
                     clip(self.resident_params, total)
                 self._step_shard(optimizer, self.resident_params, keep_grads=True)

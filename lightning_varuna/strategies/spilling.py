@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Generator, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,42 +13,43 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
-from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_varuna.checkpoint.consolidate import RUN_SHAPE
 from lightning_varuna.checkpoint.layout import run_shape
-from lightning_varuna.checkpoint.sharded import SavedTensors, ShardedCheckpoints
-from lightning_varuna.checkpoint.state import OPTIMIZER_PARAMETER_NAMES, TensorsByName, parameter_group_names
+from lightning_varuna.data.one_device import resumable_on_one_device
 from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.discovery import buffers_kept
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
-from lightning_varuna.spilling.checkpoints import checkpoint_pieces, load_model, load_optimizer
+from lightning_varuna.spilling.checkpoints import SpilledCheckpoints
 from lightning_varuna.spilling.folder import SpillFolder
 from lightning_varuna.spilling.grad_scaler import ShardwiseGradScaler, shardwise
 from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
+from lightning_varuna.spilling.optimizer_step import ShardwiseStep
 from lightning_varuna.spilling.packing import SegmentMemory, parse_bytes
 from lightning_varuna.spilling.planning import plan_shards
-from lightning_varuna.spilling.shards import ShardedModel
+from lightning_varuna.spilling.shards import ShardedModel, any_time
 from lightning_varuna.storage import Storage
-from lightning_varuna.strategies.callback_hooks import callbacks_of, restore_callback_hooks
+from lightning_varuna.strategies.callback_hooks import restore_callback_hooks
 from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import InProcessLauncher
 from lightning_varuna.strategies.mid_epoch_resume import accumulate_as_scheduled
 from lightning_varuna.strategies.model_summary import summarize_whole_model
 from lightning_varuna.strategies.optimizers import optimized_parameters, torch_optimizer
-from lightning_varuna.strategies.requirements import WEIGHT_AVERAGING, require_automatic_optimization
+from lightning_varuna.strategies.spilling_requirements import (
+    check_callbacks_of_spilled_model,
+    check_module_to_spill,
+    one_optimizer,
+    shards_may_step_in_backward,
+)
 
 __all__ = ["SpillingStrategy"]
 
@@ -97,7 +98,6 @@ class SpillingStrategy(SingleDeviceStrategy):
         self._devices: list[torch.device] = []
         self._sharded: ShardedModel | None = None
         self._folder: SpillFolder | None = None
-        self._clip: tuple[str, float] | None = None
         self.shards: list[list[int]] = []  # the segments of each shard, chosen at set-up
         self.recomputing_shards: list[int] = []  # those that compute their forward again in backward (no room)
         self.budget_bytes: int | None = None  # `memory_budget` in bytes, at set-up
@@ -106,16 +106,14 @@ class SpillingStrategy(SingleDeviceStrategy):
         self.kept_bytes = 0  # what stays on the device throughout (boundary activations, buffers, tied weights)
         self.optimizer_in_backward = False  # each shard steps right after its backward (decided at set-up)
         self.forward_draws = True  # whether the forward drew random numbers (CPU's or GPU's) when measured at set-up
-        self._stepping: torch.optim.Optimizer | None = None  # the optimizer whose step runs the current closure
-        self._unscaling = False  # the current backward is the last before a step: fp16's scaler unscales it
+        # The optimizer step whose closure runs now: Lightning calls `backward` (and clipping) from inside it with no
+        # way to pass it on, and its backward steps or unscales the shards as the step says.
+        self._step: ShardwiseStep | None = None
         self.checkpoint_storage = Storage(storage_options)
-        self._checkpoints = ShardedCheckpoints(self.checkpoint_storage)
-        self._loading: SavedTensors | TensorsByName | None = None  # the checkpoint being restored
+        self._checkpoints = SpilledCheckpoints(self.checkpoint_storage)
         self._data = DataProgress()
         self._batch_size: int | None = None  # the largest training batch so far
         self._parked: ParkedSegments | None = None  # segments of a meta-device model materialized at set-up
-        # A model that fits its budget in one shard stays on the device (a sweep's may not: they share it).
-        self._whole_model_stays = True
 
     # ------------------------------------------------------------------------------------------- the device
     @property
@@ -152,18 +150,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         """Make the training DataLoader resumable mid-epoch (a map-style dataset read in order or shuffled)."""
         if self._module.trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
             return dataloader
-        sampler, batch_size = dataloader.sampler, dataloader.batch_size
-        if type(sampler) not in (SequentialSampler, RandomSampler) or batch_size is None:
-            return dataloader
-        if isinstance(sampler, RandomSampler) and (
-            sampler.replacement or sampler.num_samples != len(sampler.data_source) or sampler.generator is not None
-        ):
-            return dataloader  # an order of the user's own making
-        shuffle, seed = isinstance(sampler, RandomSampler), int(os.getenv("PL_GLOBAL_SEED", 0))
-        one_replica: DistributedSampler = DistributedSampler(
-            dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed
-        )
-        return self._data.resumable(dataloader, one_replica, batch_size, replicas=1)
+        return resumable_on_one_device(dataloader, self._data)
 
     @override
     def on_train_start(self) -> None:
@@ -202,76 +189,49 @@ class SpillingStrategy(SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if self.root_device.type not in ("cpu", "cuda"):
-            raise NotImplementedError(
-                f"SpillingStrategy runs on the CPU or a CUDA GPU; `{self.root_device}` is not supported. "
-                "Use `Trainer(accelerator='cpu')` or `'gpu'`."
-            )
-        require_automatic_optimization(
-            self._module, "SpillingStrategy", "the forward and backward of `training_step` shard by shard"
-        )
-        if self._module._compiler_ctx is not None:
-            raise ValueError(
-                "SpillingStrategy cannot train a LightningModule compiled whole (`torch.compile(model)`): its forward "
-                "runs shard by shard, over parameters that are spilled between their turns. Pass the module itself; "
-                "compiling its parts inside it (`self.net = torch.compile(net)`) works."
-            )
+        """Cut the model into shards that fit the budget (measured on the first batch) and spill them."""
+        check_module_to_spill(self._module, self.root_device)
         super().setup(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # fp16's ("16-mixed")
             shardwise(scaler)
         summarize_whole_model(trainer, ModelSkeleton(self._module, device=torch.device("meta")))
         if self._sharded is None:
-            # Measuring runs the model: training's random numbers and BatchNorm's statistics stay as they are, and
-            # the forward's new tensors get the precision's dtype as in the steps (a "true" precision sets it).
-            devices = [self.root_device] if self.root_device.type == "cuda" else []
-            with (
-                torch.random.fork_rng(devices=devices),
-                buffers_kept(self._module),
-                self.precision_plugin.tensor_init_context(),
-            ):
-                self._sharded = self._shard(trainer)
-        route_gradient_clipping(self.precision_plugin, self._request_clip_by_norm, self._request_clip_by_value)
-        optimizer = self.optimizers[0] if self.optimizers else None
-        if len(self.optimizers) > 1:
-            raise ValueError("SpillingStrategy trains with one optimizer; `configure_optimizers` returned several.")
-        parameter_group_names([torch_optimizer(o) for o in self.optimizers], self._module)  # each one the module's
+            self._sharded = self._shard(trainer)
+        route_gradient_clipping(self.precision_plugin, self._clip_by_norm, self._clip_by_value)
+        optimizer = one_optimizer(self.optimizers, self._module)
         if not self._sharded.stays:
-            _refuse_callbacks_reading_every_weight(trainer, len(self.shards))
-            _refuse_finetuning_of_parameters_outside(trainer, optimizer)
-            _note_spilled_gradients(trainer)
+            check_callbacks_of_spilled_model(trainer, len(self.shards), optimizer)
         self._sharded.spill_all(optimizer, fill=self._parked.unpark if self._parked is not None else None)
         self._parked = None
-        self.optimizer_in_backward = self._can_step_in_backward(trainer)
-
-    def _can_step_in_backward(self, trainer: pl.Trainer) -> bool:
-        """Whether each shard may step as soon as its backward is done: nothing between Lightning's backward and
-        its optimizer step needs every shard's gradients (no gradient clipping, no ``on_before_optimizer_step``)."""
-        return not (
-            self._scaler() is not None  # an fp16 overflow in any shard skips the step of every shard
-            or trainer.gradient_clip_val
-            or is_overridden("configure_gradient_clipping", self._module, pl.LightningModule)
-            or _gradient_readers(trainer)
-        )
+        self.optimizer_in_backward = shards_may_step_in_backward(trainer, loss_scaled=self._scaler() is not None)
 
     def _shard(self, trainer: pl.Trainer) -> ShardedModel:
         module = self._module
         assert trainer.state.fn is not None
-        batch = self.batch_to_device(first_batch(trainer))
-        args, kwargs = capture_forward_inputs(module, STEP_OF_FN[trainer.state.fn], batch)
-        plan = plan_shards(
-            module,
-            args,
-            kwargs,
-            self.root_device,
-            self.memory_budget,
-            self.spill_dir,
-            self.prefetch,
-            self._tracing,
-            whole_stays=self._whole_model_stays,
-            training=trainer.state.fn == TrainerFn.FITTING,
-            stepped=[p for optimizer in self.optimizers for p in optimized_parameters(optimizer)],
-        )
+        # Measuring runs the model: training's random numbers and BatchNorm's statistics stay as they are, and the
+        # forward's new tensors get the precision's dtype as in the steps (a "true" precision sets it).
+        with (
+            torch.random.fork_rng(devices=[self.root_device] if self.root_device.type == "cuda" else []),
+            buffers_kept(module),
+            self.precision_plugin.tensor_init_context(),
+        ):
+            batch = self.batch_to_device(first_batch(trainer))
+            args, kwargs = capture_forward_inputs(module, STEP_OF_FN[trainer.state.fn], batch)
+            plan = plan_shards(
+                module,
+                args,
+                kwargs,
+                self.root_device,
+                self.memory_budget,
+                self.spill_dir,
+                self.prefetch,
+                self._tracing,
+                self._turn,
+                whole_stays=self._keeps_whole_model(),
+                training=trainer.state.fn == TrainerFn.FITTING,
+                stepped=[p for optimizer in self.optimizers for p in optimized_parameters(optimizer)],
+            )
         self.segment_memory, self.kept_bytes = plan.segment_memory, plan.kept_bytes
         self.shards, self.budget_bytes = plan.shards, plan.budget
         self.recomputing_shards = [k for k, keeps in enumerate(plan.model.packing.keeps[:-1]) if not keeps]
@@ -310,73 +270,58 @@ class SpillingStrategy(SingleDeviceStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        def lightning_backward(loss: Tensor) -> None:
-            super(SpillingStrategy, self).backward(loss, optimizer, *args, **kwargs)
-
-        scaler = self._scaler() if self._unscaling else None
-        unscale = None
-        if scaler is not None:  # as `GradScaler.unscale_`, only the optimizer's parameters
-            trained = set(optimized_parameters(optimizer))
-            unscale = lambda params: scaler.unscale_shard([p for p in params if p in trained])  # noqa: E731
-        stepping, self._stepping = self._stepping, None  # taken: this backward steps each shard
-        self._sharded_model().backward(closure_loss, lightning_backward, stepping, unscale)
+        """Lightning's backward through the last shard, then each shard's in reverse (`ShardwiseStep.backward`)."""
+        with self._step.backward() if self._step is not None else self._sharded_model().backward():
+            super().backward(closure_loss, optimizer, *args, **kwargs)
         return closure_loss
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's closure (training step, backward, clipping request), then the optimizer shard by shard."""
-        shardwise = _ShardwiseOptimizer(optimizer, self)
-        scaler = self._scaler()
-        if scaler is not None:
-            scaler.forget_spilled()
-        self._unscaling = True  # the closure's backward is the last before this step
+        step = self._step = ShardwiseStep(optimizer, self._sharded_model(), self.optimizer_in_backward, self._scaler())
         try:
-            result = self.precision_plugin.optimizer_step(
-                shardwise, model=model or self._module, closure=closure, **kwargs
-            )
+            result = self.precision_plugin.optimizer_step(step, model=model or self._module, closure=closure, **kwargs)
         finally:
-            self._unscaling = False
-        if not shardwise.ran_step:  # the grad scaler skipped the step (an overflow), or the closure returned None
+            self._step = None
+        if not step.ran:  # the grad scaler skipped the step (an overflow), or the closure returned None
             self._sharded_model().drop_gradients()
         return result
 
     def spilled_grad_norms(self) -> dict[nn.Parameter, Tensor]:
         """The 2-norm of each spilled parameter's gradient after the last backward (a spilled parameter holds no
         ``.grad``): what `lightning_varuna.grad_norm` reads in ``on_before_optimizer_step``."""
-        if self._sharded is None or self._sharded.stays:
-            return {}
-        return {p: norm for shard in self._sharded.shards for p, norm in shard.grad_norms.items()}
+        return self._sharded.spilled_grad_norms() if self._sharded is not None else {}
 
     def _scaler(self) -> ShardwiseGradScaler | None:
         scaler = getattr(self.precision_plugin, "scaler", None)
         return scaler if isinstance(scaler, ShardwiseGradScaler) else None
 
-    def _request_clip_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        self._clip = ("norm", float(clip_val))
+    def _clip_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        self._running_step().clip_by_norm(float(clip_val))
 
-    def _request_clip_by_value(self, optimizer: Any, clip_val: float) -> None:
-        self._clip = ("value", float(clip_val))
+    def _clip_by_value(self, optimizer: Any, clip_val: float) -> None:
+        self._running_step().clip_by_value(float(clip_val))
 
-    def _step_shards(self, optimizer: torch.optim.Optimizer) -> None:
-        clip, self._clip = self._clip, None
-        clip_fn = None
-        if clip is not None and clip[0] == "norm":
-            max_norm = clip[1]
+    def _running_step(self) -> ShardwiseStep:
+        if self._step is None:
+            raise RuntimeError(
+                "SpillingStrategy clips the gradients of a whole optimizer step, whose shards are spilled outside it: "
+                "clip them in `configure_gradient_clipping` (or with `Trainer(gradient_clip_val=...)`)."
+            )
+        return self._step
 
-            def clip_fn(params: list[nn.Parameter], total: Tensor) -> None:
-                torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
-
-        elif clip is not None:
-            value = clip[1]
-
-            def clip_fn(params: list[nn.Parameter], total: Tensor) -> None:
-                torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], value)
-
-        self._sharded_model().step(optimizer, clip_fn)
-
+    # How the model shares its device: alone here; a sweep's model (`MultiModelTrainer`) overrides these.
     def _tracing(self) -> AbstractContextManager[None]:
         """Where each trace of the model's forward runs (a sweep's model traces while the others wait)."""
         return nullcontext()
+
+    def _turn(self, work: str, shard: int) -> AbstractContextManager[bool]:
+        """Where each piece of a shard's work runs (`ShardedModel`): at once (a sweep's waits for a device)."""
+        return any_time(work, shard)
+
+    def _keeps_whole_model(self) -> bool:
+        """Whether a model that fits its budget in one shard stays on the device (a sweep's may not: they share it)."""
+        return True
 
     def _sharded_model(self) -> ShardedModel:
         if self._sharded is None:
@@ -404,51 +349,28 @@ class SpillingStrategy(SingleDeviceStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write a sharded checkpoint (VarunaStrategy's format) to the folder ``filepath`` (any fsspec URL), one shard
         at a time: the model is never gathered."""
-        lightning_state = dict(checkpoint)
-        lightning_state.pop("state_dict", None)
-        with_optimizer = lightning_state.pop("optimizer_states", None) is not None
         shape = run_shape(1, 1, None, self._batch_size, self._data.saved(self._module.trainer))
-        optimizer = torch_optimizer(self.optimizers[0]) if with_optimizer and self.optimizers else None
-        if optimizer is not None:
-            lightning_state[OPTIMIZER_PARAMETER_NAMES] = parameter_group_names([optimizer], self._module)
-        pieces = checkpoint_pieces(self._module, optimizer, self._visit)
-        self._checkpoints.save_pieces(pieces, lightning_state, str(filepath), shape, storage_options)
+        optimizer = torch_optimizer(self.optimizers[0]) if self.optimizers else None
+        self._checkpoints.save(checkpoint, str(filepath), shape, self._module, optimizer, self._visit, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """The training state of a checkpoint of SpillingStrategy or VarunaStrategy (any shape), or of a plain
         Lightning checkpoint file; its tensors are read a shard at a time by `load_model_state_dict` and
         `load_optimizer_state_dict`."""
-        url = str(checkpoint_path)
-        fs, path = self.checkpoint_storage.fs(url)
         optimizers = [torch_optimizer(o) for o in self.optimizers]
-        if fs.isfile(path):
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-            self._data.restore((checkpoint.get(RUN_SHAPE) or {}).get("data_position"), checkpoint.get("loops", {}))
-            self._loading = TensorsByName(checkpoint, self._module, optimizers)
-        else:
-            saved = SavedTensors(self.checkpoint_storage, url)
-            checkpoint = saved.training_state()
-            self._data.restore(saved.info.shape.get("data_position"), checkpoint.get("loops", {}))
-            self._loading = saved
-        checkpoint["state_dict"] = {}
-        if self._loading.has_optimizer_state:
-            checkpoint["optimizer_states"] = [{} for _ in optimizers]
+        load_file = partial(super().load_checkpoint, checkpoint_path, weights_only)
+        checkpoint, shape = self._checkpoints.load(str(checkpoint_path), self._module, optimizers, load_file)
+        self._data.restore(shape.get("data_position"), checkpoint.get("loops", {}))
         return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        load_model(self._module, self._saved_tensors(), self._visit)
+        self._checkpoints.load_model(self._module, self._visit)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        load_optimizer(self._module, torch_optimizer(self.optimizers[0]), self._saved_tensors(), self._visit)
-        self._loading = None
-
-    def _saved_tensors(self) -> SavedTensors | TensorsByName:
-        if self._loading is None:
-            raise RuntimeError("SpillingStrategy reads a checkpoint's tensors after `load_checkpoint`.")
-        return self._loading
+        self._checkpoints.load_optimizer(self._module, torch_optimizer(self.optimizers[0]), self._visit)
 
     def _visit(self, parts: tuple[str, ...] = (), write: tuple[str, ...] = ()) -> Iterator[list[nn.Parameter]]:
         """The model's parameters a shard at a time (`ShardedModel.visit`); all at once if it is not spilled."""
@@ -477,83 +399,6 @@ class SpillingStrategy(SingleDeviceStrategy):
             self.checkpoint_io.teardown()
             return
         super().teardown()
-
-
-def _gradient_readers(trainer: pl.Trainer) -> list[str]:
-    """The module and callbacks with an ``on_before_optimizer_step``: it reads the gradients between the backward
-    and the step."""
-    module = trainer.lightning_module
-    readers = [module] if is_overridden("on_before_optimizer_step", module, pl.LightningModule) else []
-    readers += [c for c in trainer.callbacks if is_overridden("on_before_optimizer_step", c, pl.Callback)]  # type: ignore[attr-defined]
-    return [type(reader).__name__ for reader in readers]
-
-
-def _note_spilled_gradients(trainer: pl.Trainer) -> None:
-    readers = _gradient_readers(trainer)
-    if readers and trainer.state.fn == TrainerFn.FITTING:
-        rank_zero_info(
-            f"SpillingStrategy: the `on_before_optimizer_step` of {', '.join(f'`{r}`' for r in readers)} sees the "
-            "gradients of the parameters on the device only: a spilled parameter holds no `.grad` there. "
-            "`lightning_varuna.grad_norm(self)` gives every parameter's gradient norm (Lightning's `grad_norm` "
-            "misses the spilled ones)."
-        )
-
-
-def _refuse_callbacks_reading_every_weight(trainer: pl.Trainer, shards: int) -> None:
-    """Weight averaging (SWA, EMA) copies every parameter after each step, where spilled ones hold no elements."""
-    averaging = callbacks_of(trainer, WEIGHT_AVERAGING)
-    if averaging:
-        raise ValueError(
-            f"`{type(averaging[0]).__name__}` averages every parameter of the model after each step, but "
-            f"SpillingStrategy keeps them spilled there ({shards} shard(s), not staying on the device). Give the model "
-            "a `memory_budget` that holds it in one shard, or train it without the callback."
-        )
-
-
-def _refuse_finetuning_of_parameters_outside(trainer: pl.Trainer, optimizer: Any) -> None:
-    """Lightning's `BaseFinetuning` finds the parameters it unfreezes among the optimizer's by their values, which
-    spilled parameters do not hold: all would look alike."""
-    finetuning = callbacks_of(trainer, BaseFinetuning)
-    if not finetuning or optimizer is None:
-        return
-    held = {id(p) for p in optimized_parameters(optimizer)}
-    if any(id(p) not in held for p in trainer.lightning_module.parameters()):
-        raise ValueError(
-            f"`{type(finetuning[0]).__name__}` would add the parameters it unfreezes to the optimizer, finding them "
-            "by their values, which a spilled model's parameters do not hold. Build the optimizer over all of the "
-            "model's parameters (`self.parameters()`): the frozen ones get no gradients and stay as they are."
-        )
-
-
-class _ShardwiseOptimizer:
-    """The user's optimizer as Lightning's precision plugin steps it: ``step(closure)`` runs the closure, then
-    steps shard by shard. Everything else is the user's optimizer's."""
-
-    # A fused optimizer unscales the gradients it is given, which fp16's grad scaler then leaves to it: not those
-    # of the spilled shards, which the scaler unscales itself.
-    _step_supports_amp_scaling = False
-
-    def __init__(self, optimizer: torch.optim.Optimizer, strategy: SpillingStrategy) -> None:
-        self._optimizer, self._strategy = optimizer, strategy
-        self.ran_step = False
-
-    def step(self, closure: Any = None) -> Any:
-        self.ran_step = True
-        strategy = self._strategy
-        strategy._stepping = self._optimizer if strategy.optimizer_in_backward else None
-        try:
-            result = closure() if closure is not None else None
-        finally:
-            not_taken, strategy._stepping = strategy._stepping, None
-        if not strategy.optimizer_in_backward or not_taken is not None:
-            # No backward stepped the shards (the closure's step returned None: no backward, as on the last batch
-            # of an accumulation window that skips): step them on the gradients accumulated so far, as torch's
-            # optimizer steps whatever a closure leaves.
-            strategy._step_shards(self._optimizer)
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._optimizer, name)
 
 
 StrategyRegistry.register(

@@ -1,0 +1,31 @@
+"""A single device's training DataLoader that resumes mid-epoch, as VarunaStrategy's do: read in the order of
+Lightning's `DistributedSampler` for one replica, its position kept by `DataProgress`."""
+
+from __future__ import annotations
+
+import os
+
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from lightning_varuna.data.resumable import DataProgress
+
+__all__ = ["resumable_on_one_device"]
+
+
+def resumable_on_one_device(dataloader: DataLoader, progress: DataProgress) -> DataLoader:
+    """``dataloader`` made resumable by ``progress`` if it reads a map-style dataset in order or shuffled by torch's
+    default samplers (shuffled: a permutation seeded by ``seed_everything`` and the epoch, as Lightning's sampler
+    for several replicas); as it is if its order is the user's own making (a sampler of theirs, a `RandomSampler`
+    with replacement, its own generator or another number of samples, a ``batch_sampler``)."""
+    sampler, batch_size = dataloader.sampler, dataloader.batch_size
+    if type(sampler) not in (SequentialSampler, RandomSampler) or batch_size is None:
+        return dataloader
+    if isinstance(sampler, RandomSampler) and (
+        sampler.replacement or sampler.num_samples != len(sampler.data_source) or sampler.generator is not None
+    ):
+        return dataloader
+    shuffle, seed = isinstance(sampler, RandomSampler), int(os.getenv("PL_GLOBAL_SEED", 0))
+    one_replica: DistributedSampler = DistributedSampler(
+        dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed
+    )
+    return progress.resumable(dataloader, one_replica, batch_size, replicas=1)
