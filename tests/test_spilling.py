@@ -44,6 +44,7 @@ import lightning_varuna
 from lightning_varuna import CutPoint, SpillingStrategy, VarunaStrategy, cut_after
 from lightning_varuna.checkpoint.consolidate import consolidate
 from lightning_varuna.checkpoint.layout import find_newest, open_complete
+from lightning_varuna.demos import MLP
 from lightning_varuna.spilling.packing import parse_bytes
 from lightning_varuna.storage import Storage
 
@@ -417,25 +418,15 @@ def test_grad_norm_sees_the_spilled_gradients_as_one_device(clip):
         assert spilled == pytest.approx(plain, rel=1e-5)
 
 
-class WideMLP(L.LightningModule):
+class WideMLP(MLP):
     """Six wide layers with a CutPoint after each but the last: at 512 rows, each activation between them is as
     large as two layers' weights."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(6))
-        self.cuts = nn.ModuleList(CutPoint() for _ in range(5))
-
-    def forward(self, x: Tensor) -> Tensor:
-        for layer, cut in zip(self.layers, [*self.cuts, nn.Identity()]):
-            x = cut(torch.tanh(layer(x)))
-        return x
+        super().__init__(256, 6)
 
     def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
         self.log("val_loss", self(batch[0]).square().mean())
-
-    def predict_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
-        return self(batch[0])
 
 
 def test_a_forward_only_run_holds_only_the_activations_still_to_be_read():

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from models import TinyLM
 from spilled_runs import BUDGETS, StepLosses, assert_same_model, fit, fit_mlp, losses
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_varuna import CutPoint, SpillingStrategy, cut_after
+from lightning_varuna import SpillingStrategy, cut_after
+from lightning_varuna.demos import MLP
 from lightning_varuna.spilling.packing import SegmentMemory, pack_shards, parse_bytes
 
 
@@ -134,39 +135,17 @@ def test_a_shard_alone_on_the_device_is_logged_with_the_budget_that_prefetches_i
     assert re.search(r"Shards \[\d, \d\].* do not fit on the device together.*`memory_budget=\d+`", said), said
 
 
-class DropoutMLP(L.LightningModule):
-    """Six layers (tanh, dropout) with a CutPoint after each but the last: parameters larger than activations."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
-        self.cuts = nn.ModuleList(CutPoint() for _ in range(5))
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        for layer, cut in zip(self.layers, [*self.cuts, nn.Identity()]):
-            x = cut(self.drop(torch.tanh(layer(x))))
-        return x
-
-    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
-        return F.mse_loss(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
 @pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
 def test_shards_with_room_keep_their_activations_and_train_like_one_device(tmp_path, disk):
     """With room for the activations of all but the first two of six segments, in shards of two: the first shard
     computes its forward again in backward, the others keep their activations. One device runs 6 layer forwards a
     batch; here 2 more. Dropout on: the same masks, the same losses and weights as one device."""
     probe = SpillingStrategy(memory_budget="200KB")
-    fit_mlp(DropoutMLP(), probe, max_steps=1, width=64, rows=64, batch_size=16)
+    fit_mlp(MLP(64, 6, dropout=0.1, lr=1e-2), probe, max_steps=1, width=64, rows=64, batch_size=16)
     memory, kept = probe.segment_memory, probe.kept_bytes
     budget = kept + 4 * max(m.need for m in memory) + sum(m.activation_bytes for m in memory[2:])
     torch.manual_seed(0)
-    reference = DropoutMLP()
+    reference = MLP(64, 6, dropout=0.1, lr=1e-2)
     model = copy.deepcopy(reference)
     torch.manual_seed(1)
     expected = fit_mlp(reference, "auto", max_steps=4, width=64, rows=64, batch_size=16, callbacks=[StepLosses()])
