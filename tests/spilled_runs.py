@@ -8,7 +8,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Checkpoint
-from models import token_dataset
+from models import TinyLM, token_dataset
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -66,6 +66,23 @@ def losses(trainer: L.Trainer) -> list[float]:
 def assert_same_model(a: nn.Module, b: nn.Module) -> None:
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class LossScales(L.Callback):
+    """The fp16 grad scaler's scale after each training batch."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.scales.append(trainer.precision_plugin.scaler.get_scale())  # type: ignore[attr-defined]
+
+
+class FrozenEmbeddingLM(TinyLM):
+    """TinyLM whose optimizer holds only the parameters that need a gradient (as with a frozen backbone)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:  # the trainable parameters only
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
 
 
 # The demo MLP the memory tests train: 24 layers of 1 MiB of parameters, 96 MiB with gradients and AdamW's moments.

@@ -21,6 +21,9 @@ import torch
 from conftest import run_job
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import TinyLM, token_dataset
+from spilled_runs import StepLosses
+from spilled_runs import assert_same_model as assert_same_weights
+from spilled_runs import losses as step_losses
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -57,14 +60,6 @@ def regression_data(width: int, rows: int = 128) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=16)
 
 
-class StepLosses(L.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
-
-
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
@@ -73,15 +68,6 @@ def fit_alone(model: L.LightningModule, train: DataLoader, val: DataLoader | Non
     trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[StepLosses()], **{**QUIET, **kwargs})
     trainer.fit(model, train, val)
     return trainer
-
-
-def step_losses(trainer: L.Trainer) -> list[float]:
-    return next(c for c in trainer.callbacks if isinstance(c, StepLosses)).losses  # type: ignore[attr-defined]
-
-
-def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
-    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_each_model_of_a_sweep_trains_as_if_alone():

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import TinyLM
-from spilled_runs import BUDGETS, StepLosses, assert_same_model, fit, fit_mlp, losses
+from spilled_runs import BUDGETS, FrozenEmbeddingLM, StepLosses, assert_same_model, fit, fit_mlp, losses
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
@@ -185,30 +185,6 @@ def test_a_fraction_is_not_taken_for_bytes(size):
 
 
 # ------------------------------------------------------------------------------------------------- spill_dir
-def test_a_spill_dir_that_does_not_exist_is_made_said_and_removed(tmp_path, caplog):
-    spill_dir = tmp_path / "made" / "for" / "spills"
-    with caplog.at_level(logging.INFO):
-        fit(TinyLM(), SpillingStrategy(memory_budget=BUDGETS[5], spill_dir=spill_dir), max_steps=1)
-    assert any("made the folder" in m and str(spill_dir) in m for m in caplog.messages)
-    assert not (tmp_path / "made").exists()
-
-
-def test_a_spill_dir_made_for_a_refused_budget_is_removed(tmp_path):
-    spill_dir = tmp_path / "made"
-    with pytest.raises(ValueError, match="too small"):
-        fit(TinyLM(), SpillingStrategy(memory_budget="20KB", spill_dir=spill_dir), max_steps=1)
-    assert not spill_dir.exists()
-
-
-def test_what_else_is_put_in_a_made_spill_dir_stays(tmp_path):
-    spill_dir = tmp_path / "made"
-
-    class PutAFile(L.Callback):
-        def on_train_start(self, *args: Any) -> None:
-            (spill_dir / "notes.txt").write_text("mine")
-
-    fit(TinyLM(), SpillingStrategy(memory_budget=BUDGETS[5], spill_dir=spill_dir), max_steps=1, callbacks=[PutAFile()])
-    assert [p.name for p in spill_dir.iterdir()] == ["notes.txt"]
 
 
 # ------------------------------------------------------------------------------------ cutting around large layers
@@ -259,3 +235,41 @@ def test_a_large_lm_head_cut_apart_sets_the_smallest_budget_and_trains_there():
     assert strategy.shards[-1] == [5], strategy.shards  # the head alone
     torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
     assert_same_model(model, reference)
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        (2048, 2048),
+        (2e9, 2 * 10**9),
+        ("2e9", 2 * 10**9),
+        ("512MB", 512 * 10**6),
+        ("2GiB", 2 * 2**30),
+        ("1.5 GB", 15 * 10**8),
+    ],
+)
+def test_memory_budget_sizes(size, expected):
+    assert parse_bytes(size) == expected
+
+
+@pytest.mark.parametrize("size", [True, "lots", "0MB", -1, [1]])
+def test_a_bad_memory_budget_is_named(size):
+    with pytest.raises((TypeError, ValueError), match=r"`memory_budget="):
+        parse_bytes(size)
+
+
+@pytest.mark.parametrize("budget", ["lots", "12 parsecs", 0, "-1MB"])
+def test_a_budget_that_is_not_a_size(budget):
+    with pytest.raises(ValueError, match="memory_budget"):
+        SpillingStrategy(memory_budget=budget)
+
+
+def test_a_parameter_outside_the_optimizer_is_planned_without_gradient_or_state():
+    """A frozen block the optimizer does not hold takes its parameters' bytes alone, not 4x (a LoRA model's base
+    weights were planned as if trained, in several times the shards it needs); a trained one takes 4x."""
+    model = FrozenEmbeddingLM()
+    model.blocks[1].requires_grad_(False)
+    trainer = fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), max_steps=1)
+    memory = trainer.strategy.segment_memory
+    frozen, trained = (sum(4 * p.numel() for p in model.blocks[i].parameters()) for i in (1, 2))
+    assert (memory[1].state_bytes, memory[2].state_bytes) == (frozen, 4 * trained)

@@ -14,8 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 from models import TinyLM
-from spilled_runs import BUDGETS, LAYERS, WIDTH, assert_same_model, fit, fit_mlp, losses
-from test_spilling import LossScales
+from spilled_runs import BUDGETS, LAYERS, WIDTH, LossScales, assert_same_model, fit, fit_mlp, losses
 
 from lightning_varuna import SpillingStrategy
 from lightning_varuna.demos import MLP
