@@ -850,6 +850,7 @@ sweep.fit()
 """
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_a_warning_prints_above_the_bars_not_into_them(tmp_path):
     """A Python warning from a model's step is printed on a line of its own, above the bars (as Lightning's log lines
     are), not appended to the text of a bar. (In a process of its own: pytest records the warnings of its tests.)"""

@@ -104,6 +104,7 @@ def test_a_model_built_in_configure_model_is_never_whole_in_memory(tmp_path):
         assert growth <= budget + FIT_OVERHEAD, f"grew by {growth / MiB:.1f} MiB; at most {budget / MiB + 40} MiB"
 
 
+@pytest.mark.slow  # 256 MiB of state through the disk tier in 64 shards
 def test_a_model_16_times_the_budget_ends_fit_within_it_and_is_usable_after(tmp_path):
     """64 layers of 1 MiB built in `configure_model`, trained with AdamW on the disk tier at 1/16 of its 256 MiB of
     parameters, gradients and optimizer state: the process's anonymous memory grows by at most the budget and the
