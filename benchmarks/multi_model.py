@@ -11,9 +11,9 @@ trains on one CUDA GPU instead (``--devices 1``; no task queue, which is the seq
 the GPU was is then measured by CUDA events around the turns, and the trace has a row for the GPU's time besides the
 host's.
 
-The models are MLPs of Linear(width, width) layers with a CutPoint after each, trained with AdamW on batches of
-``--batch`` rows; a device is one core (one torch thread). The sweep is ordered as a researcher might add it:
-shortest first. Three ways to train it:
+The models are MLPs (`lightning_varuna.demos.MLP`) of Linear(width, width) layers with a CutPoint after each,
+trained with AdamW on batches of ``--batch`` rows; a device is one core (one torch thread). The sweep is ordered as a
+researcher might add it: shortest first. Three ways to train it:
 
 * ``sequential``: each model alone, one after another, with Lightning's default strategy, one thread. Its times are
   the tᵢ of the lower bound max(Σ tᵢ / D, max tᵢ), and its makespan is Σ tᵢ;
@@ -46,11 +46,10 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_varuna import CutPoint, MultiModelTrainer
+from lightning_varuna import MultiModelTrainer
+from lightning_varuna.demos import MLP
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -60,35 +59,12 @@ DEFAULT_BATCH = 256
 SWEEP = [(512, 4, 80), (768, 4, 60), (512, 6, 120), (1024, 4, 80), (768, 6, 100), (1024, 6, 120)]
 
 
-class MLP(L.LightningModule):
-    def __init__(self, width: int, layers: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-        self.cuts = nn.ModuleList(CutPoint() for _ in range(layers - 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = torch.tanh(layer(x))
-            if i < len(self.cuts):
-                x = self.cuts[i](x)
-        return x
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.mse_loss(self(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-
 def model_and_data(index: int, batch: int) -> tuple[MLP, DataLoader, int]:
     width, layers, steps = SWEEP[index]
     steps = max(1, round(steps * DEFAULT_BATCH / batch))
     torch.manual_seed(index)
     data = TensorDataset(torch.randn(batch * 8, width), torch.randn(batch * 8, width))
-    return MLP(width, layers), DataLoader(data, batch_size=batch), steps
+    return MLP(width, layers, lr=1e-4), DataLoader(data, batch_size=batch), steps
 
 
 QUIET: dict[str, Any] = {

@@ -5,8 +5,8 @@ Run from the repository root (about 5 minutes on 2 CPU cores, 20 GB free on the 
 
     python benchmarks/spilling.py
 
-The model is an MLP of ``--layers`` Linear(``--width``, ``--width``) layers with a CutPoint after each, trained with
-AdamW on batches of ``--batch`` rows, one thread per process. Each variant runs in a fresh process:
+The model is `lightning_varuna.demos.MLP`: ``--layers`` Linear(``--width``, ``--width``) layers with a CutPoint after
+each, trained with AdamW on batches of ``--batch`` rows, one thread per process. Each variant runs in a fresh process:
 
 * ``in-memory``: ``Trainer(devices=1)`` with Lightning's default strategy (the model fits in memory here);
 * ``spill-host``: ``SpillingStrategy(spill_dir=None)`` with the budget of one layer per shard, the next arriving and
@@ -53,13 +53,13 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_varuna import CutPoint, SpillingStrategy
+from lightning_varuna import SpillingStrategy
+from lightning_varuna.demos import MLP
 from lightning_varuna.spilling.shards import ShardedModel
 
+LR = 1e-4  # AdamW's
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "spilling.json"
 VARIANTS = [
@@ -71,27 +71,6 @@ VARIANTS = [
     "spill-disk-clipped",
     "largest-1GB",
 ]
-
-
-class MLP(L.LightningModule):
-    def __init__(self, width: int, layers: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-        self.cuts = nn.ModuleList(CutPoint() for _ in range(layers - 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = torch.tanh(layer(x))
-            if i < len(self.cuts):
-                x = self.cuts[i](x)
-        return x
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.mse_loss(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
 class StepTimer(L.Callback):
@@ -109,20 +88,6 @@ class StepTimer(L.Callback):
 def layer_state_bytes(width: int) -> int:
     """A layer's parameters, gradients and AdamW's two moments."""
     return 4 * (width * width + width) * 4
-
-
-class BuiltLate(MLP):
-    """The MLP with its layers built in ``configure_model``: on the meta device, then a segment at a time."""
-
-    def __init__(self, width: int, layers: int) -> None:
-        L.LightningModule.__init__(self)
-        self.width, self.num_layers = width, layers
-        self.layers: nn.ModuleList | None = None
-
-    def configure_model(self) -> None:
-        if self.layers is None:
-            self.layers = nn.ModuleList(nn.Linear(self.width, self.width) for _ in range(self.num_layers))
-            self.cuts = nn.ModuleList(CutPoint() for _ in range(self.num_layers - 1))
 
 
 class AnonymousMemory:
@@ -159,7 +124,7 @@ def refused_budgets(args: argparse.Namespace) -> tuple[int, int]:
     )
     data = TensorDataset(torch.randn(args.batch, args.width), torch.randn(args.batch, args.width))
     try:
-        trainer.fit(MLP(args.width, args.layers), DataLoader(data, batch_size=args.batch))
+        trainer.fit(MLP(args.width, args.layers, lr=LR), DataLoader(data, batch_size=args.batch))
     except ValueError as refusal:
         smallest, prefetching = map(int, re.findall(r"`memory_budget=(\d+)`", str(refusal)))
         return smallest, prefetching
@@ -171,7 +136,11 @@ def worker(variant: str, args: argparse.Namespace, out: Path) -> None:
     torch.manual_seed(0)
     largest = variant == "largest-1GB"
     width, batch = (args.largest_width, 8) if largest else (args.width, args.batch)
-    model = BuiltLate(width, args.largest_layers) if largest else MLP(args.width, args.layers)
+    model = (
+        MLP(width, args.largest_layers, lr=LR, build_in_configure_model=True)
+        if largest
+        else MLP(args.width, args.layers, lr=LR)
+    )
     warmup, steps = (1, 2) if largest else (args.warmup, args.steps)
     rows = batch * (warmup + steps)
     data = TensorDataset(torch.randn(rows, width), torch.randn(rows, width))

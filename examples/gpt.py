@@ -1,10 +1,11 @@
 """A small GPT language model trained with VarunaStrategy on a text this script generates.
 
-    python examples/gpt.py --devices 4 --pipeline-parallel-size 2 --micro-batch-size 2
+    python examples/gpt.py
 
-runs 2 pipeline stages x 2 data-parallel replicas on 4 CPU processes (gloo); on GPUs pass
-``--accelerator gpu``. With ``--checkpoint-dir DIR`` it checkpoints there and, run again (with any
-``--devices`` / ``--pipeline-parallel-size`` and ``--batch-size`` x replicas kept), resumes where it stopped.
+runs 2 pipeline stages x 2 data-parallel replicas on 4 CPU processes (gloo) for 60 steps; on GPUs pass
+``--accelerator gpu``. It checkpoints to ``checkpoints/gpt`` (``--checkpoint-dir DIR``: another folder or fsspec
+URL; ``--checkpoint-dir ''``: none) and, run again (with any ``--devices`` / ``--pipeline-parallel-size`` and
+``--batch-size`` x replicas kept), resumes where it stopped: a larger ``--max-steps`` trains on.
 The LM head is tied to the token embedding, so the first and last stages share it.
 
 Elastic: under ``torchrun`` the process count comes from torchrun; with ``--global-batch-size`` and
@@ -157,8 +158,10 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument(
         "--checkpoint-dir",
+        default="checkpoints/gpt",
         help="folder or fsspec URL: save every 20 steps (and last) there, and resume from the newest complete "
-        "checkpoint in it, written with any pipeline shape; SIGUSR1 or SIGTERM save to DIR/morph and stop",
+        "checkpoint in it, written with any pipeline shape; SIGUSR1 or SIGTERM save to DIR/morph and stop "
+        "(default: %(default)s; '' for none)",
     )
     args = parser.parse_args()
 
@@ -193,8 +196,10 @@ def main() -> None:
     )
     loaders = DataLoader(train, batch_size=args.batch_size), DataLoader(val, batch_size=args.batch_size)
     trainer.fit(model, *loaders, ckpt_path="last" if args.checkpoint_dir else None)
-    if trainer.is_global_zero:
+    if trainer.is_global_zero and trainer.callback_metrics:
         print(f"final metrics: { {k: round(v.item(), 4) for k, v in trainer.callback_metrics.items()} }")
+    elif trainer.is_global_zero:
+        print(f"{args.checkpoint_dir} holds a run at --max-steps {args.max_steps} already: a larger one trains on")
 
 
 if __name__ == "__main__":

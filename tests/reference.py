@@ -5,30 +5,9 @@ from __future__ import annotations
 import lightning as L
 import torch
 from models import fit_and_report, model_for, token_dataset
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
-
-class GlobalBatches(torch.utils.data.Sampler):
-    """The union over replicas of what Lightning's DistributedSampler gives each replica, step by step."""
-
-    def __init__(self, length: int, batch_size: int, replicas: int, seed: int, first_epoch: int = 0) -> None:
-        self.samplers = [
-            DistributedSampler(range(length), replicas, r, shuffle=True, seed=seed) for r in range(replicas)
-        ]
-        self.batch_size = batch_size
-        self.epoch = first_epoch
-
-    def __iter__(self):  # noqa: ANN204
-        orders = []
-        for sampler in self.samplers:
-            sampler.set_epoch(self.epoch)
-            orders.append(list(sampler))
-        self.epoch += 1
-        for start in range(0, len(orders[0]), self.batch_size):
-            yield [i for order in orders for i in order[start : start + self.batch_size]]
-
-    def __len__(self) -> int:
-        return -(-len(self.samplers[0]) // self.batch_size)
+from lightning_varuna.comparing import GlobalBatches
 
 
 def train_reference(
@@ -40,7 +19,13 @@ def train_reference(
     L.seed_everything(seed)
     model = model_for(config)
     data = token_dataset(config["rows"])
-    sampler = GlobalBatches(len(data), config["batch_size"], config["data_parallel_size"], seed, first_epoch)
+    sampler = GlobalBatches(
+        len(data),
+        batch_size=config["batch_size"],
+        data_parallel_size=config["data_parallel_size"],
+        seed=seed,
+        first_epoch=first_epoch,
+    )
     loader = DataLoader(data, batch_sampler=sampler)
     _, result = fit_and_report(model, loader, config, predict=True, ckpt_path=ckpt_path, devices=1)
     return result, {k: v.detach().clone() for k, v in model.named_parameters()}

@@ -1,5 +1,5 @@
 """What the spilling tests share: a fit of a model on the tests' token data (under any strategy), its per-step losses,
-the comparison of two models' weights, and a deep MLP for the memory tests."""
+the comparison of two models' weights, and the fit of an MLP (`lightning_varuna.demos.MLP`) on random data."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Checkpoint
-from models import token_dataset
+from models import TinyLM, token_dataset
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_varuna import CutPoint, SpillingStrategy
+from lightning_varuna import SpillingStrategy
 
 # Budgets that cut TinyLM with dropout (5 segments, batches of 8) into 1, 2 and 5 shards (one segment each).
 BUDGETS = {1: "1GB", 2: "170KB", 5: "85KB"}
@@ -69,30 +68,25 @@ def assert_same_model(a: nn.Module, b: nn.Module) -> None:
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
 
 
-WIDTH, LAYERS = 512, 24
-
-
-class DeepMLP(L.LightningModule):
-    """24 layers of 1 MiB of parameters, a CutPoint after each: 96 MiB with gradients and AdamW's moments."""
+class LossScales(L.Callback):
+    """The fp16 grad scaler's scale after each training batch."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
-        self.cuts = nn.ModuleList(CutPoint() for _ in range(LAYERS - 1))
+        self.scales: list[float] = []
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = torch.tanh(layer(x))
-            if i < len(self.cuts):
-                x = self.cuts[i](x)
-        return x
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.scales.append(trainer.precision_plugin.scaler.get_scale())  # type: ignore[attr-defined]
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.mse_loss(self(x), y)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+class FrozenEmbeddingLM(TinyLM):
+    """TinyLM whose optimizer holds only the parameters that need a gradient (as with a frozen backbone)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:  # the trainable parameters only
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+# The demo MLP the memory tests train: 24 layers of 1 MiB of parameters, 96 MiB with gradients and AdamW's moments.
+WIDTH, LAYERS = 512, 24
 
 
 def fit_mlp(

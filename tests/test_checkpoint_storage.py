@@ -257,6 +257,7 @@ def test_reads_back_in_small_windows_files_written_by_several_threads(object_sto
     torch.testing.assert_close(loaded, saved, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # the CLI in a Python process of its own
 def test_consolidated_checkpoint_loads_without_the_strategy(trained, tmp_path):
     model, fitted = trained
     fitted.save_checkpoint(tmp_path / "sharded.ckpt")

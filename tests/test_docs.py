@@ -109,3 +109,15 @@ def test_every_command_line_option_has_help():
         assert command.description, f"`lightning-varuna {name}` has no description"
         for action in command._actions:
             assert action.help, f"`lightning-varuna {name}` option {action.option_strings or action.dest} has no help"
+
+
+def test_ci_runs_the_readmes_two_commands():
+    """The README sets up in two commands, one that installs what is needed and trains the example and one that runs
+    the tests, and `.ci/run` runs those very two."""
+    (block, *_) = _code_blocks(_text(ROOT / "README.md"), "bash")
+    commands = [line.split(" #")[0].strip() for line in block.splitlines() if line.strip()]
+    assert len(commands) == 2, commands
+    assert "pip install" in commands[0] and "examples/gpt.py" in commands[0] and "pytest" in commands[1]
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    for command in commands:
+        assert command in ci, f"`.ci/run` does not run the README's `{command}`"

@@ -18,52 +18,39 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import run_job
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import TinyLM, token_dataset
+from spilled_runs import StepLosses
+from spilled_runs import assert_same_model as assert_same_weights
+from spilled_runs import losses as step_losses
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_varuna import CutPoint, MultiModelTrainer, SpillingStrategy
+from lightning_varuna import MultiModelTrainer, SpillingStrategy, demos
 from lightning_varuna.multimodel import DeviceScheduler, SweepStopped
 from lightning_varuna.multimodel import scheduler as scheduler_module
 from lightning_varuna.multimodel.scheduler import HOLD_S
 from lightning_varuna.multimodel.trainer import staying_models
 
 
-class MLP(L.LightningModule):
-    """``depth`` tanh layers of ``width`` with a CutPoint between each two; regression with MSE."""
+class MLP(demos.MLP):
+    """The demo MLP of ``depth`` tanh layers of ``width`` (regression with MSE), with an LR schedule under AdamW and a
+    step that fails at step ``fail_at``."""
 
     def __init__(self, width: int, depth: int, optimizer: str = "adamw", lr: float = 1e-2, fail_at: int = -1) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-        self.cuts = nn.ModuleList(CutPoint() for _ in range(depth - 1))
-        self.optimizer, self.lr, self.fail_at = optimizer, lr, fail_at
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = torch.tanh(layer(x))
-            if i < len(self.cuts):
-                x = self.cuts[i](x)
-        return x
+        super().__init__(width, depth, optimizer=optimizer, lr=lr)
+        self.fail_at = fail_at
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.global_step == self.fail_at:
             raise ValueError(f"bad batch at step {self.global_step}")
-        x, y = batch
-        loss = F.mse_loss(self(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", F.mse_loss(self(x), y))
+        return super().training_step(batch, batch_idx)
 
     def configure_optimizers(self) -> Any:
-        if self.optimizer == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        optimizer = super().configure_optimizers()
+        if self.optimizer_name == "sgd":
+            return optimizer
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)]
 
 
@@ -71,14 +58,6 @@ def regression_data(width: int, rows: int = 128) -> DataLoader:
     generator = torch.Generator().manual_seed(width)
     x, y = torch.randn(rows, width, generator=generator), torch.randn(rows, width, generator=generator)
     return DataLoader(TensorDataset(x, y), batch_size=16)
-
-
-class StepLosses(L.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
 
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
@@ -89,15 +68,6 @@ def fit_alone(model: L.LightningModule, train: DataLoader, val: DataLoader | Non
     trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[StepLosses()], **{**QUIET, **kwargs})
     trainer.fit(model, train, val)
     return trainer
-
-
-def step_losses(trainer: L.Trainer) -> list[float]:
-    return next(c for c in trainer.callbacks if isinstance(c, StepLosses)).losses  # type: ignore[attr-defined]
-
-
-def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
-    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_each_model_of_a_sweep_trains_as_if_alone():
@@ -880,6 +850,7 @@ sweep.fit()
 """
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_a_warning_prints_above_the_bars_not_into_them(tmp_path):
     """A Python warning from a model's step is printed on a line of its own, above the bars (as Lightning's log lines
     are), not appended to the text of a bar. (In a process of its own: pytest records the warnings of its tests.)"""

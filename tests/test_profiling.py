@@ -251,6 +251,7 @@ def test_calibration_recovers_the_costs_a_measured_step_adds(schedule):
     assert ModelProfile.load("memory://profiles/calibrated.json") == calibrated
 
 
+@pytest.mark.slow  # the CLI measures collectives between 2 processes
 def test_cli_profiles_and_autoconfigures(tmp_path, capsys):
     out = tmp_path / "tiny.json"
     cli(

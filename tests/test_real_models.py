@@ -18,9 +18,9 @@ import pytest
 import torch
 from conftest import run_ranks
 from models import RecordLosses
-from reference import GlobalBatches
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_varuna.comparing import GlobalBatches
 from lightning_varuna.pipeline.microbatch import batch_size_of, split_microbatches
 
 pytest.importorskip("transformers", reason="the real-model tests train Hugging Face models: pip install transformers")
@@ -69,7 +69,9 @@ def reference(
     model.training_step = microbatched
     record = RecordLosses()
     if ckpt_path is None:
-        loader = DataLoader(data, batch_sampler=GlobalBatches(ROWS, BATCH, data_parallel_size, seed=0))
+        loader = DataLoader(
+            data, batch_sampler=GlobalBatches(ROWS, batch_size=BATCH, data_parallel_size=data_parallel_size, seed=0)
+        )
     else:
         loader = DataLoader(data, BATCH, sampler=DistributedSampler(range(ROWS), 1, 0, shuffle=True, seed=0))
     trainer = L.Trainer(

@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import TinyLM
-from spilled_runs import BUDGETS, StepLosses, assert_same_model, fit, fit_mlp, losses
-from torch import Tensor, nn
+from spilled_runs import BUDGETS, FrozenEmbeddingLM, StepLosses, assert_same_model, fit, fit_mlp, losses
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_varuna import CutPoint, SpillingStrategy, cut_after
+from lightning_varuna import SpillingStrategy, cut_after
+from lightning_varuna.demos import MLP
 from lightning_varuna.spilling.packing import SegmentMemory, pack_shards, parse_bytes
 
 
@@ -134,39 +135,17 @@ def test_a_shard_alone_on_the_device_is_logged_with_the_budget_that_prefetches_i
     assert re.search(r"Shards \[\d, \d\].* do not fit on the device together.*`memory_budget=\d+`", said), said
 
 
-class DropoutMLP(L.LightningModule):
-    """Six layers (tanh, dropout) with a CutPoint after each but the last: parameters larger than activations."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
-        self.cuts = nn.ModuleList(CutPoint() for _ in range(5))
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        for layer, cut in zip(self.layers, [*self.cuts, nn.Identity()]):
-            x = cut(self.drop(torch.tanh(layer(x))))
-        return x
-
-    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
-        return F.mse_loss(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
 @pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
 def test_shards_with_room_keep_their_activations_and_train_like_one_device(tmp_path, disk):
     """With room for the activations of all but the first two of six segments, in shards of two: the first shard
     computes its forward again in backward, the others keep their activations. One device runs 6 layer forwards a
     batch; here 2 more. Dropout on: the same masks, the same losses and weights as one device."""
     probe = SpillingStrategy(memory_budget="200KB")
-    fit_mlp(DropoutMLP(), probe, max_steps=1, width=64, rows=64, batch_size=16)
+    fit_mlp(MLP(64, 6, dropout=0.1, lr=1e-2), probe, max_steps=1, width=64, rows=64, batch_size=16)
     memory, kept = probe.segment_memory, probe.kept_bytes
     budget = kept + 4 * max(m.need for m in memory) + sum(m.activation_bytes for m in memory[2:])
     torch.manual_seed(0)
-    reference = DropoutMLP()
+    reference = MLP(64, 6, dropout=0.1, lr=1e-2)
     model = copy.deepcopy(reference)
     torch.manual_seed(1)
     expected = fit_mlp(reference, "auto", max_steps=4, width=64, rows=64, batch_size=16, callbacks=[StepLosses()])
@@ -206,30 +185,6 @@ def test_a_fraction_is_not_taken_for_bytes(size):
 
 
 # ------------------------------------------------------------------------------------------------- spill_dir
-def test_a_spill_dir_that_does_not_exist_is_made_said_and_removed(tmp_path, caplog):
-    spill_dir = tmp_path / "made" / "for" / "spills"
-    with caplog.at_level(logging.INFO):
-        fit(TinyLM(), SpillingStrategy(memory_budget=BUDGETS[5], spill_dir=spill_dir), max_steps=1)
-    assert any("made the folder" in m and str(spill_dir) in m for m in caplog.messages)
-    assert not (tmp_path / "made").exists()
-
-
-def test_a_spill_dir_made_for_a_refused_budget_is_removed(tmp_path):
-    spill_dir = tmp_path / "made"
-    with pytest.raises(ValueError, match="too small"):
-        fit(TinyLM(), SpillingStrategy(memory_budget="20KB", spill_dir=spill_dir), max_steps=1)
-    assert not spill_dir.exists()
-
-
-def test_what_else_is_put_in_a_made_spill_dir_stays(tmp_path):
-    spill_dir = tmp_path / "made"
-
-    class PutAFile(L.Callback):
-        def on_train_start(self, *args: Any) -> None:
-            (spill_dir / "notes.txt").write_text("mine")
-
-    fit(TinyLM(), SpillingStrategy(memory_budget=BUDGETS[5], spill_dir=spill_dir), max_steps=1, callbacks=[PutAFile()])
-    assert [p.name for p in spill_dir.iterdir()] == ["notes.txt"]
 
 
 # ------------------------------------------------------------------------------------ cutting around large layers
@@ -280,3 +235,41 @@ def test_a_large_lm_head_cut_apart_sets_the_smallest_budget_and_trains_there():
     assert strategy.shards[-1] == [5], strategy.shards  # the head alone
     torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
     assert_same_model(model, reference)
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        (2048, 2048),
+        (2e9, 2 * 10**9),
+        ("2e9", 2 * 10**9),
+        ("512MB", 512 * 10**6),
+        ("2GiB", 2 * 2**30),
+        ("1.5 GB", 15 * 10**8),
+    ],
+)
+def test_memory_budget_sizes(size, expected):
+    assert parse_bytes(size) == expected
+
+
+@pytest.mark.parametrize("size", [True, "lots", "0MB", -1, [1]])
+def test_a_bad_memory_budget_is_named(size):
+    with pytest.raises((TypeError, ValueError), match=r"`memory_budget="):
+        parse_bytes(size)
+
+
+@pytest.mark.parametrize("budget", ["lots", "12 parsecs", 0, "-1MB"])
+def test_a_budget_that_is_not_a_size(budget):
+    with pytest.raises(ValueError, match="memory_budget"):
+        SpillingStrategy(memory_budget=budget)
+
+
+def test_a_parameter_outside_the_optimizer_is_planned_without_gradient_or_state():
+    """A frozen block the optimizer does not hold takes its parameters' bytes alone, not 4x (a LoRA model's base
+    weights were planned as if trained, in several times the shards it needs); a trained one takes 4x."""
+    model = FrozenEmbeddingLM()
+    model.blocks[1].requires_grad_(False)
+    trainer = fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), max_steps=1)
+    memory = trainer.strategy.segment_memory
+    frozen, trained = (sum(4 * p.numel() for p in model.blocks[i].parameters()) for i in (1, 2))
+    assert (memory[1].state_bytes, memory[2].state_bytes) == (frozen, 4 * trained)

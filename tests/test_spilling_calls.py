@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from models import TinyLM
 from spilled_runs import BUDGETS, StepLosses, assert_same_model, fit, losses
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_varuna import CutPoint, SpillingStrategy
+from lightning_varuna import SpillingStrategy
+from lightning_varuna.demos import MLP
 
 
 class ConsistencyLM(TinyLM):
@@ -114,25 +115,15 @@ def test_a_window_whose_last_batch_skips_steps_on_the_batches_before_like_one_de
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), TinyLM().parameters()))
 
 
-class Refiner(L.LightningModule):
+class Refiner(MLP):
     """Six layers, a CutPoint after each but the last; its step feeds the output back in."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
-        self.cuts = nn.ModuleList(CutPoint() for _ in range(5))
-
-    def forward(self, x: Tensor) -> Tensor:
-        for layer, cut in zip(self.layers, [*self.cuts, nn.Identity()]):
-            x = cut(torch.tanh(layer(x)))
-        return x
+        super().__init__(16, 6, optimizer="sgd", lr=0.1)
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         return F.mse_loss(self(self(x)), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
 def fit_refiner(model: L.LightningModule, strategy: Any, steps: int = 4, **kwargs: Any) -> L.Trainer:

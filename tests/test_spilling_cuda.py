@@ -14,10 +14,10 @@ import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 from models import TinyLM
-from spilled_runs import BUDGETS, LAYERS, DeepMLP, assert_same_model, fit, fit_mlp, losses
-from test_spilling import LossScales
+from spilled_runs import BUDGETS, LAYERS, WIDTH, LossScales, assert_same_model, fit, fit_mlp, losses
 
 from lightning_varuna import SpillingStrategy
+from lightning_varuna.demos import MLP
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -112,7 +112,7 @@ def test_device_memory_stays_within_the_budget():
     """A model with 8x the budget of state: during a step the device holds at most the budget (plus 8 MiB of slack)
     beyond what it held between steps."""
     torch.manual_seed(0)
-    model, budget = DeepMLP(), 12 * 2**20
+    model, budget = MLP(WIDTH, LAYERS), 12 * 2**20
     assert sum(4 * p.numel() * p.element_size() for p in model.parameters()) >= 8 * budget
     memory = DeviceMemory()
     trainer = fit_mlp(model, SpillingStrategy(memory_budget=budget), max_steps=4, callbacks=[memory], accelerator="gpu")
@@ -147,7 +147,7 @@ def test_copies_to_the_device_overlap_compute(tmp_path):
     path = str(tmp_path / "step.json")
     strategy = SpillingStrategy(memory_budget="3.5GiB")  # 2.9 GiB of activations at the CutPoints, 12 shards
     fit_mlp(
-        DeepMLP(),
+        MLP(WIDTH, LAYERS),
         strategy,
         max_steps=4,
         rows=4 * 32768,

@@ -12,13 +12,12 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
-from spilled_runs import LAYERS, WIDTH, DeepMLP, fit_mlp, memory_status
-from torch import Tensor, nn
+from spilled_runs import LAYERS, WIDTH, fit_mlp, memory_status
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_varuna import CutPoint, SpillingStrategy
+from lightning_varuna import SpillingStrategy
 from lightning_varuna.checkpoint.consolidate import consolidate
+from lightning_varuna.demos import MLP
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/status and /proc/self/clear_refs"
@@ -77,7 +76,7 @@ def test_disk_tier_keeps_memory_within_the_budget(tmp_path):
     memory growing by at most the budget plus a fixed overhead over the steps, and the budget plus the set-up's
     overhead over the whole fit, its end included."""
     torch.manual_seed(0)
-    model, budget = DeepMLP(), 12 * MiB
+    model, budget = MLP(WIDTH, LAYERS), 12 * MiB
     state_bytes = sum(4 * p.numel() * p.element_size() for p in model.parameters())
     assert state_bytes >= 8 * budget
     steps = AfterFirstStep()
@@ -89,45 +88,13 @@ def test_disk_tier_keeps_memory_within_the_budget(tmp_path):
         assert growth <= budget + FIT_OVERHEAD, f"fit grew by {growth / MiB:.1f} MiB for {budget / MiB} MiB"
 
 
-class BuiltLate(L.LightningModule):
-    """An MLP of ``layers`` Linear(``width``, ``width``) with a CutPoint after each, built in `configure_model`."""
-
-    def __init__(self, width: int = 2 * WIDTH, layers: int = LAYERS) -> None:
-        super().__init__()
-        self.width, self.num_layers = width, layers
-        self.layers: nn.ModuleList | None = None
-
-    def configure_model(self) -> None:
-        if self.layers is None:
-            self.layers = nn.ModuleList(nn.Linear(self.width, self.width) for _ in range(self.num_layers))
-            self.cuts = nn.ModuleList(CutPoint() for _ in range(self.num_layers - 1))
-
-    def forward(self, x: Tensor) -> Tensor:
-        assert self.layers is not None
-        for layer, cut in zip(self.layers, [*self.cuts, nn.Identity()]):
-            x = cut(torch.tanh(layer(x)))
-        return x
-
-    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
-        return F.mse_loss(self(batch[0]), batch[1])
-
-    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
-        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
-
-    def predict_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
-        return self(batch[0])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
 def test_a_model_built_in_configure_model_is_never_whole_in_memory(tmp_path):
     """Its 96 MiB of parameters get memory a segment (4 MiB) at a time, each written to the disk tier before the
     next: over the whole fit (set-up, a step, its end) memory grows by at most the budget plus the set-up's fixed
     overhead (about 45 MiB in all until training starts, measured; 130 MiB before a reference cycle in the
     activation meter was fixed, which kept every segment's weights alive)."""
     torch.manual_seed(0)
-    model, budget = BuiltLate(), 40 * MiB
+    model, budget = MLP(2 * WIDTH, LAYERS, build_in_configure_model=True), 40 * MiB
     strategy = SpillingStrategy(memory_budget=budget, spill_dir=tmp_path)
     with HostMemory() as memory:
         fit_mlp(model, strategy, max_steps=1, width=2 * WIDTH, rows=64)
@@ -137,6 +104,7 @@ def test_a_model_built_in_configure_model_is_never_whole_in_memory(tmp_path):
         assert growth <= budget + FIT_OVERHEAD, f"grew by {growth / MiB:.1f} MiB; at most {budget / MiB + 40} MiB"
 
 
+@pytest.mark.slow  # 256 MiB of state through the disk tier in 64 shards
 def test_a_model_16_times_the_budget_ends_fit_within_it_and_is_usable_after(tmp_path):
     """64 layers of 1 MiB built in `configure_model`, trained with AdamW on the disk tier at 1/16 of its 256 MiB of
     parameters, gradients and optimizer state: the process's anonymous memory grows by at most the budget and the
@@ -144,7 +112,7 @@ def test_a_model_16_times_the_budget_ends_fit_within_it_and_is_usable_after(tmp_
     parameters and optimizer state were left in their spill files, mapped). After `fit` the model validates,
     predicts, saves a checkpoint and gives its `state_dict` as a copy of it trained on nothing else would."""
     torch.manual_seed(0)
-    model, budget = BuiltLate(width=WIDTH, layers=64), 16 * MiB
+    model, budget = MLP(WIDTH, 64, build_in_configure_model=True), 16 * MiB
     strategy = SpillingStrategy(memory_budget=budget, spill_dir=tmp_path / "spill")
     with HostMemory() as memory:
         trainer = fit_mlp(model, strategy, max_steps=3, rows=32, batch_size=8)
@@ -152,7 +120,7 @@ def test_a_model_16_times_the_budget_ends_fit_within_it_and_is_usable_after(tmp_
     assert state_bytes >= 16 * budget and len(strategy.shards) == 64
     assert memory.anonymous_growth <= budget + FIT_OVERHEAD, f"grew by {memory.anonymous_growth / MiB:.1f} MiB"
 
-    plain = BuiltLate(width=WIDTH, layers=64)
+    plain = MLP(WIDTH, 64, build_in_configure_model=True)
     plain.configure_model()
     plain.load_state_dict(model.state_dict())
     loader = DataLoader(TensorDataset(torch.randn(16, WIDTH), torch.randn(16, WIDTH)), batch_size=8)
@@ -171,7 +139,7 @@ def test_a_model_built_on_the_meta_device_trains():
     """A model built by the user under `torch.device("meta")` (not in `configure_model`) is materialized the same
     way: after training its layers hold memory and values."""
     with torch.device("meta"):
-        model = DeepMLP()
+        model = MLP(WIDTH, LAYERS)
     trainer = fit_mlp(model, SpillingStrategy(memory_budget=12 * MiB), max_steps=2, rows=64)
     assert not any(p.is_meta for p in model.parameters())
     assert all(p.abs().sum() > 0 for p in model.parameters())

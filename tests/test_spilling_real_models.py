@@ -136,6 +136,7 @@ def test_real_model_that_fits_runs_whole_and_resumes_a_cut_runs_checkpoint(tmp_p
     assert_same_weights(resumed, reference)
 
 
+@pytest.mark.slow  # six real models, each fitted several times
 def test_real_models_trained_together_each_as_if_alone():
     """MultiModelTrainer on the models the project did not write, two devices: each model's losses and weights
     equal its plain single-device training."""

@@ -1,0 +1,270 @@
+"""SpillingStrategy reads the data as one device does, and a run resumed mid-epoch goes on where it stopped:
+set-up's look at the first batch leaves the loader's and Python's and NumPy's generators as it found them; a
+checkpoint taken mid-epoch, at a limited epoch's end, by a schedule that reads the data first, under an accumulation
+schedule or as a step fails resumes with the next batch an uninterrupted run trains."""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint, OnExceptionCheckpoint
+from models import VOCAB, TinyLM, token_dataset
+from spilled_runs import BUDGETS, assert_same_model, fit, losses
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_varuna import SpillingStrategy, VarunaStrategy
+
+
+class BatchesRead(L.Callback):
+    def __init__(self) -> None:
+        self.rows: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any) -> None:
+        self.rows.append(batch[0][:, 0].tolist())
+
+
+@pytest.mark.parametrize("budget", ["1GB", BUDGETS[2]], ids=["whole", "cut"])
+def test_a_shuffled_loader_with_a_generator_of_its_own_is_read_in_its_order(budget):
+    """Set-up looks at the first batch without drawing from the DataLoader's generator: training reads the batches
+    in the order that generator gives, as on one device (before, the first epoch read the second's order)."""
+    data = TensorDataset(torch.arange(48).view(12, 4) % VOCAB, torch.arange(48).view(12, 4) % VOCAB)
+    rows = []
+    for strategy in "auto", SpillingStrategy(memory_budget=budget):
+        torch.manual_seed(0)
+        read = BatchesRead()
+        loader = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(123))
+        fit(TinyLM(), strategy, loader=loader, callbacks=[read], max_steps=-1, max_epochs=2, val_check_interval=1.0)
+        rows.append(read.rows)
+    assert len(rows[0]) == 6
+    assert rows[1] == rows[0]
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Token rows with one position replaced at random, drawn from Python's and NumPy's global generators (as
+    augmentations commonly are)."""
+
+    def __init__(self) -> None:
+        self.rows = torch.arange(48).view(12, 4) % VOCAB
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = self.rows[i].clone()
+        row[random.randrange(4)] = int(np.random.randint(VOCAB))
+        return row, row
+
+
+@pytest.mark.parametrize("budget", ["1GB", BUDGETS[2]], ids=["whole", "cut"])
+def test_a_dataset_augmented_with_python_and_numpy_random_numbers_reads_as_on_one_device(budget):
+    """Set-up's look at the first batch gives Python's and NumPy's generators back their states: the loop's batches
+    are augmented as on one device (before, each was augmented as the one after it)."""
+    rows = []
+    for strategy in "auto", SpillingStrategy(memory_budget=budget):
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+        read = BatchesRead()
+        fit(
+            TinyLM(),
+            strategy,
+            loader=DataLoader(Augmented(), batch_size=4),
+            callbacks=[read],
+            accumulate_grad_batches=1,
+            limit_val_batches=0,
+        )
+        rows.append(read.rows)
+    assert len(rows[0]) == 4
+    assert rows[1] == rows[0]
+
+
+def test_a_checkpoint_of_an_epoch_read_in_order_resumes_pipelined_in_that_order(tmp_path):
+    """SpillingStrategy keeps a DataLoader's order (here unshuffled); VarunaStrategy reads through Lightning's
+    distributed sampler, which shuffles. A spilled checkpoint taken mid-epoch resumes pipelined with the rest of that
+    epoch in its order: the batches and losses of the uninterrupted spilled run (before, the rest of the epoch was
+    read shuffled: some rows trained twice, others never)."""
+
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    options: dict[str, Any] = {"accumulate_grad_batches": 1, "limit_val_batches": 0, "val_check_interval": 1.0}
+
+    def loader() -> DataLoader:
+        return DataLoader(token_dataset(24), batch_size=4)  # 6 batches, read in order
+
+    read = BatchesRead()
+    expected = fit(reference, SpillingStrategy(memory_budget=BUDGETS[2]), loader=loader(), callbacks=[read], **options)
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), loader=loader(), callbacks=[saves], max_steps=2, **options)
+    resumed_read = BatchesRead()
+    path = str(tmp_path / "epoch=0-step=2.ckpt")
+    continued = fit(model, VarunaStrategy(), loader=loader(), callbacks=[resumed_read], ckpt_path=path, **options)
+    assert resumed_read.rows == read.rows[2:]
+    torch.testing.assert_close(losses(continued), losses(expected)[2:], rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
+class ScheduledByEstimatedSteps(TinyLM):
+    """Its LR schedule's length is ``trainer.estimated_stepping_batches``, as Hugging Face's linear warm-up recipes
+    take it: `configure_optimizers` reads the training DataLoader before the checkpoint is restored."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        total = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+@pytest.mark.parametrize("strategy", ["varuna", "spilled"])
+def test_a_mid_epoch_checkpoint_resumes_where_it_was_taken_when_the_optimizer_reads_the_data_first(tmp_path, strategy):
+    """`configure_optimizers` reading `trainer.estimated_stepping_batches` made the DataLoader before the checkpoint
+    was restored: the resumed run read its epoch from the start again (training its first batches twice)."""
+    torch.manual_seed(0)
+    reference = ScheduledByEstimatedSteps()
+    model = copy.deepcopy(reference)
+    options: dict[str, Any] = {"accumulate_grad_batches": 1, "limit_val_batches": 0, "max_steps": -1, "max_epochs": 1}
+
+    def make() -> Any:
+        return VarunaStrategy() if strategy == "varuna" else SpillingStrategy(memory_budget=BUDGETS[2])
+
+    read, resumed_read = BatchesRead(), BatchesRead()
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    expected = fit(reference, make(), callbacks=[read, saves], **options)
+    continued = fit(model, make(), str(tmp_path / "epoch=0-step=3.ckpt"), callbacks=[resumed_read], **options)
+    assert resumed_read.rows == read.rows[3:]
+    torch.testing.assert_close(losses(continued), losses(expected)[3:], rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
+@pytest.mark.parametrize("strategy", ["varuna", "spilled"])
+def test_a_mid_epoch_checkpoint_resumes_accumulating_as_the_epochs_schedule_says(tmp_path, strategy):
+    """`GradientAccumulationScheduler({0: 1, 1: 2})`, resumed in the middle of epoch 1: Lightning runs no epoch-start
+    hook there, so the resumed run stepped after every batch (plain Lightning does too) where an uninterrupted run
+    accumulates 2."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    options: dict[str, Any] = {"limit_val_batches": 0, "max_steps": -1, "max_epochs": 2}
+    options.update(gradient_clip_val=None, accumulate_grad_batches=1)
+
+    def make() -> Any:
+        return VarunaStrategy() if strategy == "varuna" else SpillingStrategy(memory_budget=BUDGETS[2])
+
+    def schedule() -> GradientAccumulationScheduler:
+        return GradientAccumulationScheduler({0: 1, 1: 2})
+
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
+    expected = fit(reference, make(), callbacks=[schedule(), saves], **options)
+    path = str(tmp_path / "epoch=1-step=10.ckpt")  # after batch 4 of epoch 1's 8
+    continued = fit(model, make(), path, callbacks=[schedule()], **options)
+    assert continued.global_step == expected.global_step == 12
+    torch.testing.assert_close(losses(continued), losses(expected)[12:], rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
+def test_a_checkpoint_at_the_end_of_a_limited_epoch_resumes_with_the_next_epoch(tmp_path):
+    """`limit_train_batches` ends the epoch before its rows run out: a checkpoint saved at its end (ModelCheckpoint's
+    `save_last`) resumes with the next epoch, as one uninterrupted run goes on (not with the epoch's unread rows)."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    options: dict[str, Any] = {"accumulate_grad_batches": 1, "limit_val_batches": 0, "limit_train_batches": 2}
+    options.update(max_steps=-1, val_check_interval=1.0)
+
+    def loader() -> DataLoader:
+        return DataLoader(token_dataset(24), batch_size=4)
+
+    read, resumed_read = BatchesRead(), BatchesRead()
+    expected = fit(
+        reference,
+        SpillingStrategy(memory_budget=BUDGETS[2]),
+        loader=loader(),
+        callbacks=[read],
+        max_epochs=2,
+        **options,
+    )
+    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), loader=loader(), callbacks=[saves], max_epochs=1, **options)
+    path = str(tmp_path / "last.ckpt")
+    continued = fit(
+        model,
+        SpillingStrategy(memory_budget=BUDGETS[2]),
+        path,
+        loader(),
+        callbacks=[resumed_read],
+        max_epochs=2,
+        **options,
+    )
+    assert resumed_read.rows == read.rows[2:]
+    torch.testing.assert_close(losses(continued), losses(expected)[2:], rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
+class FailsOnce(TinyLM):
+    """Raises at the batch ``fail_at`` (as a bad batch would in the step, or running out of memory in the backward),
+    once."""
+
+    fail_at: int | None = 3
+    fail_in = "training_step"
+
+    def _fail_here(self, where: str) -> None:
+        if where == self.fail_in and self.global_step == self.fail_at:
+            self.fail_at = None
+            raise RuntimeError(f"failed in {where}")
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self._fail_here("training_step")
+        return super().training_step(batch, batch_idx)
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self._fail_here("on_before_backward")
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:  # as the step running out of memory
+        self._fail_here("on_before_optimizer_step")
+
+
+@pytest.mark.parametrize(
+    ("fail_in", "clip"),
+    [("training_step", None), ("on_before_backward", None), ("on_before_optimizer_step", 0.5)],
+)
+def test_the_checkpoint_taken_as_a_step_fails_resumes_with_that_batch(tmp_path, fail_in, clip):
+    """`OnExceptionCheckpoint` saves as the step, its backward or its optimizer step (after the backward when the
+    gradients are clipped) fails: the failed batch was not trained, and the resumed run trains it, as an
+    uninterrupted run does (before, it was counted as trained and skipped)."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = FailsOnce()
+    model.fail_in = fail_in
+    model.load_state_dict(reference.state_dict())
+    options = {"gradient_clip_val": clip, "accumulate_grad_batches": 1, "max_steps": 6}
+    expected = fit(reference, "auto", **options)
+    saves = OnExceptionCheckpoint(dirpath=tmp_path)
+    with pytest.raises(RuntimeError, match=f"failed in {fail_in}"):
+        fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), callbacks=[saves], **options)
+    path = str(tmp_path / "on_exception.ckpt")
+    continued = fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), ckpt_path=path, **options)
+    torch.testing.assert_close(losses(continued), losses(expected)[3:], rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
+def test_lightning_warns_of_a_restarted_epoch_only_where_the_loader_restarts_it(tmp_path, recwarn):
+    """A spilled fit resumed mid-epoch reads the rest of the epoch, so Lightning's warning that the epoch restarts is
+    silenced while it runs; a plain fit resumed after it (whose loader does restart the epoch) warns again."""
+
+    def restarts() -> int:
+        caught = [w for w in recwarn.list if "resuming from a checkpoint that ended before the epoch" in str(w.message)]
+        recwarn.clear()
+        return len(caught)
+
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    fit(TinyLM(), "auto", callbacks=[saves], max_steps=1, accumulate_grad_batches=1)
+    mid_epoch = str(tmp_path / "epoch=0-step=1.ckpt")  # after batch 1 of 8
+    restarts()
+    fit(TinyLM(), SpillingStrategy(memory_budget=BUDGETS[2]), mid_epoch, max_steps=2, accumulate_grad_batches=1)
+    spilled = restarts()
+    fit(TinyLM(), "auto", mid_epoch, max_steps=2, accumulate_grad_batches=1)
+    assert [spilled, restarts()] == [0, 1]

@@ -1,0 +1,116 @@
+"""What SpillingStrategy does not train is refused at set-up, naming what to change, never trained differently:
+a model compiled whole, averaging and fine-tuning callbacks that need every parameter on the device, a grad-mode
+block or a buffer of the model itself changed in its forward, CutPoints inside a reentrant checkpoint, more than one
+device."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, StochasticWeightAveraging
+from models import DIM, TinyLM
+from spilled_runs import BUDGETS, FrozenEmbeddingLM, assert_same_model, fit
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_varuna import SpillingStrategy, cut_after
+
+
+def test_a_model_compiled_whole_is_refused():
+    with pytest.raises(ValueError, match=r"compiled whole .*self\.net = torch\.compile\(net\)"):
+        fit(torch.compile(TinyLM()), SpillingStrategy(memory_budget=BUDGETS[2]))
+
+
+@pytest.mark.parametrize("averaging", [StochasticWeightAveraging, EMAWeightAveraging], ids=["swa", "ema"])
+def test_weight_averaging_needs_the_model_on_the_device(averaging):
+    """Averaging callbacks copy every parameter after each step: refused for a spilled model, with what to change;
+    a model that stays on the device in one shard averages as plain Lightning does."""
+    kwargs = {"swa_lrs": 0.01, "swa_epoch_start": 1} if averaging is StochasticWeightAveraging else {}
+    with pytest.raises(ValueError, match=rf"`{averaging.__name__}` averages every parameter .*2 shard"):
+        fit(TinyLM(), SpillingStrategy(memory_budget=BUDGETS[2]), callbacks=[averaging(**kwargs)])
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    fit(reference, "auto", callbacks=[averaging(**kwargs)], max_steps=-1, max_epochs=3)
+    fit(model, SpillingStrategy(memory_budget=BUDGETS[1]), callbacks=[averaging(**kwargs)], max_steps=-1, max_epochs=3)
+    assert_same_model(model, reference)
+
+
+class NoGradBlockLM(TinyLM):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.cuts[0](self.blocks[0](self.emb(idx), torch.ones(())))
+        with torch.no_grad():
+            centre = x.mean(0)
+        return self.head(x - centre)
+
+
+def test_a_grad_mode_block_in_the_forward_is_named_with_what_to_use():
+    with pytest.raises(RuntimeError, match=r"a `with torch\.no_grad\(\):` .*Use `\.detach\(\)`"):
+        fit(NoGradBlockLM(), SpillingStrategy(memory_budget=BUDGETS[5]))
+
+
+class CheckpointedLlama(L.LightningModule):
+    """Hugging Face's gradient checkpointing, reentrant, with a CutPoint after each layer: inside the checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2
+        )
+        self.model = LlamaForCausalLM(config)
+        cut_after(self.model.model.layers)
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return self(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_cutpoints_inside_a_reentrant_checkpoint_are_named_with_what_to_use():
+    """torch's split merges their stages without an error (ours said that a stage had no computation)."""
+    pytest.importorskip("transformers")
+    trainer = L.Trainer(accelerator="cpu", strategy=SpillingStrategy(memory_budget="100KB"), max_steps=1, logger=False)
+    data = DataLoader(torch.randint(1, 50, (8, 8)), batch_size=8)
+    with pytest.raises(RuntimeError, match=r"a reentrant `torch\.utils\.checkpoint`.*`use_reentrant=False`"):
+        trainer.fit(CheckpointedLlama(), data)
+
+
+def test_finetuning_that_unfreezes_parameters_outside_the_optimizer_is_refused():
+    """`BaseFinetuning` finds what it unfreezes among the optimizer's parameters by their values, which spilled ones
+    do not hold: an optimizer over the trainable parameters only is refused, with what to build instead."""
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+    model = FrozenEmbeddingLM()
+    model.backbone = model.blocks[0]  # what BackboneFinetuning freezes, then unfreezes
+    with pytest.raises(ValueError, match=r"`BackboneFinetuning` would add .*over all of the model's parameters"):
+        fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), callbacks=[finetuning])
+
+
+class RootRunningMeanLM(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(DIM))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.cuts[0](self.blocks[0](self.emb(idx), torch.ones(())))
+        self.mean.copy_(0.5 * self.mean + 0.5 * x.mean((0, 1)).detach())
+        return self.head(x - self.mean)
+
+
+def test_a_buffer_of_the_model_itself_changed_in_place_is_named_with_what_to_do():
+    with pytest.raises(TypeError, match=r"changes a buffer of the model itself in place .*in a submodule"):
+        fit(RootRunningMeanLM(), SpillingStrategy(memory_budget=BUDGETS[5]))
+
+
+def test_more_than_one_device_points_elsewhere():
+    with pytest.raises(ValueError, match="VarunaStrategy.*MultiModelTrainer"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=SpillingStrategy())
