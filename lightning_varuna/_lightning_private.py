@@ -50,14 +50,14 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerE
 # Private attributes and formats read or changed:
 # - `LightningModule._compiler_ctx`, set by `Trainer.fit` for a module compiled whole (`torch.compile(model)`), which
 #   SpillingStrategy refuses: strategies/spilling_requirements.py.
-#   tests/test_spilling.py::test_a_model_compiled_whole_is_refused.
+#   tests/test_spilling_refusals.py::test_a_model_compiled_whole_is_refused.
 # - `trainer._checkpoint_connector` (its class is swapped for the extended connector): strategies/launchers.py.
 # - `loop._data_source.dataloader()`: the first batch of the running loop, to trace the model at start-up, and
 #   `LightningModule._on_before_batch_transfer`, through which the loop passes each batch: strategies/first_batch.py.
-#   tests/test_spilling.py::test_true_precisions_train_cut_like_one_device.
+#   tests/test_spilling_precision.py::test_true_precisions_train_cut_like_one_device.
 # - the checkpoint's `loops["fit_loop"]["epoch_progress"]` counters: `data.resumable.continue_unfinished_epoch`.
 # - the precision plugin's `clip_grad_by_norm` / `clip_grad_by_value`, replaced on the instance:
-#   strategies/clipping.py. tests/test_parity.py (gradient_clip_val), tests/test_spilling.py.
+#   strategies/clipping.py. tests/test_parity.py (gradient_clip_val), tests/test_spilling_like_one_device.py.
 # - `Trainer._run_stage` calls `strategy.barrier("run-stage")` just before the sanity check, which runs inside
 #   `isolate_rng()` (restoring torch's generator when it ends), and the strategy's `on_train_start` after it:
 #   a sweep's model holds the generator in between (multimodel/trainer.py).

@@ -59,12 +59,12 @@ rename_node = Node._rename
 # The operation of `GradScaler.unscale_`: unscales gradients in place and flags an inf or NaN among them. A spilled
 # model runs it on each shard's gradients while they are on the device (`spilling.grad_scaler`, whose GradScaler
 # subclass also extends `_unscale_grads_` and reads `_scale`, as torch's own ShardedGradScaler does).
-# tests/test_spilling.py (fp16), tests/test_spilling_cuda.py.
+# tests/test_spilling_precision.py (fp16), tests/test_spilling_cuda.py.
 unscale_and_find_inf = torch._amp_foreach_non_finite_check_and_unscale_
 
 # Each tensor's norm, in one call: how `torch.nn.utils.get_total_norm` takes the gradients' norms before it combines
 # them (on the CPU too, where it loops over `vector_norm`, with the same values). A spilled model keeps each shard's
-# for clipping by the norm over all shards. tests/test_spilling.py (fp16, with clipping).
+# for clipping by the norm over all shards. tests/test_spilling_precision.py (fp16, with clipping).
 foreach_norm = torch._foreach_norm
 
 
@@ -83,7 +83,7 @@ def changes_inputs_in_place(target: object) -> bool:
 def take_flat_inputs(graph_module: fx.GraphModule) -> None:
     """Make ``graph_module``'s forward take the leaves of its inputs: torch's pipeline split can leave the model's
     pytree input spec (a dict batch) on a stage with one input placeholder, whose forward then expects the whole
-    structure. FX's codegen has no public setter. tests/test_spilling.py (a dict batch)."""
+    structure. FX's codegen has no public setter. tests/test_spilling_like_one_device.py (a dict batch)."""
     if isinstance(graph_module.graph._codegen, _PyTreeCodeGen):
         graph_module.graph._codegen = fx.graph.CodeGen()
         graph_module.recompile()
