@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -19,7 +19,7 @@ from lightning_varuna.multimodel.scheduler import DeviceSpan
 
 _GPU_ROWS = 1000  # trace rows of the GPUs' own timing start here
 
-__all__ = ["ModelResult", "SweepDisplay", "device_timeline_trace", "summary_table"]
+__all__ = ["ModelResult", "StudyDisplay", "SweepDisplay", "device_timeline_trace", "summary_table"]
 
 
 @dataclass
@@ -91,6 +91,55 @@ class SweepDisplay:
 
     def close(self) -> None:
         for bar in self._bars.values():
+            bar.close()
+
+
+class StudyDisplay(SweepDisplay):
+    """A row per running trial of a study (its number and parameters, steps, loss, last reported ``monitor``, how it
+    ended), under a line for the study; a row is used again by the next trial once its trial has ended."""
+
+    def __init__(self, rows: int, study_name: str) -> None:
+        self._study = tqdm(desc=f"study {study_name}", total=None, position=0, leave=True, bar_format="{desc}")
+        self._free = [tqdm(total=None, unit="step", position=i + 1, leave=True, mininterval=0.5) for i in range(rows)]
+        self._bars: dict[str, Any] = {}
+        self._monitors: dict[str, tuple[str, Callable[[], float | None]]] = {}
+
+    def watch(self, name: str, monitor: str, value: Callable[[], float | None]) -> None:
+        """Show ``value()``, the trial's last reported ``monitor``, on ``name``'s row."""
+        self._monitors[name] = monitor, value
+
+    def started(self, name: str, total_steps: float, steps_before: int) -> None:
+        if name not in self._bars:
+            self._bars[name] = self._free.pop(0)
+            self._bars[name].set_description_str(name)
+        super().started(name, total_steps, steps_before)
+
+    def stepped(self, name: str, steps: int, loss: float | None) -> None:
+        bar = self._bars.get(name)
+        if bar is None:
+            return
+        postfix = {"loss": f"{loss:.4g}"} if loss is not None else {}
+        if name in self._monitors:
+            monitor, value = self._monitors[name]
+            last = value()
+            if last is not None:
+                postfix[monitor] = f"{last:.4g}"
+        bar.set_postfix(postfix, refresh=False)
+        bar.update(steps - bar.n)
+
+    def ended(self, name: str, status: str) -> None:
+        bar = self._bars.pop(name, None)
+        if bar is not None:
+            bar.set_postfix_str(f"{status}: {name}")
+            bar.refresh()
+            self._free.append(bar)
+
+    def summary(self, text: str) -> None:
+        """The study's line: its trials so far and its best value."""
+        self._study.set_description_str(text)
+
+    def close(self) -> None:
+        for bar in [self._study, *self._free, *self._bars.values()]:
             bar.close()
 
 

@@ -9,11 +9,11 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -23,12 +23,22 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_varuna._torch_private import register_cuda_device_guard
-from lightning_varuna.multimodel.report import ModelResult, SweepDisplay, device_timeline_trace, summary_table
+from lightning_varuna.multimodel.report import (
+    ModelResult,
+    StudyDisplay,
+    SweepDisplay,
+    device_timeline_trace,
+    summary_table,
+)
 from lightning_varuna.multimodel.scheduler import DeviceScheduler, DeviceSpan, SweepStopped
+from lightning_varuna.multimodel.study import StudyRunner, TrialOutcome
 from lightning_varuna.pipeline.replay import default_dtype
 from lightning_varuna.spilling.packing import format_bytes
 from lightning_varuna.strategies.launchers import InProcessLauncher
 from lightning_varuna.strategies.spilling import SpillingStrategy
+
+if TYPE_CHECKING:
+    import optuna
 
 __all__ = ["MultiModelTrainer"]
 
@@ -60,6 +70,8 @@ class MultiModelTrainer:
             ``max_steps``, then the largest) while their parameters, gradients and optimizer state (four times
             their parameters) fit in half of what the GPU has free as `fit` starts; never on the CPU, where host
             memory is the device's.
+        checkpoint_dir: where `optimize` keeps each trial's checkpoint (any fsspec URL; the workers of one study
+            share it).
     """
 
     def __init__(
@@ -72,6 +84,7 @@ class MultiModelTrainer:
         storage_options: dict[str, Any] | None = None,
         enable_progress_bar: bool = True,
         keep_on_device: bool | None = None,
+        checkpoint_dir: str | Path | None = None,
     ) -> None:
         if accelerator not in ("cpu", "gpu", "cuda"):
             raise ValueError(f"MultiModelTrainer runs on 'cpu' or 'gpu' (CUDA), not accelerator={accelerator!r}.")
@@ -84,13 +97,14 @@ class MultiModelTrainer:
         self.memory_budget, self.spill_dir, self.prefetch = memory_budget, spill_dir, prefetch
         self.storage_options = storage_options
         self.enable_progress_bar, self.keep_on_device = enable_progress_bar, keep_on_device
+        self.checkpoint_dir = str(checkpoint_dir) if checkpoint_dir is not None else None
         if self.on_gpu:
             self.scheduler = DeviceScheduler(devices, gpus=[torch.device("cuda", torch.cuda.current_device())])
         else:
             self.scheduler = DeviceScheduler(devices, cores=_cores_for(devices))
         self.results: list[ModelResult] = []
         self._members: list[_Member] = []
-        self._display: SweepDisplay | None = None
+        self._display: SweepDisplay | StudyDisplay | None = None
 
     def add(
         self,
@@ -215,6 +229,85 @@ class MultiModelTrainer:
                 + "; ".join(f"{r.name} failed: {type(r.error).__name__}: {r.error}" for r in failed)
             )
         return [m.trainer for m in self._members]
+
+    def optimize(
+        self,
+        study: optuna.Study,
+        build: Callable[[optuna.trial.Trial], dict[str, Any]],
+        n_trials: int,
+        monitor: str,
+        *,
+        value: Literal["last", "best"] = "last",
+        max_running: int | None = None,
+        checkpoint_interval: float = 300.0,
+        heartbeat_interval: float = 10.0,
+        grace_period: float = 120.0,
+    ) -> list[TrialOutcome]:
+        """Run the Optuna ``study`` as one sweep until it holds ``n_trials`` trials (see `StudyRunner`).
+
+        ``build(trial)`` suggests a trial's parameters and returns what `add` takes for it (``model`` and the rest
+        by name, ``max_steps``, ``callbacks``, a logger...). Up to ``max_running`` trials train at once (default:
+        twice the devices, fewer while host memory would not hold another); each trial reports ``monitor`` after
+        every validation, ends at its next step boundary when the study's pruner prunes it, and its value is its
+        ``"last"`` or ``"best"`` ``monitor``. SIGTERM, SIGUSR1 or Ctrl-C stop every running trial at its next step
+        boundary with a checkpoint under ``checkpoint_dir``, which the next run resumes; several workers (processes,
+        machines) share one storage, and take over the trials of a worker that stops saying it runs (after
+        ``grace_period`` seconds) from their last checkpoint (taken every ``checkpoint_interval`` seconds). Returns
+        how the trials this worker ran ended.
+        """
+        if self._members:
+            raise ValueError("`optimize` runs a study in an empty sweep: make a MultiModelTrainer for it alone.")
+        if self.checkpoint_dir is None:
+            raise ValueError(
+                "`optimize` checkpoints every trial so that a preempted or killed worker loses none: pass "
+                "`MultiModelTrainer(checkpoint_dir=...)` (a folder or fsspec URL the workers of the study share)."
+            )
+        if len(study.directions) != 1:
+            objectives = len(study.directions)
+            raise ValueError(f"`optimize` runs a study of one objective (`monitor={monitor!r}`), not {objectives}.")
+        if value not in ("last", "best"):
+            raise ValueError(f'`value={value!r}`: a trial\'s value is its "last" or "best" `{monitor}`.')
+        preempted = threading.Event()
+        rows = max_running or 2 * self.devices
+        display = self._display = StudyDisplay(rows, study.study_name) if self.enable_progress_bar else None
+        runner = StudyRunner(
+            self, study, build, n_trials, monitor, value, self.checkpoint_dir, checkpoint_interval,
+            heartbeat_interval, grace_period, max_running or 2 * self.devices, preempted, display,
+        )  # fmt: skip
+        if not torch.cuda.is_available():
+            register_cuda_device_guard()
+        with (
+            _torch_threads(1) if not self.on_gpu else nullcontext(),
+            default_dtype(torch.get_default_dtype()),  # as it was, after the trials' (`launch`)
+            _preempted_by_signals(preempted, self.scheduler),
+            self._display.logs_above() if self._display is not None else nullcontext(),
+        ):
+            outcomes = runner.run()
+        if self._display is not None:
+            self._display.close()
+        return outcomes
+
+    def launch(self, trainer: pl.Trainer, ended: Callable[[ModelResult], None]) -> ModelResult:
+        """Start fitting the model added with ``trainer`` (alongside those training); ``ended(result)`` runs in its
+        thread once its fit has ended."""
+        member = next(m for m in self._members if m.trainer is trainer)
+        member.stays_on_device = bool(self.keep_on_device)
+        result = ModelResult(member.name, trainer)
+
+        def fit() -> None:
+            self._fit_member(member, result)
+            ended(result)
+
+        # The process's default dtype, which the models' steps set (and each restores) in their threads: the same
+        # for every model of the sweep (`add` refuses another), set once here; `optimize` restores it after.
+        torch.set_default_dtype(_step_default_dtype(trainer))
+
+        threading.Thread(target=fit, name=f"sweep {member.name}", daemon=True).start()
+        return result
+
+    def forget(self, trainer: pl.Trainer) -> None:
+        """Drop the model of ``trainer`` from the sweep (its fit has ended), so that it can be freed."""
+        self._members = [m for m in self._members if m.trainer is not trainer]
 
     def _staying_on_the_gpu(self) -> list[bool]:
         """Which models stay on the GPU between their turns: those that save the most copies (`staying_models`),
@@ -462,6 +555,30 @@ def _refuse_another_default_dtype(trainer: pl.Trainer, others: list[pl.Trainer])
             "of a sweep train at once in one process: put models of the 'true' precisions (which set it) in a sweep "
             "of their own."
         )
+
+
+@contextmanager
+def _preempted_by_signals(preempted: threading.Event, scheduler: DeviceScheduler) -> Iterator[None]:
+    """SIGTERM, SIGUSR1 (a preemption notice, as SLURM sends) and Ctrl-C set ``preempted``: every trial checkpoints at
+    its next step boundary and ends. A second Ctrl-C stops the sweep at once (each trial keeps its last checkpoint)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+
+    def preempt(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and preempted.is_set():
+            scheduler.stop("KeyboardInterrupt")
+        preempted.set()
+
+    for sig in signals:
+        signal.signal(sig, preempt)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextmanager

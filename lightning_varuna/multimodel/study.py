@@ -1,0 +1,294 @@
+"""An Optuna study trained as one sweep (`MultiModelTrainer.optimize`): trials asked from the study train together,
+their shards interleaved over the sweep's devices, each as if alone; a pruned trial ends at its next step boundary
+and another is asked at once in its place; a preempted sweep leaves every running trial with a checkpoint that the
+next run (or another worker) resumes; and the workers that share one storage each run their own trials.
+
+How trials survive a worker. Each running trial says it is alive every ``heartbeat_interval`` seconds (a user
+attribute of the trial, `HEARTBEAT`, so any storage carries it), and checkpoints itself every
+``checkpoint_interval`` seconds at a step boundary. A trial whose worker was preempted (SIGTERM, SIGUSR1, Ctrl-C)
+checkpoints at once and is *handed over*; a trial whose worker stopped saying it is alive for ``grace_period``
+seconds (killed) is handed over by another worker, from its last checkpoint. Handing over is Optuna's own retry:
+the trial is told FAIL (atomic in every storage: of two workers taking over one trial, one succeeds) with the
+attribute `HANDED_OVER`, and a trial with the same parameters is enqueued carrying `RESUMES` (the trial it continues
+and its checkpoint). Whichever worker asks next gets it, resumes from that checkpoint, and reports the intermediate
+values of the trial it continues first, so the pruner sees one history. Handed-over trials do not count as failures
+toward ``n_trials``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from queue import Empty, Queue
+from typing import TYPE_CHECKING, Any
+
+from lightning_varuna._optuna_private import frozen_trial, set_user_attr
+from lightning_varuna.checkpoint.layout import IncompleteCheckpointError, open_complete
+from lightning_varuna.multimodel.report import ModelResult, StudyDisplay
+from lightning_varuna.multimodel.trial_callback import TrialCallback
+from lightning_varuna.storage import Storage, join
+
+if TYPE_CHECKING:
+    import optuna
+
+    from lightning_varuna.multimodel.trainer import MultiModelTrainer
+
+__all__ = ["CHECKPOINT", "HANDED_OVER", "HEARTBEAT", "RESUMES", "StudyRunner", "TrialOutcome"]
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT = "lightning_varuna.heartbeat"  # when the worker running the trial last said it runs (seconds, UTC epoch)
+CHECKPOINT = "lightning_varuna.checkpoint"  # the URL of the trial's checkpoint
+RESUMES = "lightning_varuna.resumes"  # of a retry: {"trial": the number it continues, "checkpoint": that one's URL}
+HANDED_OVER = "lightning_varuna.handed_over"  # of a trial continued by a retry: why ("preempted", "no heartbeat")
+
+
+@dataclass
+class TrialOutcome:
+    """How a trial this worker ran ended: ``state`` is "complete", "pruned", "failed" or "handed over"."""
+
+    number: int
+    params: dict[str, Any]
+    state: str
+    value: float | None
+    steps: int
+    seconds: float
+
+
+@dataclass
+class _Running:
+    trial: optuna.trial.Trial
+    callback: TrialCallback
+    result: ModelResult | None = None  # set as its fit starts
+    handed_over: bool = False  # by another worker, which found no heartbeat
+
+
+class StudyRunner:
+    """Runs ``study``'s trials in ``sweep`` until the study holds ``n_trials`` trials (see the module).
+
+    Args:
+        sweep: the `MultiModelTrainer` the trials train in.
+        study: the Optuna study (one objective).
+        build: ``build(trial)`` returns what `MultiModelTrainer.add` takes (``model`` and the rest, by name).
+        n_trials: the study's size: trials are asked while it holds fewer (finished, running or waiting; handed-over
+            ones not counted), over every run and worker.
+        monitor: the logged value the study optimizes, reported after every validation.
+        value: ``"last"`` or ``"best"`` reported value as the trial's.
+        checkpoint_dir: where each trial's checkpoint goes (any fsspec URL; shared by the workers).
+        checkpoint_interval: seconds between a trial's checkpoints.
+        heartbeat_interval: seconds between a running trial's heartbeats.
+        grace_period: seconds without a heartbeat after which a trial is taken over.
+        max_running: the most trials training at once in this worker.
+        preempted: set by a signal: running trials checkpoint and are handed over; no more are asked.
+        display: where the running trials and the study's progress show, if anywhere.
+    """
+
+    def __init__(
+        self,
+        sweep: MultiModelTrainer,
+        study: optuna.Study,
+        build: Callable[[optuna.trial.Trial], dict[str, Any]],
+        n_trials: int,
+        monitor: str,
+        value: str,
+        checkpoint_dir: str,
+        checkpoint_interval: float,
+        heartbeat_interval: float,
+        grace_period: float,
+        max_running: int,
+        preempted: threading.Event,
+        display: StudyDisplay | None = None,
+    ) -> None:
+        import optuna
+
+        self._optuna = optuna
+        self.sweep, self.study, self.build = sweep, study, build
+        self.n_trials, self.monitor, self.value = n_trials, monitor, value
+        self.checkpoint_dir, self.checkpoint_interval = checkpoint_dir.rstrip("/"), checkpoint_interval
+        self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period
+        self.max_running, self.preempted, self.display = max_running, preempted, display
+        self.minimize = study.direction == optuna.study.StudyDirection.MINIMIZE
+        self.outcomes: list[TrialOutcome] = []
+        self._running: dict[int, _Running] = {}  # by trial number
+        self._ended: Queue[int] = Queue()
+        self._storage = Storage(sweep.storage_options)
+
+    # ------------------------------------------------------------------------------------------------- the loop
+    def run(self) -> list[TrialOutcome]:
+        """Ask, train and tell trials until the study is complete or the sweep is preempted; return this worker's."""
+        while True:
+            self._beat()
+            self._take_over_silent_trials()
+            while not self.preempted.is_set() and len(self._running) < self.max_running and self._start_next():
+                pass
+            if not self._running and (self.preempted.is_set() or not self._others_may_need_us()):
+                return self.outcomes
+            with contextlib.suppress(Empty):  # nothing ended: time to say the running trials are alive
+                self._end(self._ended.get(timeout=self.heartbeat_interval))
+
+    def _start_next(self) -> bool:
+        """Ask the study for a trial (a retry waiting to be resumed first) and start training it; False if the
+        study is full."""
+        if self._size() >= self.n_trials and not self._waiting():
+            return False
+        trial = self.study.ask()
+        resumes = trial.user_attrs.get(RESUMES)
+        url = join(self.checkpoint_dir, f"trial-{trial.number}")
+        trial.set_user_attr(CHECKPOINT, url)
+        trial.set_user_attr(HEARTBEAT, time.time())
+        callback = TrialCallback(trial, self.monitor, url, self.checkpoint_interval, self.preempted, self.minimize)
+        running = self._running[trial.number] = _Running(trial, callback)
+        try:
+            kwargs = dict(self.build(trial))
+            ckpt_path = self._resume_point(trial, resumes, callback)
+            model = kwargs.pop("model")
+            kwargs["callbacks"] = [*(kwargs.pop("callbacks", None) or []), callback]
+            name = _row_name(trial)
+            trainer = self.sweep.add(model, ckpt_path=ckpt_path, name=name, **kwargs)
+        except self._optuna.TrialPruned:
+            self._tell(running, "pruned", 0, 0.0)
+            return True
+        except Exception as error:  # noqa: BLE001 - a trial that cannot be built fails alone
+            self._fail(running, error, 0, 0.0)
+            return True
+        if self.display is not None:
+            self.display.watch(name, self.monitor, lambda: callback.last)
+        running.result = self.sweep.launch(trainer, lambda result: self._ended.put(trial.number))
+        return True
+
+    def _resume_point(self, trial: optuna.trial.Trial, resumes: dict | None, callback: TrialCallback) -> str | None:
+        """Where a retry resumes: the checkpoint of the trial it continues, whose reports it makes its own; None
+        for a new trial (or one killed before its first checkpoint)."""
+        if resumes is None:
+            return None
+        continued = frozen_trial(self.study, resumes["trial"])
+        for step, value in sorted(continued.intermediate_values.items()):
+            trial.report(value, step)
+            callback.reported_steps.add(step)
+            callback.last = value
+        try:
+            open_complete(self._storage, resumes["checkpoint"])
+        except IncompleteCheckpointError:
+            log.warning(
+                f"Trial {trial.number} continues trial {resumes['trial']}, which left no checkpoint: it starts over."
+            )
+            return None
+        log.info(
+            f"Trial {trial.number} continues trial {resumes['trial']} from its checkpoint {resumes['checkpoint']}."
+        )
+        return resumes["checkpoint"]
+
+    # ------------------------------------------------------------------------------------------- trials that end
+    def _end(self, number: int) -> None:
+        running = self._running[number]
+        result, callback = running.result, running.callback
+        assert result is not None
+        self.sweep.forget(result.trainer)
+        if running.handed_over:
+            self._record(running, "handed over", result.steps, result.seconds)
+        elif callback.interrupted or result.status == "stopped":
+            self._hand_over(running.trial.number, "preempted", running.trial.params, callback.checkpoint_url)
+            self._record(running, "handed over", result.steps, result.seconds)
+        elif result.status == "failed":
+            self._fail(running, result.error, result.steps, result.seconds)
+        elif callback.pruned:
+            self._tell(running, "pruned", result.steps, result.seconds)
+        else:
+            self._tell(running, "complete", result.steps, result.seconds)
+
+    def _tell(self, running: _Running, state: str, steps: int, seconds: float) -> None:
+        TrialState = self._optuna.trial.TrialState
+        trial, value = running.trial, running.callback.value(self.value)
+        if state == "complete" and value is None:
+            self._fail(
+                running, ValueError(f"the trial logged no `{self.monitor}` (no validation ran?)"), steps, seconds
+            )
+            return
+        if state == "pruned":
+            self.study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
+        else:
+            self.study.tell(trial, value, skip_if_finished=True)
+        self._record(running, state, steps, seconds, value)
+
+    def _fail(self, running: _Running, error: BaseException | None, steps: int, seconds: float) -> None:
+        message = f"{type(error).__name__}: {error}"
+        log.warning(f"Trial {running.trial.number} failed: {message}")
+        with contextlib.suppress(Exception):  # finished meanwhile (handed over): the reason is not needed then
+            running.trial.set_user_attr("fail_reason", message)
+        self.study.tell(running.trial, state=self._optuna.trial.TrialState.FAIL, skip_if_finished=True)
+        self._record(running, "failed", steps, seconds)
+
+    def _record(self, running: _Running, state: str, steps: int, seconds: float, value: float | None = None) -> None:
+        trial = running.trial
+        self.outcomes.append(TrialOutcome(trial.number, dict(trial.params), state, value, steps, seconds))
+        del self._running[trial.number]
+        if self.display is not None:
+            self.display.summary(self._progress())
+
+    def _progress(self) -> str:
+        """The study's line of the display: its trials by state, and its best value so far."""
+        counts: dict[str, int] = {}
+        for outcome in self.outcomes:
+            counts[outcome.state] = counts.get(outcome.state, 0) + 1
+        done = [o for o in self.outcomes if o.state == "complete" and o.value is not None]
+        best = (min if self.minimize else max)(done, key=lambda o: o.value, default=None)  # type: ignore[arg-type, return-value]
+        text = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+        if best is not None:
+            text += f"; best {self.monitor} {best.value:.4g} (trial {best.number})"
+        return f"study {self.study.study_name}: {text}"
+
+    # ------------------------------------------------------------------------------------------- handing over
+    def _hand_over(self, number: int, why: str, params: dict[str, Any], checkpoint: str) -> bool:
+        """Tell trial ``number`` FAIL as handed over and enqueue its retry; False if another worker told it first."""
+        TrialState = self._optuna.trial.TrialState
+        try:
+            set_user_attr(self.study, number, HANDED_OVER, why)
+            self.study.tell(number, state=TrialState.FAIL)
+        except Exception:  # noqa: BLE001 - finished meanwhile: its worker or another one told it
+            return False
+        self.study.enqueue_trial(params, user_attrs={RESUMES: {"trial": number, "checkpoint": checkpoint}})
+        log.info(f"Trial {number} handed over ({why}); a retry with its parameters resumes from {checkpoint}.")
+        return True
+
+    def _take_over_silent_trials(self) -> None:
+        """Hand over the running trials of other workers that have not said they are alive for ``grace_period``."""
+        now = time.time()
+        for trial in self.study.get_trials(deepcopy=False, states=(self._optuna.trial.TrialState.RUNNING,)):
+            beat = trial.user_attrs.get(HEARTBEAT)
+            if trial.number in self._running or beat is None or now - beat <= self.grace_period:
+                continue
+            self._hand_over(trial.number, "no heartbeat", trial.params, trial.user_attrs[CHECKPOINT])
+
+    def _beat(self) -> None:
+        """Say the running trials are alive; one that another worker took over (told FAIL: it had no heartbeat for
+        too long) ends at its next step boundary."""
+        now = time.time()
+        for running in self._running.values():
+            try:
+                running.trial.set_user_attr(HEARTBEAT, now)
+            except Exception:  # noqa: BLE001 - finished: another worker handed it over
+                running.handed_over = True
+                if running.result is not None:
+                    running.result.trainer.should_stop = True
+
+    # ---------------------------------------------------------------------------------------------- counting
+    def _size(self) -> int:
+        """The study's trials that count toward ``n_trials``: all but those handed over to a retry."""
+        return sum(1 for t in self.study.get_trials(deepcopy=False) if HANDED_OVER not in t.user_attrs)
+
+    def _waiting(self) -> bool:
+        return bool(self.study.get_trials(deepcopy=False, states=(self._optuna.trial.TrialState.WAITING,)))
+
+    def _others_may_need_us(self) -> bool:
+        """Whether trials of the sweep run on other workers: one may die and leave them to be taken over here."""
+        running = self.study.get_trials(deepcopy=False, states=(self._optuna.trial.TrialState.RUNNING,))
+        return any(CHECKPOINT in trial.user_attrs for trial in running) or self._waiting()
+
+
+def _row_name(trial: optuna.trial.Trial) -> str:
+    params = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items())
+    return f"trial {trial.number} ({params})" if params else f"trial {trial.number}"

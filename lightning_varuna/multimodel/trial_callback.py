@@ -1,0 +1,95 @@
+"""A trial of an Optuna study, inside its model's Trainer: its ``monitor`` reported after each validation, pruned at
+the next step boundary when the study's pruner says so, checkpointed now and then, and stopped with a checkpoint at a
+step boundary when the sweep is preempted."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+__all__ = ["TrialCallback"]
+
+
+class TrialCallback(pl.Callback):
+    """Links one model's Trainer to its Optuna trial.
+
+    Args:
+        trial: the `optuna.trial.Trial` the model trains for.
+        monitor: the logged value the study optimizes (``trainer.callback_metrics[monitor]``).
+        checkpoint_url: where the trial's checkpoint goes (written again in place: the newest complete one counts).
+        checkpoint_interval: seconds between the trial's checkpoints (taken at a step boundary), so that a worker
+            that dies loses at most that much of it.
+        preempted: set when the sweep must stop: the trial checkpoints at its next step boundary and ends.
+        minimize: whether the study minimizes the value (for the best value).
+    """
+
+    def __init__(
+        self,
+        trial: Any,
+        monitor: str,
+        checkpoint_url: str,
+        checkpoint_interval: float,
+        preempted: threading.Event,
+        minimize: bool,
+    ) -> None:
+        self.trial, self.monitor = trial, monitor
+        self.checkpoint_url, self.checkpoint_interval = checkpoint_url, checkpoint_interval
+        self.preempted, self.minimize = preempted, minimize
+        self.last: float | None = None
+        self.best: float | None = None
+        self.pruned = False
+        self.interrupted = False  # stopped by the preemption, with a checkpoint
+        self.reported_steps: set[int] = set()
+        self._checkpointed_s = time.monotonic()
+        self._step_seen = 0
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._checkpointed_s, self._step_seen = time.monotonic(), trainer.global_step
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        logged = trainer.callback_metrics.get(self.monitor)
+        if logged is None:
+            return
+        value = float(logged.item() if isinstance(logged, torch.Tensor) else logged)
+        self.last = value
+        if math.isfinite(value) and (self.best is None or (value < self.best if self.minimize else value > self.best)):
+            self.best = value
+        step = trainer.global_step
+        if step not in self.reported_steps:  # Optuna keeps one value per step
+            self.trial.report(value, step)
+            self.reported_steps.add(step)
+        if self.trial.should_prune():
+            self.pruned = True
+            trainer.should_stop = True
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self._step_seen:
+            return  # a batch that accumulates: not a step boundary
+        self._step_seen = trainer.global_step
+        if self.preempted.is_set() and not self.interrupted:
+            self.interrupted = True
+            self.save(trainer)
+            trainer.should_stop = True
+        elif time.monotonic() - self._checkpointed_s >= self.checkpoint_interval:
+            self.save(trainer)
+
+    def save(self, trainer: pl.Trainer) -> None:
+        """Checkpoint the trial now (its newest complete checkpoint is what a resumed trial continues from)."""
+        trainer.save_checkpoint(self.checkpoint_url)
+        self._checkpointed_s = time.monotonic()
+
+    def value(self, which: str) -> float | None:
+        """The trial's value: its ``"last"`` or ``"best"`` reported ``monitor``."""
+        return self.best if which == "best" else self.last

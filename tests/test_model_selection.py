@@ -1,0 +1,185 @@
+"""`MultiModelTrainer.optimize`: an Optuna study trained as one sweep. Each trial trains as if alone (per-step losses
+and weights of plain Lightning), a pruned trial ends at its next step boundary and another takes its place, a failing
+trial fails alone, a preempted worker's trials resume exactly on the next run, and a killed worker's trials are
+taken over by another worker from their last checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+optuna = pytest.importorskip("optuna", reason="model selection needs Optuna: pip install lightning-varuna[optuna]")
+from conftest import clean_env  # noqa: E402
+from study_models import LossLog, logged_losses, train_alone, trial_kwargs  # noqa: E402
+
+from lightning_varuna import MultiModelTrainer  # noqa: E402
+from lightning_varuna.multimodel.study import HANDED_OVER, RESUMES  # noqa: E402
+
+RUNNER = str(Path(__file__).with_name("run_study.py"))
+
+
+class PruneOddTrials(optuna.pruners.BasePruner):
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        return trial.number % 2 == 1
+
+
+def optimize_in_process(tmp_path: Path, n_trials: int, max_steps: int, pruner: Any, failing: int | None = None):
+    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.RandomSampler(seed=0), pruner=pruner)
+    models: dict[int, Any] = {}
+
+    def build(trial: optuna.trial.Trial) -> dict:
+        if trial.number == failing:
+            raise RuntimeError("this trial cannot be built")
+        kwargs = trial_kwargs(trial, max_steps)
+        models[trial.number] = kwargs["model"]
+        kwargs["callbacks"] = [LossLog(tmp_path / "losses" / f"trial-{trial.number}.jsonl")]
+        return kwargs
+
+    sweep = MultiModelTrainer(accelerator="cpu", devices=2, checkpoint_dir=str(tmp_path / "ckpt"))
+    outcomes = sweep.optimize(study, build, n_trials=n_trials, monitor="val_loss", max_running=3)
+    return study, outcomes, models
+
+
+def test_each_trial_trains_as_if_alone_and_a_pruned_trial_frees_its_place(tmp_path):
+    """Six trials, three at a time on two devices; the odd ones are pruned at their first report (step 4) and end
+    there, and new trials take their places until the study holds six. Every trial's per-step losses, and the
+    finished trials' weights, equal the trial trained alone with plain Lightning."""
+    study, outcomes, models = optimize_in_process(tmp_path, n_trials=6, max_steps=12, pruner=PruneOddTrials())
+    states = {t.number: t.state.name for t in study.trials}
+    assert states == {n: "PRUNED" if n % 2 else "COMPLETE" for n in range(6)}
+    assert sorted(o.number for o in outcomes) == list(range(6))
+    for trial in study.trials:
+        losses, weights = train_alone(trial.params["layers"], trial.params["lr"], 12)
+        logged = logged_losses(tmp_path / "losses" / f"trial-{trial.number}.jsonl")
+        steps = 4 if trial.number % 2 else 12
+        assert sorted(logged) == list(range(1, steps + 1)), "a pruned trial ends at the step boundary after its report"
+        torch.testing.assert_close(list(logged.values()), losses[:steps], rtol=1e-5, atol=1e-6)
+        if trial.state.name == "COMPLETE":
+            for name, tensor in models[trial.number].state_dict().items():
+                torch.testing.assert_close(tensor, weights[name], rtol=1e-5, atol=1e-6, msg=name)
+            assert trial.value == pytest.approx(trial.intermediate_values[12])
+
+
+def test_a_trial_that_fails_is_marked_failed_and_the_others_go_on(tmp_path):
+    study, outcomes, _ = optimize_in_process(
+        tmp_path, n_trials=3, max_steps=4, pruner=optuna.pruners.NopPruner(), failing=1
+    )
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "FAIL", "COMPLETE"]
+    assert "this trial cannot be built" in study.trials[1].user_attrs["fail_reason"]
+    assert [o.state for o in sorted(outcomes, key=lambda o: o.number)] == ["complete", "failed", "complete"]
+
+
+def test_a_study_needs_a_checkpoint_folder_and_one_objective(tmp_path):
+    study = optuna.create_study()
+    with pytest.raises(ValueError, match=r"checkpoint_dir=\.\.\."):
+        MultiModelTrainer().optimize(study, lambda trial: {}, n_trials=1, monitor="val_loss")
+    two = optuna.create_study(directions=["minimize", "maximize"])
+    with pytest.raises(ValueError, match="one objective"):
+        MultiModelTrainer(checkpoint_dir=str(tmp_path)).optimize(two, lambda trial: {}, n_trials=1, monitor="v")
+
+
+# ------------------------------------------------------------------------------------------ workers that stop
+def start_worker(folder: Path, **config: Any) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, RUNNER, str(folder), json.dumps(config)], cwd=folder, env=clean_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+
+def wait_for_steps(folder: Path, trials: int, steps: int, timeout: float = 120) -> None:
+    """Until ``trials`` trials have logged ``steps`` steps each."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        logs = list((folder / "losses").glob("trial-*.jsonl")) if (folder / "losses").exists() else []
+        if sum(len(p.read_text().splitlines()) >= steps for p in logs) >= trials:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"no {trials} trials reached {steps} steps in {timeout} s")
+
+
+def wait_for_checkpoint(url: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not list(url.glob("v*/COMMITTED.json")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no checkpoint committed at {url} in {timeout} s")
+        time.sleep(0.1)
+
+
+def finish(worker: subprocess.Popen, timeout: float = 300) -> str:
+    output, _ = worker.communicate(timeout=timeout)
+    assert worker.returncode == 0, output[-4000:]
+    return output
+
+
+def study_in(folder: Path) -> optuna.Study:
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(folder / "study.log")))
+    return optuna.load_study(study_name="study", storage=storage)
+
+
+def assert_every_trial_trained_as_alone(folder: Path, study: optuna.Study, max_steps: int) -> None:
+    """Every step any trial logged (a handed-over trial's and its retry's) equals that step trained alone, and each
+    trial that counts completed all its steps, those of the trials it continues included."""
+    by_number = {t.number: t for t in study.trials}
+    for trial in study.trials:
+        losses, _ = train_alone(trial.params["layers"], trial.params["lr"], max_steps)
+        logged = logged_losses(folder / "losses" / f"trial-{trial.number}.jsonl")
+        for step, loss in logged.items():
+            assert loss == pytest.approx(losses[step - 1], rel=1e-5, abs=1e-6), (trial.number, step)
+        if HANDED_OVER in trial.user_attrs:
+            continue
+        assert trial.state.name == "COMPLETE", trial.number
+        covered, current = set(logged), trial
+        while RESUMES in current.user_attrs:  # a retry: the steps before its checkpoint are the continued trial's
+            current = by_number[current.user_attrs[RESUMES]["trial"]]
+            covered |= set(logged_losses(folder / "losses" / f"trial-{current.number}.jsonl"))
+            assert min(logged) > 1, "the retry resumed from a checkpoint, not from the start"
+        assert covered == set(range(1, max_steps + 1)), trial.number
+
+
+@pytest.mark.slow
+def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path):
+    """SIGTERM stops both running trials at a step boundary with a checkpoint; running the same command again
+    resumes them (their retries continue from the checkpoints), completes the study's four trials and asks no more;
+    every step equals the trial trained alone."""
+    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, seed=0)
+    first = start_worker(tmp_path, **config)
+    wait_for_steps(tmp_path, trials=2, steps=10)
+    first.send_signal(signal.SIGTERM)
+    finish(first)
+    interrupted = [t for t in study_in(tmp_path).trials if t.user_attrs.get(HANDED_OVER) == "preempted"]
+    assert len(interrupted) == 2
+    finish(start_worker(tmp_path, **config))
+    study = study_in(tmp_path)
+    counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
+    assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
+    assert_every_trial_trained_as_alone(tmp_path, study, 300)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_s_trial_is_taken_over_by_another_from_its_checkpoint(tmp_path):
+    """Two workers share one journal; one is killed (SIGKILL) while it trains a trial that has checkpointed. The
+    other, after the grace period without a heartbeat, hands that trial over to a retry that resumes from its last
+    checkpoint; the study completes its four trials, none run twice, every step as alone."""
+    config = dict(n_trials=4, max_steps=300, max_running=1, heartbeat=0.5, grace_period=3, checkpoint_interval=0.5)
+    doomed = start_worker(tmp_path, seed=1, **config)
+    wait_for_steps(tmp_path, trials=1, steps=10)
+    wait_for_checkpoint(tmp_path / "checkpoints" / "trial-0")
+    survivor = start_worker(tmp_path, seed=2, **config)
+    os.killpg(doomed.pid, signal.SIGKILL)
+    doomed.wait()
+    finish(survivor)
+    study = study_in(tmp_path)
+    taken_over = [t for t in study.trials if t.user_attrs.get(HANDED_OVER) == "no heartbeat"]
+    assert len(taken_over) == 1
+    counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
+    assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
+    assert_every_trial_trained_as_alone(tmp_path, study, 300)
