@@ -67,7 +67,7 @@ class StageRuntime:
         self._grad_recvs: dict[int, list[tuple[int, int, Tensor, dist.Work]]] = {}
         self._pending_sends: list[tuple[dist.Work, Tensor]] = []
         self.timeline: list[tuple[str, float, float]] | None = None  # when recording: (action, start, end)
-        self._compute_start: float | None = None
+        self._compute_start: float | None = None  # when the running action's messages arrived (see `timing`)
         self._stashed: dict[int, tuple[nn.Module, list[Any], RandomState, BufferState]] = {}
         self._waiter: Waiter | None = None
         # Sends of failed batches, never waited for: kept referenced while the backend may still read their tensors.
