@@ -69,6 +69,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, CharDataset, make_text  # noqa: E402
 
 from lightning_varuna import VarunaStrategy  # noqa: E402
+from lightning_varuna.pipeline.schedules import Action, Phase, microbatches_of  # noqa: E402
+from lightning_varuna.pipeline.stage import Stage  # noqa: E402
 from lightning_varuna.profiling.processes import wait_all  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline_step.json"
@@ -278,13 +280,30 @@ def time_steps(
     return {"step_s": step_s[cfg.warmup :], "fwd_bwd_s": fwd_bwd_s[cfg.warmup :]}
 
 
+def run_bare_step(stage: Stage, actions: list[Action], xs: tuple[Tensor, ...], ys: tuple[Tensor, ...]) -> None:
+    """The forwards, recomputes and backwards of one step of ``stage`` under ``actions``, called on its runtime as
+    `MicroBatchedStep` calls them, without a LightningModule around: each micro-batch's LM loss over their number."""
+    runtime = stage.runtime
+    recomputed = microbatches_of(actions, Phase.RECOMPUTE)
+    logits: dict[int, Tensor | None] = {}
+    for action in actions:
+        m = action.microbatch
+        if action.phase is Phase.FORWARD:
+            graph, stage_module = stage.stage_for((xs[m],), {})
+            logits[m] = runtime.forward(m, graph, stage_module, [xs[m]], True, recompute_later=m in recomputed)
+        elif action.phase is Phase.RECOMPUTE:
+            runtime.recompute(m)
+        else:
+            runtime.backward(m, None if logits[m] is None else lm_loss(logits[m], ys[m]) / len(xs))
+    runtime.finish()
+
+
 def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     """lightning-varuna's StageRuntime on the stage that VarunaStrategy would build, without Lightning."""
 
     from lightning_varuna.pipeline.gradients import reduce_gradients
     from lightning_varuna.pipeline.schedules import SCHEDULES
     from lightning_varuna.pipeline.shared_params import SharedParameters
-    from lightning_varuna.pipeline.stage import Stage
     from lightning_varuna.pipeline.topology import Topology
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -301,16 +320,7 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     actions = SCHEDULES[variant.schedule](world, cfg.num_microbatches)[topology.pp_rank]
 
     def forward_backward(x: Tensor, y: Tensor) -> None:
-        xs, ys = x.split(cfg.micro_batch_size), y.split(cfg.micro_batch_size)
-
-        def run_forward(m: int) -> Tensor | None:
-            graph, stage_module = plan.stage_for((xs[m],), {})
-            return plan.runtime.forward(m, graph, stage_module, [xs[m]], True)
-
-        def loss_of(m: int, logits: Tensor | None) -> Tensor | None:
-            return None if logits is None else lm_loss(logits, ys[m]) / cfg.num_microbatches
-
-        plan.runtime.run(actions, run_forward, loss_of)
+        run_bare_step(plan, actions, x.split(cfg.micro_batch_size), y.split(cfg.micro_batch_size))
         # The tied embedding / LM head gradient summed over the two stages, as VarunaStrategy does.
         for p, grad in zip(params, reduce_gradients(params, [p.grad for p in params], None, 1, plan.shared)):
             p.grad = grad

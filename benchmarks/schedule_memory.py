@@ -37,11 +37,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
-from torch import Tensor
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from pipeline_step import Config, current_rss_mb, lm_loss, make_data, make_model, peak_rss_mb  # noqa: E402
+from pipeline_step import Config, current_rss_mb, make_data, make_model, peak_rss_mb, run_bare_step  # noqa: E402
 
 from lightning_varuna.profiling.memory import SavedTensorMeter  # noqa: E402
 from lightning_varuna.profiling.processes import wait_all  # noqa: E402
@@ -78,19 +77,10 @@ def worker(schedule: str, stages: int, out: Path) -> None:
     meter, step_s = SavedTensorMeter(exclude=[*stage_module.parameters(), *stage_module.buffers()]), []
     rss_before = current_rss_mb()
     for x, y in batches:
-        xs, ys = x.split(cfg.micro_batch_size), y.split(cfg.micro_batch_size)
-
-        def run_forward(m: int, xs: tuple[Tensor, ...] = xs) -> Tensor | None:
-            graph, stage_module = plan.stage_for((xs[m],), {})
-            return plan.runtime.forward(m, graph, stage_module, [xs[m]], True)
-
-        def loss_of(m: int, logits: Tensor | None, ys: tuple[Tensor, ...] = ys) -> Tensor | None:
-            return None if logits is None else lm_loss(logits, ys[m]) / cfg.num_microbatches
-
         dist.barrier()
         start = time.perf_counter()
         with meter.measuring():
-            plan.runtime.run(actions, run_forward, loss_of)
+            run_bare_step(plan, actions, x.split(cfg.micro_batch_size), y.split(cfg.micro_batch_size))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step_s.append(time.perf_counter() - start)

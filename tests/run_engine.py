@@ -6,8 +6,8 @@ runs it too)::
 
 One job, two layouts in turn (one start-up for all the checks):
 
-- ``four``: 4 stages of one replica. `StageRuntime.run` under GPipe, 1F1B and Varuna's schedule (recomputes), on the
-  whole batch, each from zero gradients: the stage's gradients as the runtime left them and after
+- ``four``: 4 stages of one replica. The bare `StageRuntime` under GPipe, 1F1B and Varuna's schedule (recomputes),
+  on the whole batch, each from zero gradients: the stage's gradients as the runtime left them and after
   `reduce_gradients` (the tied embedding / head summed over stages 0 and 3); the last stage's outputs; and the
   outputs of a forward-only pass.
 - ``replicas``: 2 stages x 2 replicas, each replica on its half of the batch. The runtime under GPipe and 1F1B (the
@@ -38,7 +38,7 @@ from lightning_varuna.pipeline.gradients import (  # noqa: E402
     clip_grad_norm_across_stages,
     reduce_gradients,
 )
-from lightning_varuna.pipeline.schedules import SCHEDULES, Action, forward_only  # noqa: E402
+from lightning_varuna.pipeline.schedules import SCHEDULES, Action, Phase, forward_only, microbatches_of  # noqa: E402
 from lightning_varuna.pipeline.shared_params import SharedParameters  # noqa: E402
 from lightning_varuna.pipeline.stage import Stage  # noqa: E402
 from lightning_varuna.pipeline.step import MicroBatchedStep  # noqa: E402
@@ -69,20 +69,31 @@ def build_stage(topo: Topology, groups: PipelineGroups, example: Tensor) -> tupl
 
 
 def run_runtime(
-    stage: Stage, actions: list[Action], xs: tuple[Tensor, ...], ys: tuple[Tensor, ...], weight: float
+    stage: Stage,
+    actions: list[Action],
+    xs: tuple[Tensor, ...],
+    ys: tuple[Tensor, ...],
+    weight: float,
+    training: bool = True,
 ) -> list[Any]:
-    """The bare runtime on the micro-batches ``xs``, each loss scaled by ``weight`` (as the benchmark drives it)."""
-
-    def run_forward(m: int) -> Tensor | None:
-        graph, stage_module = stage.stage_for((xs[m],), {})
-        return stage.runtime.forward(m, graph, stage_module, [xs[m]], True)
-
-    def loss_of(m: int, logits: Tensor | None) -> Tensor | None:
-        if logits is None:
-            return None
-        return F.cross_entropy(logits.flatten(0, 1), ys[m].flatten()) * weight
-
-    return stage.runtime.run(actions, run_forward, loss_of)
+    """The bare runtime under ``actions`` on the micro-batches ``xs``, called as the step calls it (and as the
+    benchmark does), each loss scaled by ``weight``."""
+    runtime = stage.runtime
+    recomputed = microbatches_of(actions, Phase.RECOMPUTE)
+    outputs: dict[int, Tensor | None] = {}
+    for action in actions:
+        m = action.microbatch
+        if action.phase is Phase.FORWARD:
+            graph, stage_module = stage.stage_for((xs[m],), {})
+            outputs[m] = runtime.forward(m, graph, stage_module, [xs[m]], training, recompute_later=m in recomputed)
+        elif action.phase is Phase.RECOMPUTE:
+            runtime.recompute(m)
+        else:
+            logits = outputs[m]
+            loss = None if logits is None else F.cross_entropy(logits.flatten(0, 1), ys[m].flatten()) * weight
+            runtime.backward(m, loss)
+    runtime.finish()
+    return [outputs[m] for m in sorted(outputs)]
 
 
 def zero_grads(stage: Stage) -> None:
@@ -121,14 +132,9 @@ def four_stages(out: Path) -> None:
         reduce(stage, groups, 1)
         result[schedule] = {"grads": raw, "reduced": grads_of(model), "outputs": outputs}
     zero_grads(stage)
-
-    def run_forward(m: int) -> Tensor | None:
-        graph, stage_module = stage.stage_for((xs[m],), {})
-        return stage.runtime.forward(m, graph, stage_module, [xs[m]], False)
-
     with torch.no_grad():
         actions = forward_only(topo.pipeline_parallel_size, len(xs))[topo.pp_rank]
-        result["forward_only"] = stage.runtime.run(actions, run_forward, lambda m, output: None)
+        result["forward_only"] = run_runtime(stage, actions, xs, ys, 1.0, training=False)
     result["grads_after_forward_only"] = grads_of(model)
     torch.save(result, out / f"four-rank{rank}.pt")
 

@@ -1,10 +1,12 @@
-"""Run one stage's share of a pipeline schedule: its forwards, recomputes and backwards, talking to the other
-stages with asynchronous point-to-point sends and receives."""
+"""One pipeline stage's work on the micro-batches of a batch: its forwards, recomputes and backwards, talking to the
+other stages with asynchronous point-to-point sends and receives. The step (`pipeline.step`) walks the schedule and
+calls these; nothing here calls back into it."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -14,7 +16,7 @@ from torch.utils._pytree import tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.replay import BufferState, RandomState
-from lightning_varuna.pipeline.schedules import Action, Phase, microbatches_of
+from lightning_varuna.pipeline.schedules import Action, Phase
 from lightning_varuna.pipeline.waiting import Waiter
 
 __all__ = ["StageRuntime"]
@@ -31,7 +33,8 @@ def _as_tuple(outputs: Any) -> tuple:
 
 
 class StageRuntime:
-    """Executes the forwards and backwards of one stage for the micro-batches of a batch.
+    """Runs the forwards, recomputes and backwards of one stage for the micro-batches of a batch, in the order the
+    caller gives (its schedule's), then `finish` (or `abandon_batch` after a failure).
 
     The stage module may differ between micro-batches (a smaller last micro-batch is traced on its own);
     all of them share one `PipelineGraph` layout, so the messages between stages are the same.
@@ -63,13 +66,10 @@ class StageRuntime:
         self._graphs: dict[int, PipelineGraph] = {}
         self._grad_recvs: dict[int, list[tuple[int, int, Tensor, dist.Work]]] = {}
         self._pending_sends: list[tuple[dist.Work, Tensor]] = []
-        self._recomputed: set[int] = set()
         self.timeline: list[tuple[str, float, float]] | None = None  # when recording: (action, start, end)
-        self._compute_start: float | None = None
+        self._compute_start: float | None = None  # when the running action's messages arrived (see `timing`)
         self._stashed: dict[int, tuple[nn.Module, list[Any], RandomState, BufferState]] = {}
-        self.current_microbatch = 0  # the micro-batch whose forward `run` is running (the user's step calls forward)
         self._waiter: Waiter | None = None
-        self._on_wait: Callable[[], None] | None = None
         # Sends of failed batches, never waited for: kept referenced while the backend may still read their tensors.
         self._abandoned_sends: list[tuple[dist.Work, Tensor]] = []
 
@@ -88,17 +88,25 @@ class StageRuntime:
         module: nn.Module,
         model_inputs: Sequence[Any],
         training: bool,
+        *,
+        recompute_later: bool = False,
+        on_wait: Callable[[], None] | None = None,
     ) -> Any:
         """Run this stage on one micro-batch and send its outputs on.
+
+        Args:
+            recompute_later: the schedule recomputes this forward before its backward (`recompute`): keep only its
+                inputs and random state now, not its activations.
+            on_wait: called every half second while this stage waits for a message; it raises to stop waiting (a
+                peer failed, the process was asked to end), and the caller then abandons the batch.
 
         Returns:
             On the last stage, the model's output for the micro-batch; ``None`` elsewhere.
         """
-        received = self._receive_activations(microbatch, graph, training)
+        received = self._receive_activations(microbatch, graph, training, on_wait)
         self._compute_start = time.time()
         args = [self._lookup(src, model_inputs, received, None) for src in graph.stage_inputs[self.stage_index]]
-        recompute = training and microbatch in self._recomputed
-        if recompute:
+        if recompute_later:
             # Keep only the inputs (and the random state); `recompute` rebuilds the activations later.
             buffers = BufferState([module])
             self._stashed[microbatch] = (module, args, RandomState(self._device), buffers)
@@ -112,7 +120,7 @@ class StageRuntime:
                 self._isend(sent[value], consumer, microbatch, slot, Phase.FORWARD)
         if training:
             self._received[microbatch] = received
-            if not recompute:
+            if not recompute_later:
                 self._sent[microbatch] = sent
             self._graphs[microbatch] = graph
             self._post_grad_receives(microbatch, graph)
@@ -129,11 +137,12 @@ class StageRuntime:
             outputs = _as_tuple(module(*args))
         self._sent[microbatch] = self._wire_values(self._graphs[microbatch], outputs)
 
-    def backward(self, microbatch: int, loss: Tensor | None) -> None:
+    def backward(self, microbatch: int, loss: Tensor | None, on_wait: Callable[[], None] | None = None) -> None:
         """Back-propagate one micro-batch through this stage and send the input gradients back.
 
         Args:
             loss: on the last stage, the (already weighted) loss of the micro-batch.
+            on_wait: as for `forward`.
         """
         graph = self._graphs.pop(microbatch)
         received = self._received.pop(microbatch)
@@ -142,7 +151,7 @@ class StageRuntime:
         if loss is not None and loss.requires_grad:
             tensors, grads = [loss], [torch.ones_like(loss)]
         grad_recvs = self._grad_recvs.pop(microbatch, [])
-        self._wait([work for *_, work in grad_recvs])
+        self._wait([work for *_, work in grad_recvs], on_wait)
         summed: dict[int, Tensor] = {}
         for _, value, grad, _ in grad_recvs:
             summed[value] = summed[value] + grad if value in summed else grad
@@ -160,55 +169,25 @@ class StageRuntime:
                     grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
                     self._isend(grad, producer, microbatch, slot, Phase.BACKWARD)
 
-    def run(
-        self,
-        actions: Sequence[Action],
-        run_forward: Callable[[int], Any],
-        loss_of: Callable[[int, Any], Tensor | None],
-        on_wait: Callable[[], None] | None = None,
-    ) -> list[Any]:
-        """Execute ``actions`` in order.
+    @contextmanager
+    def timing(self, action: Action) -> Iterator[None]:
+        """Add the span of ``action``, run inside the block, to `timeline` when it records. The span begins once the
+        action's messages arrived: the time spent waiting for a peer is not the action's."""
+        start, self._compute_start = time.time(), None
+        yield
+        if self.timeline is not None:
+            self.timeline.append((str(action), self._compute_start or start, time.time()))
 
-        Args:
-            run_forward: runs the user's step for a micro-batch (which calls `forward`); returns its output.
-            loss_of: the weighted loss to back-propagate from a micro-batch's step output (last stage).
-            on_wait: called every half second while this stage waits for a message; it raises to stop waiting
-                (a peer failed, the process was asked to end), which abandons the batch.
-
-        Returns:
-            Each micro-batch's step output (``None`` on stages other than the last).
-        """
-        results: dict[int, Any] = {}
-        self._recomputed = microbatches_of(actions, Phase.RECOMPUTE)
-        self._on_wait = on_wait
-        try:
-            for action in actions:
-                start, self._compute_start = time.time(), None
-                if action.phase is Phase.FORWARD:
-                    self.current_microbatch = action.microbatch
-                    results[action.microbatch] = run_forward(action.microbatch)
-                elif action.phase is Phase.RECOMPUTE:
-                    self.recompute(action.microbatch)
-                else:
-                    step_output = results[action.microbatch]
-                    self.backward(action.microbatch, loss_of(action.microbatch, step_output))
-                if self.timeline is not None:  # the time spent waiting for a message is not the action's
-                    self.timeline.append((str(action), self._compute_start or start, time.time()))
-            self.finish()
-        except BaseException:
-            # The peers may never receive what is still being sent: waiting for it could block for good.
-            self._abandoned_sends += self._pending_sends
-            self._pending_sends = []
-            self._drop_batch()
-            raise
-        finally:
-            self._on_wait = None
-        return [results[m] for m in sorted(results)]
-
-    def finish(self) -> None:
-        """Wait for every send of the batch and drop what is left of its state."""
-        self._wait([work for work, _ in self._pending_sends])
+    def finish(self, on_wait: Callable[[], None] | None = None) -> None:
+        """Wait for every send of the batch and drop what is left of its state (``on_wait`` as for `forward`)."""
+        self._wait([work for work, _ in self._pending_sends], on_wait)
         self._pending_sends.clear()
+        self._drop_batch()
+
+    def abandon_batch(self) -> None:
+        """Drop the batch after a failure, without waiting for its sends: the peers may never receive them."""
+        self._abandoned_sends += self._pending_sends
+        self._pending_sends = []
         self._drop_batch()
 
     def _drop_batch(self) -> None:
@@ -216,7 +195,6 @@ class StageRuntime:
         self._sent.clear()
         self._graphs.clear()
         self._grad_recvs.clear()
-        self._recomputed.clear()
         self._stashed.clear()
 
     def _wire_values(self, graph: PipelineGraph, outputs: tuple) -> dict[int, Tensor]:
@@ -240,7 +218,7 @@ class StageRuntime:
         return received[(src.stage, src.index)]
 
     def _receive_activations(
-        self, microbatch: int, graph: PipelineGraph, training: bool
+        self, microbatch: int, graph: PipelineGraph, training: bool, on_wait: Callable[[], None] | None
     ) -> dict[tuple[int, int], Tensor]:
         works = []
         for producer, values in graph.receives(self.stage_index).items():
@@ -254,7 +232,7 @@ class StageRuntime:
                         self._irecv(buffer, producer, microbatch, slot, Phase.FORWARD),
                     )
                 )
-        self._wait([work for *_, work in works])
+        self._wait([work for *_, work in works], on_wait)
         received = {}
         for key, buffer, _ in works:
             producer, value = key
@@ -287,9 +265,9 @@ class StageRuntime:
             self._waiter = Waiter(dist.get_backend(self._message_groups[0]))
         return self._waiter
 
-    def _wait(self, works: list[dist.Work]) -> None:
+    def _wait(self, works: list[dist.Work], on_wait: Callable[[], None] | None) -> None:
         if works:
-            self.waiter.call(lambda: [work.wait() for work in works], self._on_wait)
+            self.waiter.call(lambda: [work.wait() for work in works], on_wait)
 
     def _isend(self, tensor: Tensor, stage: int, microbatch: int, slot: int, phase: Phase) -> None:
         tensor = tensor.detach().contiguous()

@@ -1,9 +1,9 @@
 """Pipeline schedules as data: per-stage lists of actions, plus a dry run that checks them.
 
 An action is a forward (``F``), recompute (``R``) or backward (``B``) of one micro-batch and prints as ``F3`` /
-``R1`` / ``B0``. A schedule is one action list per stage. Generators produce schedules; one runtime executes any
-of them. A stage that recomputes a micro-batch runs its forward without keeping activations (only its inputs) and
-runs it again, keeping them, at the ``R`` action before the backward.
+``R1`` / ``B0``. A schedule is one action list per stage. Generators produce schedules; one loop (the step's, in
+`pipeline.step`) executes any of them. A stage that recomputes a micro-batch runs its forward without keeping
+activations (only its inputs) and runs it again, keeping them, at the ``R`` action before the backward.
 """
 
 from __future__ import annotations

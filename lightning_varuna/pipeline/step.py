@@ -1,11 +1,16 @@
 """Run one step of a LightningModule (``training_step``, ``validation_step``, ...) over the micro-batches of a batch
 through this rank's pipeline stage.
 
+The step owns the schedule's loop (`MicroBatchedStep._step_microbatches`, as torch's `_step_microbatches`): it walks
+this stage's actions and, per action, runs the user's step on a micro-batch (whose ``self(...)`` runs the stage
+runtime's forward), or the runtime's recompute or backward; the runtime never calls back into the step.
+
 This is the one place that changes the user's module while a step runs, and only for the step's duration:
 
-- ``module.forward`` runs this rank's stage on the current micro-batch. On a stage other than the last it ends the
-  user's step there (by raising `StageForwardDone`, a ``BaseException`` that a user's ``except Exception`` does not
-  swallow): the rest of the step needs the model's output, which only the last stage has.
+- ``module.forward`` runs this rank's stage on the micro-batch whose step is running. On a stage other than the last
+  it ends the user's step there (by raising `StageForwardDone`, a ``BaseException`` that a user's
+  ``except Exception`` does not swallow): the rest of the step needs the model's output, which only the last stage
+  has.
 - ``module.log`` records into a `LogRecorder`: values are combined over micro-batches by their ``reduce_fx``,
   sent from the last stage to the others and logged once per batch (`replay`).
 
@@ -24,7 +29,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
 from lightning_varuna.pipeline.microbatch import batch_size_of, merge_microbatches, split_microbatches
-from lightning_varuna.pipeline.schedules import Action
+from lightning_varuna.pipeline.schedules import Action, Phase, microbatches_of
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step_logging import LogRecorder
 from lightning_varuna.random_states import global_random_states_kept
@@ -68,13 +73,16 @@ class MicroBatchedStep:
         self.recorder = LogRecorder(training=step_name == "training_step")
         self._microbatches: list[Any] = []
         self._weights: list[float] = []
-        self._forwards: list[int] = []
-        self._training = False
 
     def run(
         self, batch: Any, micro_batch_size: int, actions: list[Action], *, training: bool, on_wait: Callable[[], None]
     ) -> Any:
-        """Run the step on every micro-batch; return the merged step output on the last stage (None elsewhere)."""
+        """Run the step on every micro-batch; return the merged step output on the last stage (None elsewhere).
+
+        Args:
+            on_wait: called every half second while the stage waits for a message; it raises to stop waiting (a peer
+                failed, the process was asked to end), which abandons the batch.
+        """
         self._microbatches = split_microbatches(batch, micro_batch_size)
         items = [float(self.loss_items(mb)) for mb in self._microbatches]
         if sum(items) <= 0:
@@ -83,34 +91,61 @@ class MicroBatchedStep:
                 "in its batch (a batch whose labels are all ignored has no mean); leave such batches out."
             )
         self._weights = [count / sum(items) for count in items]
-        self._forwards = [0] * len(self._microbatches)  # calls of `self(...)` per micro-batch: the pipeline runs one
-        self._training = training
+        with self.recorder.capture(self.module):
+            step_outputs = self._step_microbatches(actions, training, on_wait)
+        return merge_microbatches(step_outputs, self._weights) if self.stage.runtime.is_last_stage else None
+
+    def _step_microbatches(self, actions: list[Action], training: bool, on_wait: Callable[[], None]) -> list[Any]:
+        """Execute this stage's ``actions`` in order; return each micro-batch's step output (None on stages other
+        than the last). Any failure abandons the batch: its sends may never be received."""
         runtime = self.stage.runtime
-        with self.recorder.capture(self.module), patched_forward(self.module, self._stage_forward):
-            results = runtime.run(actions, self._run_user_step, self._loss_of, on_wait=on_wait)
-        return merge_microbatches(results, self._weights) if runtime.is_last_stage else None
-
-    def _stage_forward(self, *args: Any, **kwargs: Any) -> Any:
-        m = self.stage.runtime.current_microbatch
-        if self._forwards[m]:
-            raise TypeError(
-                self._one_forward("called `self(...)` a second time")
-                + "Compute everything the step needs from one call's output (`forward` may return several)."
-            )
-        self._forwards[m] += 1
-        graph, stage_module = self.stage.stage_for(args, kwargs)
-        out = self.stage.runtime.forward(m, graph, stage_module, tree_leaves((args, kwargs)), self._training)
-        if out is None:
-            raise StageForwardDone
-        return out
-
-    def _run_user_step(self, m: int) -> Any:
-        self.recorder.weight = self._weights[m]
+        recomputed = microbatches_of(actions, Phase.RECOMPUTE)
+        step_outputs: dict[int, Any] = {}
         try:
-            step_output = getattr(self.module, self.step_name)(self._microbatches[m], *self.rest, **self.kwargs)
-        except StageForwardDone:
-            return None
-        if not self._forwards[m]:
+            for action in actions:
+                m = action.microbatch
+                with runtime.timing(action):
+                    if action.phase is Phase.FORWARD:
+                        step_outputs[m] = self._run_user_step(m, training, m in recomputed, on_wait)
+                    elif action.phase is Phase.RECOMPUTE:
+                        runtime.recompute(m)
+                    else:
+                        runtime.backward(m, self._loss_of(m, step_outputs[m]), on_wait)
+            runtime.finish(on_wait)
+        except BaseException:
+            runtime.abandon_batch()
+            raise
+        return [step_outputs[m] for m in sorted(step_outputs)]
+
+    def _run_user_step(self, m: int, training: bool, recompute_later: bool, on_wait: Callable[[], None]) -> Any:
+        """The user's step on micro-batch ``m``, its ``self(...)`` running this stage's forward of ``m``: its output,
+        or None on a stage other than the last, where that forward ends the step."""
+        forwards = 0
+
+        def stage_forward(*args: Any, **kwargs: Any) -> Any:
+            nonlocal forwards
+            if forwards:
+                raise TypeError(
+                    self._one_forward("called `self(...)` a second time")
+                    + "Compute everything the step needs from one call's output (`forward` may return several)."
+                )
+            forwards += 1
+            graph, stage_module = self.stage.stage_for(args, kwargs)
+            inputs = tree_leaves((args, kwargs))
+            output = self.stage.runtime.forward(
+                m, graph, stage_module, inputs, training, recompute_later=recompute_later, on_wait=on_wait
+            )
+            if output is None:
+                raise StageForwardDone
+            return output
+
+        self.recorder.weight = self._weights[m]
+        with patched_forward(self.module, stage_forward):
+            try:
+                step_output = getattr(self.module, self.step_name)(self._microbatches[m], *self.rest, **self.kwargs)
+            except StageForwardDone:
+                return None
+        if not forwards:
             raise TypeError(
                 self._one_forward("returned without calling `self(...)`")
                 + "To leave a batch out, filter it out of the DataLoader, or (in training) multiply its loss by 0."
