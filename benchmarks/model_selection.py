@@ -1,0 +1,271 @@
+"""One Optuna study run three ways on D CPU devices, side by side: as Optuna users parallelize it, as a task queue
+would, and with `MultiModelTrainer.optimize`.
+
+Run from the repository root (about 4 minutes on 2 CPU cores)::
+
+    python benchmarks/model_selection.py
+
+The study: ``--trials`` trials (16) of `lightning_varuna.demos.MLP` regressors of unequal sizes and lengths (width
+512 or 1024, 2 to 6 layers, 40 to 160 steps, the learning rate), sampled by a seeded `RandomSampler` (the same
+parameters for trial n in every run), pruned by `SuccessiveHalvingPruner` on ``val_loss`` reported every 10 steps,
+minimized. A device is one core (one torch thread). Three ways, each in fresh processes against its own journal
+file:
+
+* ``optuna-workers``: D worker processes, each ``study.optimize(objective)`` with a plain Lightning Trainer (as
+  Optuna's documentation parallelizes a study), until the study holds the trials;
+* ``task-queue``: one process, ``study.optimize(objective, n_jobs=D)``: D threads each taking the next trial, one
+  trial per device as a task queue runs them;
+* ``sweep``: ``MultiModelTrainer(devices=D).optimize(study, build, ...)``: up to 2D trials at once, their forwards,
+  backwards and optimizer steps taking turns on the D devices (longest remaining time first).
+
+For each: the makespan (from the first trial's start to the last one's end), trials complete and pruned, the best
+value and when it was found, and the devices' busy time; against the lower bound max(Σ tᵢ / D, max tᵢ), tᵢ being
+trial i trained alone with plain Lightning for the steps it actually ran (measured after the three runs, each
+distinct (model, steps) once). Writes ``benchmarks/results/model_selection.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import optuna
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_varuna import MultiModelTrainer
+from lightning_varuna.demos import MLP
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "model_selection.json"
+WAYS = ["optuna-workers", "task-queue", "sweep"]
+BATCH, VAL_EVERY = 64, 10
+QUIET: dict[str, Any] = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+VALIDATION: dict[str, Any] = {
+    "val_check_interval": VAL_EVERY,
+    "check_val_every_n_epoch": None,
+    "num_sanity_val_steps": 0,
+}
+
+
+def suggest(trial: optuna.trial.Trial) -> tuple[int, int, int, float]:
+    """A trial's model and length: (width, layers, steps, lr)."""
+    width = trial.suggest_categorical("width", [512, 1024])
+    layers = trial.suggest_int("layers", 2, 6)
+    steps = trial.suggest_categorical("steps", [40, 80, 120, 160])
+    lr = trial.suggest_float("lr", 1e-4, 1e-1, log=True)
+    return width, layers, steps, lr
+
+
+def model_and_loaders(width: int, layers: int, lr: float) -> tuple[MLP, DataLoader, DataLoader]:
+    torch.manual_seed(layers)
+    generator = torch.Generator().manual_seed(width)
+    x = torch.randn(BATCH * 20, width, generator=generator)
+    data = TensorDataset(x, torch.tanh(x.roll(1, 1)))
+    return MLP(width, layers, lr=lr), DataLoader(data, batch_size=BATCH), DataLoader(data, batch_size=256)
+
+
+def open_study(folder: Path) -> optuna.Study:
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(folder / "study.log")))
+    return optuna.create_study(
+        study_name="select", storage=storage, load_if_exists=True, direction="minimize",
+        sampler=optuna.samplers.RandomSampler(seed=0),
+        pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=VAL_EVERY, reduction_factor=3),
+    )  # fmt: skip
+
+
+class Reports(L.Callback):
+    """What an Optuna user's objective does in a plain Trainer: report ``val_loss``, stop when pruned."""
+
+    def __init__(self, trial: optuna.trial.Trial) -> None:
+        self.trial, self.pruned = trial, False
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or "val_loss" not in trainer.callback_metrics:
+            return
+        self.trial.report(float(trainer.callback_metrics["val_loss"]), trainer.global_step)
+        if self.trial.should_prune():
+            self.pruned, trainer.should_stop = True, True
+
+
+def objective(trial: optuna.trial.Trial) -> float:
+    width, layers, steps, lr = suggest(trial)
+    model, train, val = model_and_loaders(width, layers, lr)
+    reports = Reports(trial)
+    trial.set_user_attr("start", time.time())
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, callbacks=[reports], enable_model_summary=False,
+        **VALIDATION, **QUIET,
+    )  # fmt: skip
+    trainer.fit(model, train, val)
+    trial.set_user_attr("end", time.time())
+    trial.set_user_attr("steps_ran", trainer.global_step)
+    if reports.pruned:
+        raise optuna.TrialPruned
+    return float(trainer.callback_metrics["val_loss"])
+
+
+def run_optuna_worker(folder: Path, trials: int) -> None:
+    torch.set_num_threads(1)
+    study = open_study(folder)
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.RUNNING)
+    study.optimize(objective, callbacks=[optuna.study.MaxTrialsCallback(trials, states=states)])
+
+
+def run_task_queue(folder: Path, trials: int, devices: int) -> None:
+    torch.set_num_threads(1)
+    open_study(folder).optimize(objective, n_trials=trials, n_jobs=devices)
+
+
+def run_sweep(folder: Path, trials: int, devices: int) -> None:
+    study = open_study(folder)
+
+    class Times(L.Callback):
+        def __init__(self, trial: optuna.trial.Trial) -> None:
+            self.trial = trial
+
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.trial.set_user_attr("start", time.time())
+
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.trial.set_user_attr("end", time.time())
+            self.trial.set_user_attr("steps_ran", trainer.global_step)
+
+    def build(trial: optuna.trial.Trial) -> dict[str, Any]:
+        width, layers, steps, lr = suggest(trial)
+        model, train, val = model_and_loaders(width, layers, lr)
+        return dict(
+            model=model, train_dataloaders=train, val_dataloaders=val, max_steps=steps, callbacks=[Times(trial)],
+            **VALIDATION, **QUIET,
+        )  # fmt: skip
+
+    sweep = MultiModelTrainer(
+        accelerator="cpu", devices=devices, checkpoint_dir=str(folder / "checkpoints"), enable_progress_bar=False
+    )
+    sweep.optimize(study, build, n_trials=trials, monitor="val_loss")
+    busy = sum(span.end_s - span.start_s for span in sweep.spans)
+    (folder / "busy.json").write_text(json.dumps({"busy_s": busy}))
+
+
+def run_way(way: str, folder: Path, trials: int, devices: int) -> None:
+    """Run the study the way ``way``, in fresh processes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, __file__, "--worker", way, "--folder", str(folder), f"--trials={trials}"]
+    command.append(f"--devices={devices}")
+    workers = devices if way == "optuna-workers" else 1
+    processes = [subprocess.Popen(command, env=env, cwd=ROOT) for _ in range(workers)]
+    for process in processes:
+        if process.wait():
+            raise RuntimeError(f"{way} failed")
+
+
+def alone_s(width: int, layers: int, steps: int, lr: float) -> float:
+    """The wall time of training the model alone, plain Lightning, one thread, for ``steps`` steps (validating as
+    in the study)."""
+    torch.set_num_threads(1)
+    model, train, val = model_and_loaders(width, layers, lr)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, enable_model_summary=False, **VALIDATION, **QUIET,
+    )  # fmt: skip
+    start = time.perf_counter()
+    trainer.fit(model, train, val)
+    return time.perf_counter() - start
+
+
+def summarize(way: str, folder: Path, devices: int, alone: dict[tuple, float]) -> dict[str, Any]:
+    study = open_study(folder)
+    trials = [t for t in study.trials if "end" in t.user_attrs]
+    start = min(t.user_attrs["start"] for t in trials)
+    end = max(t.user_attrs["end"] for t in trials)
+    complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    best = min(complete, key=lambda t: t.value)  # type: ignore[arg-type, return-value]
+    times = [alone[_key(t)] for t in trials]
+    bound = max(sum(times) / devices, max(times))
+    if way == "sweep":
+        busy = json.loads((folder / "busy.json").read_text())["busy_s"]
+    else:  # a trial holds its device from its start to its end
+        busy = sum(t.user_attrs["end"] - t.user_attrs["start"] for t in trials)
+    makespan = end - start
+    return {
+        "way": way,
+        "makespan_s": makespan,
+        "bound_s": bound,
+        "vs_bound": makespan / bound,
+        "complete": len(complete),
+        "pruned": sum(t.state == optuna.trial.TrialState.PRUNED for t in trials),
+        "best_value": best.value,
+        "best_found_s": best.user_attrs["end"] - start,
+        "busy_share": busy / (devices * makespan),
+        "steps_ran": sum(t.user_attrs["steps_ran"] for t in trials),
+    }
+
+
+def _key(trial: optuna.trial.FrozenTrial) -> tuple:
+    p = trial.params
+    return p["width"], p["layers"], trial.user_attrs["steps_ran"], p["lr"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=16)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--worker", choices=WAYS, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--alone", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if args.worker == "optuna-workers":
+        return run_optuna_worker(Path(args.folder), args.trials)
+    if args.worker == "task-queue":
+        return run_task_queue(Path(args.folder), args.trials, args.devices)
+    if args.worker == "sweep":
+        return run_sweep(Path(args.folder), args.trials, args.devices)
+    if args.alone:
+        print(json.dumps(alone_s(*json.loads(args.alone))))
+        return None
+    print(
+        f"torch {torch.__version__}, lightning {L.__version__}, optuna {optuna.__version__}, {os.cpu_count()} CPUs; "
+        f"{args.trials} trials on {args.devices} devices",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = {way: Path(tmp) / way for way in WAYS}
+        for way, folder in folders.items():
+            folder.mkdir()
+            started = time.perf_counter()
+            run_way(way, folder, args.trials, args.devices)
+            print(f"  {way:<16} {time.perf_counter() - started:6.1f} s", flush=True)
+        keys = {_key(t) for folder in folders.values() for t in open_study(folder).trials if "end" in t.user_attrs}
+        alone = {}
+        for key in sorted(keys):
+            command = [sys.executable, __file__, "--alone", json.dumps(list(key))]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+            alone[key] = json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)
+        rows = [summarize(way, folder, args.devices, alone) for way, folder in folders.items()]
+    print("\n| way | makespan s | bound s | vs bound | complete | pruned | steps | best val_loss | found at s | busy |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['way']} | {r['makespan_s']:.1f} | {r['bound_s']:.1f} | {r['vs_bound']:.2f}x | {r['complete']} "
+            f"| {r['pruned']} | {r['steps_ran']} | {r['best_value']:.4f} | {r['best_found_s']:.1f} "
+            f"| {r['busy_share']:.0%} |"
+        )
+    header = {"torch": torch.__version__, "lightning": L.__version__, "optuna": optuna.__version__}
+    RESULTS.write_text(
+        json.dumps({**header, "python": platform.python_version(), "args": vars(args), "rows": rows}, indent=2) + "\n"
+    )
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    return None
+
+
+if __name__ == "__main__":
+    main()
