@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from functools import cached_property
 from typing import Any, Literal, TypeVar
 
 import lightning.pytorch as pl
@@ -71,10 +70,7 @@ from lightning_varuna.pipeline.step import MicroBatchedStep, capture_forward_inp
 from lightning_varuna.pipeline.step_logging import STAGE_REPLICAS, replay
 from lightning_varuna.pipeline.step_results import StepResults
 from lightning_varuna.pipeline.topology import PipelineGroups, Topology
-from lightning_varuna.profiling.autoconfig import choose_configs, format_ranking
-from lightning_varuna.profiling.profile import ModelProfile, segment_costs
-from lightning_varuna.profiling.segments import measure_segments
-from lightning_varuna.profiling.simulator import Config
+from lightning_varuna.profiling.model_costs import ModelCosts
 from lightning_varuna.spilling.grad_scaler import shardwise
 from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.callback_hooks import callbacks_of, restore_callback_hooks, run_hook_inside
@@ -89,6 +85,7 @@ from lightning_varuna.strategies.optimizers import torch_optimizer
 from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
 from lightning_varuna.strategies.requirements import WEIGHT_AVERAGING, require_automatic_optimization
 from lightning_varuna.strategies.sigterm import stop_on_sigterm_without_broadcasts
+from lightning_varuna.strategies.varuna_config import VarunaConfig
 
 __all__ = ["VarunaStrategy"]
 
@@ -171,40 +168,24 @@ class VarunaStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        sizes = {"pipeline_parallel_size": pipeline_parallel_size, "micro_batch_size": micro_batch_size}
-        self._auto = {name for name, value in {**sizes, "schedule": schedule}.items() if value == "auto"}
-        for name, value in sizes.items():
-            if name not in self._auto and value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f'`VarunaStrategy({name}={value!r})` must be a positive integer or "auto".')
-        if self._auto and (profile is None or global_batch_size is None):
-            auto = ", ".join(f'{name}="auto"' for name in sorted(self._auto))
-            raise ValueError(
-                f"`VarunaStrategy({auto})` picks the fastest configuration from a profile of the model: pass "
-                "`profile=` (written by `lightning-varuna profile`) and the `global_batch_size=` to keep."
-            )
-        for name, value in (("data_parallel_size", data_parallel_size), ("global_batch_size", global_batch_size)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"`VarunaStrategy({name}={value!r})` must be a positive integer.")
-        if schedule not in SCHEDULES and schedule != "auto":
-            raise ValueError(
-                f'`VarunaStrategy(schedule={schedule!r})` is unknown; choose one of {sorted(SCHEDULES)} or "auto".'
-            )
-        self.pipeline_parallel_size: int = pipeline_parallel_size if isinstance(pipeline_parallel_size, int) else 0
-        self.data_parallel_size = data_parallel_size
+        self._config = VarunaConfig(
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            micro_batch_size=micro_batch_size,
+            schedule=schedule,
+            shared_weights=shared_weights,
+            profile_repeats=profile_repeats,
+            profile=profile,
+            global_batch_size=global_batch_size,
+            loss_items=loss_items,
+        )
         # 0 until chosen: by the auto-configuration ("auto") or from the first batch (None, see `setup`).
+        self.pipeline_parallel_size: int = pipeline_parallel_size if isinstance(pipeline_parallel_size, int) else 0
         self.micro_batch_size: int = micro_batch_size if isinstance(micro_batch_size, int) else 0
         self._micro_batch_size_chosen_for: TrainerFn | None = None  # the run whose batch chose the default
-        self.schedule = schedule
-        self.shared_weights = [tuple(pair) for pair in shared_weights or []]
-        self.profile_repeats = profile_repeats
-        self.profile = profile
-        self.global_batch_size = global_batch_size
-        if loss_items is not None and not callable(loss_items):
-            raise ValueError(
-                f"`VarunaStrategy(loss_items={loss_items!r})` must be a function of a batch that returns how many "
-                'items its loss is the mean of, e.g. `lambda batch: (batch["labels"] != -100).sum()`.'
-            )
-        self.loss_items = loss_items
+        self.data_parallel_size, self.schedule, self.global_batch_size = data_parallel_size, schedule, global_batch_size
+        self.shared_weights, self.loss_items = self._config.shared_weights or [], loss_items
+        self.profile_repeats, self.profile = profile_repeats, profile
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -219,6 +200,7 @@ class VarunaStrategy(ParallelStrategy):
         self._sync_gradients = True  # False while Lightning accumulates a batch without an optimizer step
         self._failures: FailureNotice | None = None  # of the current Trainer run
         self.checkpoint_storage = Storage(storage_options)
+        self._costs = ModelCosts(profile, self.checkpoint_storage, profile_repeats)
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage, tempdir=checkpoint_tempdir)
         self._replica_batch_size: int | None = None
         self._check_iterable_batches = True
@@ -285,63 +267,32 @@ class VarunaStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"device_id": self.root_device} if self.root_device.type != "cpu" else {}
         assert self.cluster_environment is not None
         init_process_group(self.cluster_environment, backend, self._timeout, **kwargs)
-        if self._auto:
+        if self._config.auto:
             self._autoconfigure()
         self.topology = Topology.from_world(
             self.world_size, self.global_rank, self.pipeline_parallel_size, self.data_parallel_size
         )
-        if self.global_batch_size is not None and self.global_batch_size % self.topology.data_parallel_size:
-            raise ValueError(
-                f"`VarunaStrategy(global_batch_size={self.global_batch_size})` does not split evenly over "
-                f"data_parallel_size={self.topology.data_parallel_size} replicas (world size {self.world_size} / "
-                f"pipeline_parallel_size {self.pipeline_parallel_size}). Use a global batch that is a multiple of "
-                "the data-parallel sizes the job may run at, or another pipeline_parallel_size."
-            )
+        self._config.check_global_batch_splits(
+            self.topology.data_parallel_size, self.world_size, self.pipeline_parallel_size
+        )
         self._groups = self.topology.process_groups()
 
     def _autoconfigure(self) -> None:
-        """Choose what was left ``"auto"`` for this world size: the fastest configuration the simulator predicts
-        that fits the smallest device of the job. Rank 0 decides; every rank takes its choice."""
-        assert self.profile is not None and self.global_batch_size is not None
-        memory = None
-        if self.root_device.type == "cuda":
-            memories: list[Any] = [None] * self.world_size
-            dist.all_gather_object(memories, torch.cuda.get_device_properties(self.root_device).total_memory)
-            memory = min(memories)
-        choice: Any = None
-        if self.is_global_zero:
-            try:
-                choice = self._rank_configs(memory)
-            except ValueError as error:  # every rank raises it, none waits for a choice
-                choice = str(error)
-        choice = self.broadcast(choice)
-        if isinstance(choice, str):
-            raise ValueError(choice)
-        best, table = choice
-        self.pipeline_parallel_size, self.micro_batch_size = best.pipeline_parallel_size, best.micro_batch_size
-        self.schedule = best.schedule
-        rank_zero_info(f"VarunaStrategy chose {best} for {self.world_size} processes:\n{table}")
-
-    def _rank_configs(self, memory: int | None) -> tuple[Config, str]:
-        assert self.profile is not None and self.global_batch_size is not None
-        ranked = choose_configs(
-            self._model_profile,
+        """Choose what was left ``"auto"`` for this world size (`ModelCosts.choose_config`)."""
+        auto = self._config.auto
+        assert self.global_batch_size is not None
+        best = self._costs.choose_config(
             self.world_size,
             self.global_batch_size,
-            pipeline_parallel_size=None if "pipeline_parallel_size" in self._auto else self.pipeline_parallel_size,
+            self.root_device,
+            pipeline_parallel_size=None if "pipeline_parallel_size" in auto else self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,
-            micro_batch_size=None if "micro_batch_size" in self._auto else self.micro_batch_size or None,
-            schedule=None if "schedule" in self._auto else self.schedule,
-            memory_bytes=memory,
+            micro_batch_size=None if "micro_batch_size" in auto else self.micro_batch_size or None,
+            schedule=None if "schedule" in auto else self.schedule,
             nodes=self.num_nodes,
         )
-        return ranked[0].config, format_ranking(ranked, 5)
-
-    @cached_property
-    def _model_profile(self) -> ModelProfile:
-        """``profile``, read once (by the auto-configuration and the cut)."""
-        assert self.profile is not None
-        return ModelProfile.load(self.profile, self.checkpoint_storage)
+        self.pipeline_parallel_size, self.micro_batch_size = best.pipeline_parallel_size, best.micro_batch_size
+        self.schedule = best.schedule
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -545,7 +496,14 @@ class VarunaStrategy(ParallelStrategy):
                 args,
                 kwargs,
                 self.topology,
-                lambda cutpoints: self._segment_costs(args, kwargs, cutpoints),
+                lambda cutpoints: self._costs.segment_costs(
+                    module,
+                    args,
+                    kwargs,
+                    cutpoints,
+                    micro_batch_size=self.micro_batch_size,
+                    processes_per_node=self.num_processes,
+                ),
                 self.root_device,
                 self._groups,
             )
@@ -558,25 +516,6 @@ class VarunaStrategy(ParallelStrategy):
             )
         self._step_results = StepResults(self.topology, self._groups.results, stage.runtime.waiter)
         return stage
-
-    def _segment_costs(self, args: tuple, kwargs: dict, cutpoints: list[str]) -> list[float]:
-        """Forward + backward seconds of each segment: from ``profile`` if given, else measured now on rank 0."""
-        if self.profile is None:
-            module = self.lightning_module
-            assert module is not None
-            costs = (
-                segment_costs(measure_segments(module, args, kwargs, repeats=self.profile_repeats))
-                if self.is_global_zero
-                else None
-            )
-            return self.broadcast(costs)
-        profile = self._model_profile
-        if profile.cutpoints != cutpoints:
-            raise ValueError(
-                f"The profile {self.profile} was taken of a model with CutPoints {profile.cutpoints}, but this one "
-                f"calls {cutpoints}; profile it again (`lightning-varuna profile`)."
-            )
-        return profile.segment_costs(profile.threads_per_process(self.num_processes), self.micro_batch_size)
 
     def _example_forward_inputs(self, trainer: pl.Trainer) -> tuple[tuple, dict]:
         """Forward arguments of one micro-batch: what the first step passes to ``self(...)`` (which also checks
