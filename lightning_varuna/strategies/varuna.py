@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -14,13 +13,11 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -33,9 +30,7 @@ from lightning_varuna._lightning_private import (
     distributed_is_initialized,
     optimizer_to_device,
     optimizers_to_device,
-    sync_ddp_if_available,
 )
-from lightning_varuna._torch_private import NormWithRunningStats
 from lightning_varuna.checkpoint.consolidate import RUN_SHAPE
 from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
@@ -49,13 +44,7 @@ from lightning_varuna.checkpoint.state import (
 from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.plan import plan_stage
 from lightning_varuna.pipeline.batch_norm import normalizes_over_the_batch, one_value_per_channel_refused
-from lightning_varuna.pipeline.gradients import (
-    StepGradients,
-    agree_on_overflow,
-    broadcast_buffers,
-    clip_grad_norm_across_stages,
-    reduce_gradients,
-)
+from lightning_varuna.pipeline.gradients import GradientPhase
 from lightning_varuna.pipeline.microbatch import (
     batch_size_of,
     default_micro_batch_size,
@@ -63,19 +52,20 @@ from lightning_varuna.pipeline.microbatch import (
     microbatch_sizes,
     split_microbatches,
 )
-from lightning_varuna.pipeline.module_hooks import PipelinedModuleHooks, metrics_synced_over
+from lightning_varuna.pipeline.module_hooks import PipelinedModuleHooks
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step import MicroBatchedStep, capture_forward_inputs
-from lightning_varuna.pipeline.step_logging import STAGE_REPLICAS, replay
+from lightning_varuna.pipeline.step_logging import replay
 from lightning_varuna.pipeline.step_results import StepResults
 from lightning_varuna.pipeline.topology import PipelineGroups, Topology
+from lightning_varuna.pipeline.user_collectives import UserCollectives
 from lightning_varuna.profiling.model_costs import ModelCosts
 from lightning_varuna.spilling.grad_scaler import shardwise
 from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.callback_hooks import callbacks_of, restore_callback_hooks, run_hook_inside
 from lightning_varuna.strategies.clipping import route_gradient_clipping
-from lightning_varuna.strategies.failures import Failure, FailureNotice, PeerFailure
+from lightning_varuna.strategies.failures import RunFailures
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_varuna.strategies.mid_epoch_resume import accumulate_as_scheduled
@@ -194,11 +184,10 @@ class VarunaStrategy(ParallelStrategy):
         self._groups = PipelineGroups(None, None, (None, None))
         self._step_results: StepResults | None = None
         self._module_hooks: PipelinedModuleHooks | None = None
-        self._collective_group: dist.ProcessGroup | None = None  # of collectives the user calls (None: all ranks)
+        self._collectives = UserCollectives()  # over all ranks until the job is laid out (`setup_environment`)
         self._stages: Stage | None = None
-        self._step_gradients = StepGradients()
-        self._sync_gradients = True  # False while Lightning accumulates a batch without an optimizer step
-        self._failures: FailureNotice | None = None  # of the current Trainer run
+        self._gradients: GradientPhase | None = None
+        self._failures: RunFailures | None = None  # of the current Trainer run
         self.checkpoint_storage = Storage(storage_options)
         self._costs = ModelCosts(profile, self.checkpoint_storage, profile_repeats)
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage, tempdir=checkpoint_tempdir)
@@ -276,6 +265,7 @@ class VarunaStrategy(ParallelStrategy):
             self.topology.data_parallel_size, self.world_size, self.pipeline_parallel_size
         )
         self._groups = self.topology.process_groups()
+        self._collectives = UserCollectives(self.topology, self._groups)
 
     def _autoconfigure(self) -> None:
         """Choose what was left ``"auto"`` for this world size (`ModelCosts.choose_config`)."""
@@ -296,41 +286,19 @@ class VarunaStrategy(ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if distributed_is_initialized():
-            dist.barrier(self._collective_group)
+        self._collectives.barrier()
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        return super().all_gather(tensor, self._user_group(group), sync_grads)
+        return super().all_gather(tensor, self._collectives.group(group), sync_grads)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not distributed_is_initialized():
-            return obj
-        objects = [obj]
-        if self._collective_group is None:
-            dist.broadcast_object_list(objects, src, group=_group.WORLD)
-        else:  # inside an epoch-end hook, from the last stage of ``src``'s replica
-            assert self.topology is not None
-            last_stage = self.topology.replica_ranks()[src // self.topology.pipeline_parallel_size]
-            dist.broadcast_object_list(objects, last_stage, group=self._collective_group)
-        return objects[0]
+        return self._collectives.broadcast(obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return sync_ddp_if_available(tensor, self._user_group(group), reduce_op=reduce_op)
-        return tensor
-
-    def _user_group(self, group: Any | None) -> Any | None:
-        """The group of a collective that user code calls over all ranks (``group`` None or WORLD, as
-        ``LightningModule.all_gather`` passes it): all ranks', or the last stages' inside an epoch-end hook; for
-        `STAGE_REPLICAS` (a replayed ``sync_dist`` value), the replicas of this rank's stage."""
-        if group == STAGE_REPLICAS:
-            return self._groups.replicas
-        if self._collective_group is not None and group in (None, dist.group.WORLD):
-            return self._collective_group
-        return group
+        return self._collectives.reduce(tensor, group, reduce_op)
 
     @property
     def _module(self) -> pl.LightningModule:
@@ -392,7 +360,7 @@ class VarunaStrategy(ParallelStrategy):
     # -------------------------------------------------------------------------------------- partitioning
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self._failures = FailureNotice()
+        self._failures = RunFailures(trainer, self.global_rank, self.topology)
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
@@ -423,9 +391,9 @@ class VarunaStrategy(ParallelStrategy):
             self._module_hooks = PipelinedModuleHooks(
                 self._module,
                 self.topology.is_last_stage,
-                self._collectives_over_last_stages,
+                lambda: self._collectives.over_last_stages(self._module),
                 self._exchange_results,
-                self._gather_from_stages,
+                self._collectives.gather_from_stages,
             )
         # Finetuning callbacks add parameter groups as training goes, as `configure_optimizers` makes them.
         run_hook_inside(trainer, BaseFinetuning, "on_train_epoch_start", lambda _: self._whole_model_for_optimizers())
@@ -437,7 +405,15 @@ class VarunaStrategy(ParallelStrategy):
         if scaler is not None and not self.topology.is_last_stage:
             # Only the last stage scales a loss; scaling nothing gives the others' scalers the scale unscale_ needs.
             scaler.scale(torch.zeros((), device=self.root_device))
-        route_gradient_clipping(self.precision_plugin, self._clip_grad_by_global_norm)
+        gradients = self._gradients = GradientPhase(
+            self._stage_plan(),
+            self.topology,
+            self._groups,
+            self.root_device,
+            on_wait=self._failures.stop_if_job_ended,
+            note_overflow=shardwise(scaler).note_found_inf if scaler is not None else None,
+        )
+        route_gradient_clipping(self.precision_plugin, lambda _, clip_val: gradients.clip_by_global_norm(clip_val))
         if self._stage_plan().runtime.waiter.polls:
             stop_on_sigterm_without_broadcasts(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -553,7 +529,7 @@ class VarunaStrategy(ParallelStrategy):
                 )
         self._data.advance(rows * self.topology.data_parallel_size, self._module.trainer)
         with (
-            self._step_gradients.computing(self._stage_plan().own_parameters()),
+            _set_up(self._gradients).computing(),
             self.precision_plugin.train_step_context(),
         ):
             return self._pipelined_step("training_step", args, kwargs, backward=True)
@@ -591,9 +567,14 @@ class VarunaStrategy(ParallelStrategy):
             scale_loss=scaler.scale if scaler is not None else None,
             loss_items=self.loss_items,
         )
-        with self._failures_reported():
+        failures = _set_up(self._failures)
+        with failures.reported():
             outputs = step.run(
-                batch, self.micro_batch_size, actions[topo.pp_rank], training=backward, on_wait=self._stop_if_job_ended
+                batch,
+                self.micro_batch_size,
+                actions[topo.pp_rank],
+                training=backward,
+                on_wait=failures.stop_if_job_ended,
             )
             summary, outputs = self._exchange_results((step.recorder.summary(), outputs))
         replay(module, summary, self.root_device)
@@ -614,58 +595,7 @@ class VarunaStrategy(ParallelStrategy):
     def _exchange_results(self, results: Any) -> Any:
         """Send ``results`` from the last stage to the replica's other stages (see `StepResults`)."""
         assert self._step_results is not None
-        return self._step_results.exchange(results, self._stop_if_job_ended)
-
-    def _gather_from_stages(self, obj: Any) -> list[Any]:
-        """What every stage of this replica gives, in stage order."""
-        assert self.topology is not None
-        gathered: list[Any] = [None] * self._stage_plan().runtime.num_stages
-        dist.all_gather_object(gathered, obj, group=self._groups.stages)
-        in_rank_order = sorted(self.topology.stage_ranks())  # a group's ranks count its members by global rank
-        return [gathered[in_rank_order.index(rank)] for rank in self.topology.stage_ranks()]
-
-    @contextmanager
-    def _collectives_over_last_stages(self) -> Iterator[None]:
-        """Inside, the collectives that user code calls (``self.all_gather``, ``sync_dist``, a metric's
-        ``compute()``) run over the last stages of the replicas: an epoch-end hook runs there alone (`module_hooks`)."""
-        self._collective_group = self._groups.replicas
-        try:
-            with metrics_synced_over(self._module, self._groups.replicas):
-                yield
-        finally:
-            self._collective_group = None
-
-    @contextmanager
-    def _failures_reported(self) -> Iterator[None]:
-        """Leave an error of this rank's step for the other ranks; if another rank failed first (and this error
-        follows from it: a connection to it broke), raise that failure instead."""
-        try:
-            yield
-        except PeerFailure:
-            raise
-        except Exception as error:
-            first = self._report_failure(error)
-            if first is not None and first.rank != self.global_rank:
-                raise first.stop(error) from None
-            raise
-
-    def _stop_if_job_ended(self) -> None:
-        """Stop waiting for a peer on SIGTERM (this rank's, or another's that it left in the notice), or when another
-        rank failed."""
-        if self._module.trainer.received_sigterm:
-            raise SIGTERMException
-        first = self._failures.first() if self._failures is not None else None
-        if first is not None and first.rank != self.global_rank:
-            raise first.stop()
-
-    def _report_failure(self, error: BaseException) -> Failure | None:
-        """Leave ``error`` for the other ranks unless another rank failed first; return the first failure."""
-        if self._failures is None:
-            return None
-        where = f"rank {self.global_rank}"
-        if self.topology is not None:
-            where += f" (pipeline stage {self.topology.pp_rank} of replica {self.topology.dp_rank})"
-        return self._failures.report(error, where)
+        return self._step_results.exchange(results, _set_up(self._failures).stop_if_job_ended)
 
     def record_timeline(self) -> None:
         """Record when each action of the coming training steps runs on this rank (see `PipelineTrace`)."""
@@ -708,75 +638,14 @@ class VarunaStrategy(ParallelStrategy):
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning's hook for the batches that accumulate gradients without an optimizer step (as DDP's
         ``no_sync``): their gradients are summed locally and reduced once, with the last batch's."""
-        self._sync_gradients = False
-        try:
+        with _set_up(self._gradients).accumulating():
             yield
-        finally:
-            self._sync_gradients = True
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Put the gradients of the pipelined step in place, summed over replicas and ties (each micro-batch's loss
-        was weighted by its share of the step's rows, so the sum is the mean)."""
-        topo = self.topology
-        assert topo is not None
-        # Not frozen or unused ones: without a gradient, as on one device, an optimizer leaves them alone (a zero
-        # gradient would take AdamW's weight decay).
-        params = self._stage_plan().trained_parameters()
-        if not self._sync_gradients:
-            self._step_gradients.accumulate(params)
-            return closure_loss
-        # The gradients of earlier accumulated batches are not reduced yet: reduce them all at once.
-        grads = self._step_gradients.gradients_with(params)
-        start = time.time()
-        shared = self._stage_plan().shared
-        grads = self._wait_for_peers(
-            lambda: reduce_gradients(params, grads, self._groups.replicas, topo.data_parallel_size, shared)
-        )
-        timeline = self._stage_plan().runtime.timeline
-        if timeline is not None:
-            timeline.append(("all-reduce", start, time.time()))
-        for p, g in zip(params, grads):
-            p.grad = g
-        statistics = self._running_statistics() if topo.data_parallel_size > 1 else []
-        if statistics:
-            self._wait_for_peers(
-                lambda: broadcast_buffers(
-                    statistics, self._groups.replicas, topo.replica_ranks()[0], topo.data_parallel_size
-                )
-            )
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None:  # every stage's scaler skips a step that overflowed on any
-            found = self._wait_for_peers(lambda: agree_on_overflow(params, self.root_device))
-            shardwise(scaler).note_found_inf(found)
+        """Put the gradients of the pipelined step in place, summed over replicas and ties (`GradientPhase`)."""
+        _set_up(self._gradients).put_in_place()
         return closure_loss
-
-    def _wait_for_peers(self, collectives: Callable[[], T]) -> T:
-        """Return ``collectives()``, given up on SIGTERM or when another rank failed, as a pipeline message is: a
-        peer that gave up its step never joins them."""
-        return self._stage_plan().runtime.waiter.call(collectives, self._stop_if_job_ended)
-
-    def _running_statistics(self) -> list[Tensor]:
-        """The buffers of this stage that training updates: the running statistics of its normalization layers
-        (BatchNorm, InstanceNorm), not constant buffers such as a positional encoding."""
-        return [
-            buffer
-            for module in self._module.modules()
-            if isinstance(module, NormWithRunningStats)
-            for buffer in module.buffers(recurse=False)
-            if buffer is not None
-        ]
-
-    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
-        """Lightning's gradient clipping by norm, over the gradients of all stages."""
-        stage = self._stage_plan()
-        params = stage.own_parameters()
-        assert self.topology is not None
-        stages = self.topology.pipeline_parallel_size
-        counted = stage.shared.counted_once(params)
-        self._wait_for_peers(
-            lambda: clip_grad_norm_across_stages(params, counted, clip_val, self._groups.stages, stages)
-        )
 
     # ----------------------------------------------------------------------------------- checkpoints
     @property
@@ -859,7 +728,8 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Leave this rank's error for the other ranks, unless another rank failed first (`failures`)."""
-        self._report_failure(exception)
+        if self._failures is not None:
+            self._failures.report(exception)
 
     @override
     def teardown(self) -> None:
@@ -879,16 +749,21 @@ class VarunaStrategy(ParallelStrategy):
             self._module_hooks = None
         try:
             if self._step_results is not None and normal_end:  # after an error, a peer may never receive them
-                self._step_results.flush(self._stop_if_job_ended)
+                self._step_results.flush(_set_up(self._failures).stop_if_job_ended)
             self._checkpoints.wait(collective=normal_end and distributed_is_initialized())
         finally:
             with self._released_slots_filled(torch.device("cpu")):  # Lightning moves the module to the CPU
                 super().teardown()
 
     def _stage_plan(self) -> Stage:
-        if self._stages is None:
-            raise RuntimeError("VarunaStrategy is not set up: it partitions the model in `Trainer.fit/validate/...`.")
-        return self._stages
+        return _set_up(self._stages)
+
+
+def _set_up(part: T | None) -> T:
+    """A part of the strategy that `VarunaStrategy.setup` makes."""
+    if part is None:
+        raise RuntimeError("VarunaStrategy is not set up: it partitions the model in `Trainer.fit/validate/...`.")
+    return part
 
 
 StrategyRegistry.register(
