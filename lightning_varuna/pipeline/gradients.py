@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GradientPhase",
+    "LossScaler",
     "StepGradients",
     "agree_on_overflow",
     "broadcast_buffers",
@@ -134,6 +135,14 @@ def _sum_present(a: Tensor | None, b: Tensor | None, like: Tensor) -> Tensor:
 T = TypeVar("T")
 
 
+class LossScaler(Protocol):
+    """What `GradientPhase` needs of fp16's grad scaler (a ``ShardwiseGradScaler``)."""
+
+    def scale(self, outputs: Tensor) -> Tensor: ...
+
+    def note_found_inf(self, found: Tensor) -> None: ...
+
+
 class GradientPhase:
     """A stage's gradients from its pipelined backward to the optimizer step.
 
@@ -151,8 +160,7 @@ class GradientPhase:
         groups: the job's process groups.
         device: where this stage computes.
         on_wait: called while a collective waits for a peer; it raises to give up (a peer failed, SIGTERM).
-        note_overflow: given 1 or 0, whether any stage's gradients overflowed (fp16 loss scaling, for the grad
-            scaler); ``None``: nothing to agree on.
+        scaler: fp16's grad scaler, told whether any stage's gradients overflowed; ``None``: nothing to agree on.
     """
 
     def __init__(
@@ -162,10 +170,13 @@ class GradientPhase:
         groups: PipelineGroups,
         device: torch.device,
         on_wait: Callable[[], None],
-        note_overflow: Callable[[Tensor], None] | None = None,
+        scaler: LossScaler | None = None,
     ) -> None:
         self._stage, self._topology, self._groups, self._device = stage, topology, groups, device
-        self._on_wait, self._note_overflow = on_wait, note_overflow
+        self._on_wait, self._scaler = on_wait, scaler
+        if scaler is not None and not topology.is_last_stage:
+            # Only the last stage scales a loss; scaling nothing gives the others' scalers the scale unscale_ needs.
+            scaler.scale(torch.zeros((), device=device))
         self._step_gradients = StepGradients()
         self._accumulating = False  # while Lightning accumulates a batch without an optimizer step
 
@@ -207,8 +218,8 @@ class GradientPhase:
         if statistics:
             first = self._topology.replica_ranks()[0]
             self._wait(lambda: broadcast_buffers(statistics, self._groups.replicas, first, replicas))
-        if self._note_overflow is not None:  # every stage's scaler skips a step that overflowed on any
-            self._note_overflow(self._wait(lambda: agree_on_overflow(params, self._device)))
+        if self._scaler is not None:  # every stage's scaler skips a step that overflowed on any
+            self._scaler.note_found_inf(self._wait(lambda: agree_on_overflow(params, self._device)))
 
     def clip_by_global_norm(self, max_norm: float) -> None:
         """Clip the stage's gradients by the norm over the gradients of all stages, as on one device. Collective."""

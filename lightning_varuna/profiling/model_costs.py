@@ -43,21 +43,23 @@ class ModelCosts:
     def choose_config(
         self,
         world_size: int,
-        global_batch_size: int,
         device: torch.device,
+        nodes: int,
         *,
+        global_batch_size: int | None,
         pipeline_parallel_size: int | None,
         data_parallel_size: int | None,
         micro_batch_size: int | None,
         schedule: str | None,
-        nodes: int,
     ) -> Config:
-        """The fastest configuration of ``world_size`` processes that the simulator predicts, keeping the sizes given
-        (``None``: free to choose) and fitting the smallest device of the job; logged. Collective.
+        """The fastest configuration of ``world_size`` processes on ``nodes`` that the simulator predicts for
+        ``global_batch_size``, keeping the sizes given (``None``: free to choose) and fitting the smallest device of
+        the job (``device`` is this process's); logged. Collective.
 
         Raises:
             ValueError: on every rank, when none is feasible (says why).
         """
+        assert global_batch_size is not None, "the auto-configuration keeps a global batch"
         memory = _smallest_device_memory(device, world_size)
         choice: Any = None
         if dist.get_rank() == 0:

@@ -74,6 +74,17 @@ class VarunaConfig:
         """The names of the arguments given as ``"auto"``."""
         return frozenset(name for name in _AUTO_CHOICES if getattr(self, name) == "auto")
 
+    def sizes_to_keep(self, pipeline_parallel_size: int, micro_batch_size: int, schedule: str) -> dict[str, Any]:
+        """What the auto-configuration keeps (`ModelCosts.choose_config`): the global batch, and of the sizes in use
+        those not given as ``"auto"`` (None: chosen, as a micro-batch size not chosen yet)."""
+        return {
+            "global_batch_size": self.global_batch_size,
+            "pipeline_parallel_size": None if "pipeline_parallel_size" in self.auto else pipeline_parallel_size,
+            "data_parallel_size": self.data_parallel_size,
+            "micro_batch_size": None if "micro_batch_size" in self.auto else micro_batch_size or None,
+            "schedule": None if "schedule" in self.auto else schedule,
+        }
+
     def check_global_batch_splits(self, data_parallel_size: int, world_size: int, pipeline_parallel_size: int) -> None:
         """Raise if ``global_batch_size`` does not split evenly over ``data_parallel_size`` replicas."""
         if self.global_batch_size is not None and self.global_batch_size % data_parallel_size:
