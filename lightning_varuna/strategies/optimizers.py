@@ -13,7 +13,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning_varuna.checkpoint.state import parameter_group_names
 from lightning_varuna.partition.skeleton import ModelSkeleton
 
-__all__ = ["StageParameterGroups", "keep_own_parameters", "optimized_parameters", "torch_optimizer"]
+__all__ = ["StageParameterGroups", "optimized_parameters", "torch_optimizer"]
 
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -24,14 +24,6 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 def optimized_parameters(optimizer: Any) -> list[torch.nn.Parameter]:
     """The parameters ``optimizer`` (or the torch optimizer a `LightningOptimizer` wraps) steps, group by group."""
     return [p for group in torch_optimizer(optimizer).param_groups for p in group["params"]]
-
-
-def keep_own_parameters(optimizers: list[Any], module: torch.nn.Module) -> None:
-    """Leave in each parameter group of ``optimizers`` only the parameters ``module`` holds (a pipeline stage's)."""
-    own = {id(p) for p in module.parameters()}
-    for optimizer in optimizers:
-        for group in torch_optimizer(optimizer).param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in own]
 
 
 class StageParameterGroups:
@@ -53,4 +45,12 @@ class StageParameterGroups:
         with skeleton.stand_ins(module, missing_only=True):
             yield
             self.names = parameter_group_names([torch_optimizer(o) for o in optimizers()], module)
-        keep_own_parameters(optimizers(), module)
+        _keep_own_parameters(optimizers(), module)
+
+
+def _keep_own_parameters(optimizers: list[Any], module: torch.nn.Module) -> None:
+    """Leave in each parameter group of ``optimizers`` only the parameters ``module`` holds (a pipeline stage's)."""
+    own = {id(p) for p in module.parameters()}
+    for optimizer in optimizers:
+        for group in torch_optimizer(optimizer).param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in own]

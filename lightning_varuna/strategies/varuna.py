@@ -288,7 +288,7 @@ class VarunaStrategy(MultiProcessStrategy):
             super().setup_optimizers(trainer)
 
     def _whole_model_for_optimizers(self) -> AbstractContextManager[None]:
-        return self._parameter_groups.whole_model(self._module, self._stage_plan().skeleton, lambda: self.optimizers)
+        return self._parameter_groups.whole_model(self._module, _set_up(self._stages).skeleton, lambda: self.optimizers)
 
     # ------------------------------------------------------------------------------------------- steps
     @override
@@ -322,11 +322,11 @@ class VarunaStrategy(MultiProcessStrategy):
 
     def record_timeline(self) -> None:
         """Record when each action of the coming training steps runs on this rank (see `PipelineTrace`)."""
-        self._stage_plan().runtime.timeline = []
+        _set_up(self._stages).runtime.timeline = []
 
     def take_timeline(self) -> list[tuple[str, float, float]]:
         """Stop recording; return this rank's ``(action, start, end)`` in wall-clock seconds."""
-        runtime = self._stage_plan().runtime
+        runtime = _set_up(self._stages).runtime
         timeline, runtime.timeline = runtime.timeline or [], None
         return timeline
 
@@ -375,15 +375,16 @@ class VarunaStrategy(MultiProcessStrategy):
         unfinished epoch starts again) or one that `consolidate` wrote (it continues where the sharded one would)."""
         optimizers = [torch_optimizer(o) for o in self.optimizers]
         fs, path = self.checkpoint_storage.fs(str(checkpoint_path))
-        if fs.isfile(path):
-            whole = super().load_checkpoint(checkpoint_path, weights_only)
-            shape = whole.get(RUN_SHAPE)  # (a plain file has none)
-            self._batches.resumed(shape)
-            self._data.restore((shape or {}).get("data_position"), whole.get("loops", {}))
-            return stage_checkpoint(whole, self._module, self._stage_plan().skeleton, optimizers)
-        checkpoint, info = self._checkpoints.load(str(checkpoint_path), self._module, optimizers)
-        self._batches.resumed(info.shape)
-        self._data.restore(info.shape.get("data_position"), checkpoint.get("loops", {}))
+        if single_file := fs.isfile(path):
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+            shape = checkpoint.get(RUN_SHAPE)  # (a plain file has none)
+        else:
+            checkpoint, info = self._checkpoints.load(str(checkpoint_path), self._module, optimizers)
+            shape = info.shape
+        self._batches.resumed(shape)
+        self._data.restore((shape or {}).get("data_position"), checkpoint.get("loops", {}))
+        if single_file:  # the whole model's: this stage's part of it
+            return stage_checkpoint(checkpoint, self._module, _set_up(self._stages).skeleton, optimizers)
         return checkpoint
 
     @override
@@ -432,9 +433,6 @@ class VarunaStrategy(MultiProcessStrategy):
         finally:
             with self._released_slots_filled(torch.device("cpu")):  # Lightning moves the module to the CPU
                 super().teardown()
-
-    def _stage_plan(self) -> Stage:
-        return _set_up(self._stages)
 
 
 def _set_up(part: T | None) -> T:

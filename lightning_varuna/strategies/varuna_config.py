@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from torch import Tensor
 
@@ -67,7 +67,7 @@ class VarunaConfig:
                 f"`VarunaStrategy(loss_items={self.loss_items!r})` must be a function of a batch that returns how many "
                 'items its loss is the mean of, e.g. `lambda batch: (batch["labels"] != -100).sum()`.'
             )
-        self.shared_weights = [tuple(pair) for pair in self.shared_weights or []]  # type: ignore[misc]
+        self.shared_weights = cast(list[tuple[str, str]], [tuple(pair) for pair in self.shared_weights or []])
 
     @property
     def auto(self) -> frozenset[str]:
