@@ -26,7 +26,7 @@ from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
 from lightning_varuna.checkpoint.single_file import stage_checkpoint
 from lightning_varuna.checkpoint.stage_save import split_stage_checkpoint
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
-from lightning_varuna.data.rebatching import replica_loader
+from lightning_varuna.data.replicas import resumable_for_replicas
 from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.pipeline.gradients import GradientPhase
 from lightning_varuna.pipeline.module_hooks import PipelinedModuleHooks
@@ -197,7 +197,7 @@ class VarunaStrategy(MultiProcessStrategy):
         if self._module.trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         replicas = _set_up(self.topology).data_parallel_size
-        return replica_loader(dataloader, self._data, replicas, self.global_batch_size)
+        return resumable_for_replicas(dataloader, self._data, replicas, self.global_batch_size)
 
     @override
     def on_train_start(self) -> None:

@@ -1,5 +1,6 @@
-"""The training DataLoader of a pipeline replica: resumable mid-epoch and, given a global batch, re-batched to the
-replica's share of it, so that a job that restarts at another world size trains the same model."""
+"""The training DataLoader of each data-parallel replica (VarunaStrategy's): resumable mid-epoch and, given a global
+batch, re-batched to the replica's share of it, so that a job that restarts at another world size trains the same
+model."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_varuna.data.resumable import DataProgress
 
-__all__ = ["replica_loader"]
+__all__ = ["resumable_for_replicas"]
 
 
-def replica_loader(
+def resumable_for_replicas(
     dataloader: object, progress: DataProgress, replicas: int, global_batch_size: int | None = None
 ) -> object:
     """``dataloader`` made resumable where ``progress`` says (`DataProgress.resumable`) and, with
