@@ -1,4 +1,5 @@
-"""BatchNorm over micro-batches: it normalizes over a micro-batch's rows, so one row may be too few."""
+"""BatchNorm over micro-batches: it normalizes over a micro-batch's rows, so one row may be too few; and the running
+statistics that each replica updates from its own micro-batches."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from contextlib import contextmanager
 
 from torch import Tensor, nn
 
-from lightning_varuna._torch_private import BatchNorm
+from lightning_varuna._torch_private import BatchNorm, NormWithRunningStats
 
-__all__ = ["normalizes_over_the_batch", "one_value_per_channel_refused"]
+__all__ = ["normalizes_over_the_batch", "one_value_per_channel_refused", "running_statistics"]
 
 
 def normalizes_over_the_batch(module: nn.Module) -> bool:
@@ -40,3 +41,15 @@ def one_value_per_channel_refused(module: nn.Module, advice: str) -> Iterator[No
     finally:
         for handle in handles:
             handle.remove()
+
+
+def running_statistics(module: nn.Module) -> list[Tensor]:
+    """The buffers of ``module`` that training updates: the running statistics of its normalization layers
+    (BatchNorm, InstanceNorm), not constant buffers such as a positional encoding."""
+    return [
+        buffer
+        for norm in module.modules()
+        if isinstance(norm, NormWithRunningStats)
+        for buffer in norm.buffers(recurse=False)
+        if buffer is not None
+    ]

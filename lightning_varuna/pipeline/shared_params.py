@@ -2,7 +2,8 @@
 
 Tracing gives each stage that uses a tied weight (say the embedding on the first stage and the LM head on
 the last) its own copy. Starting from the same value and applying the same summed gradient keeps them
-equal, exactly like the one tensor of single-device training.
+equal, exactly like the one tensor of single-device training. Varuna's explicit ``shared_weights`` pairs are
+tied in the module first (`tie_weights`), so that tracing finds them as it finds the others.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch import Tensor, nn
 
 from lightning_varuna.pipeline.topology import Topology
 
-__all__ = ["SharedParameters"]
+__all__ = ["SharedParameters", "tie_weights"]
 
 
 class SharedParameters:
@@ -66,3 +67,10 @@ class SharedParameters:
     def counted_once(self, params: list[Tensor]) -> list[Tensor]:
         """``params`` less the shared ones whose first holder is another stage (for a global norm)."""
         return [p for p in params if id(p) not in self._counted_elsewhere]
+
+
+def tie_weights(module: nn.Module, pairs: list[tuple[str, str]]) -> None:
+    """Make the second parameter of each pair in ``module`` the first (Varuna's ``shared_weights``)."""
+    for keep, tie in pairs:
+        owner, _, name = tie.rpartition(".")
+        module.get_submodule(owner).register_parameter(name, module.get_parameter(keep))

@@ -4,7 +4,7 @@ A failing rank leaves a notice in the job's key-value store (the default process
 its rank, its place in the pipeline and the error. The first notice of a job stays. The other ranks learn of it
 while they wait for a pipeline message (the wait checks the store twice a second), or when a connection to the
 failed rank breaks; either way they raise `PeerFailure`, which quotes the notice, instead of gloo's "Connection
-closed by peer".
+closed by peer". `RunFailures` is a rank's part in this for one Trainer run.
 
 Under Lightning's launch (``Trainer(devices=N)``) the main process is rank 0 and starts the others: its
 `ReportFirstFailure` launcher runs the callbacks' ``on_exception`` with them (`OnExceptionCheckpoint` saves with
@@ -23,17 +23,21 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_varuna._lightning_private import TunerExitException, set_num_threads_if_needed
 from lightning_varuna._torch_private import default_store
 from lightning_varuna.hook_wrapping import restore_hooks, wrap_hook
+from lightning_varuna.pipeline.topology import Topology
 
-__all__ = ["Failure", "FailureNotice", "PeerFailure", "ReportFirstFailure"]
+__all__ = ["Failure", "FailureNotice", "PeerFailure", "ReportFirstFailure", "RunFailures"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +107,55 @@ class FailureNotice:
             return None
 
 
+class RunFailures:
+    """One rank's part in the failures of one Trainer run: it leaves its own error in the run's `FailureNotice`, and
+    gives up waiting for a peer when the job ended (this rank's SIGTERM, or another rank failed first).
+
+    Args:
+        trainer: the Trainer of the run (whose ``received_sigterm`` says that this rank was asked to end).
+        rank: this process's global rank.
+        topology: its place in the pipeline, named in its notice.
+    """
+
+    def __init__(self, trainer: pl.Trainer, rank: int, topology: Topology | None) -> None:
+        self.notice = FailureNotice()
+        self._trainer, self._rank = trainer, rank
+        self._where = f"rank {rank}"
+        if topology is not None:
+            self._where += f" (pipeline stage {topology.pp_rank} of replica {topology.dp_rank})"
+
+    def first(self) -> Failure | None:
+        """The first failure of the run, if a rank reported one."""
+        return self.notice.first()
+
+    def report(self, error: BaseException) -> Failure | None:
+        """Leave ``error`` for the other ranks unless another rank failed first; return the first failure."""
+        return self.notice.report(error, self._where)
+
+    def stop_if_job_ended(self) -> None:
+        """Stop waiting for a peer on SIGTERM (this rank's, or another's that it left in the notice), or when another
+        rank failed: what a wait for a peer calls while it waits."""
+        if self._trainer.received_sigterm:
+            raise SIGTERMException
+        first = self.first()
+        if first is not None and first.rank != self._rank:
+            raise first.stop()
+
+    @contextmanager
+    def reported(self) -> Iterator[None]:
+        """Leave an error of this rank's step for the other ranks; if another rank failed first (and this error
+        follows from it: a connection to it broke), raise that failure instead."""
+        try:
+            yield
+        except PeerFailure:
+            raise
+        except Exception as error:
+            first = self.report(error)
+            if first is not None and first.rank != self._rank:
+                raise first.stop(error) from None
+            raise
+
+
 def _store() -> dist.Store | None:
     return default_store() if dist.is_available() and dist.is_initialized() else None
 
@@ -145,22 +198,22 @@ class ReportFirstFailure:
                 _handle_failure_with_the_others(trainer, error)
             observer.stop()
             killed = _wait_for(self.procs, _CHILDREN_GRACE_S)
-            # The strategy's notice of this run (VarunaStrategy's), if it has one.
-            notice = getattr(trainer.strategy, "_failures", None) if trainer is not None else None
-            cause = self._first_failure_of_others(error, notice, killed)
+            # The strategy's failures of this run (VarunaStrategy's), if it has them.
+            failures = getattr(trainer.strategy, "_failures", None) if trainer is not None else None
+            cause = self._first_failure_of_others(error, failures, killed)
             if cause is None:
                 raise
             raise cause from None
 
     def _first_failure_of_others(
-        self, error: BaseException, notice: FailureNotice | None, killed: dict[int, int]
+        self, error: BaseException, failures: RunFailures | None, killed: dict[int, int]
     ) -> BaseException | None:
         """The error to end with when another process failed first (``None``: this process's own ``error``)."""
         if isinstance(error, PeerFailure):  # without the frames of the wait it gave up
             return error.with_traceback(None)
         if not isinstance(error, Exception):
             return None
-        first = notice.first() if notice is not None else None
+        first = failures.first() if failures is not None else None
         if first is not None and first.rank != dist.get_rank():
             return first.stop(error)
         if not killed:

@@ -1,9 +1,9 @@
-"""The first batch of the loop a Trainer is about to run, and the step that loop calls: what a strategy traces and
-measures the model with before the first step."""
+"""The first batch of the loop a Trainer is about to run, the step that loop calls, and what that step passes to
+``self(...)``: what a strategy traces and measures the model with before the first step."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -11,9 +11,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_varuna.pipeline.microbatch import split_microbatches
+from lightning_varuna.pipeline.step import capture_forward_inputs
 from lightning_varuna.random_states import global_random_states_kept
 
-__all__ = ["STEP_OF_FN", "first_batch"]
+__all__ = ["STEP_OF_FN", "first_batch", "first_forward_inputs"]
 
 STEP_OF_FN = {
     TrainerFn.FITTING: "training_step",
@@ -39,6 +41,17 @@ def first_batch(trainer: pl.Trainer) -> Any:
     with _random_numbers_kept(loader):
         batch = trainer.precision_plugin.convert_input(next(iter(loader)))
     return trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+
+
+def first_forward_inputs(
+    trainer: pl.Trainer, batch_to_device: Callable[[Any], Any], micro_batch_size: int
+) -> tuple[tuple, dict]:
+    """The forward arguments of the first micro-batch of ``micro_batch_size`` rows of `first_batch` (moved by
+    ``batch_to_device``): what the loop's first step passes to ``self(...)`` (which also checks that the step calls
+    it; ``example_input_array`` would not)."""
+    microbatch = split_microbatches(batch_to_device(first_batch(trainer)), micro_batch_size)[0]
+    assert trainer.state.fn is not None
+    return capture_forward_inputs(trainer.lightning_module, STEP_OF_FN[trainer.state.fn], microbatch)
 
 
 @contextmanager

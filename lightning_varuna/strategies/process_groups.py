@@ -13,7 +13,11 @@ import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
-from lightning_varuna._lightning_private import distributed_is_initialized, init_dist_connection
+from lightning_varuna._lightning_private import (
+    default_process_group_backend,
+    distributed_is_initialized,
+    init_dist_connection,
+)
 
 __all__ = ["init_process_group", "torchrun_layout"]
 
@@ -34,15 +38,20 @@ def torchrun_layout(
     return devices, environment.world_size() // per_node
 
 
-def init_process_group(environment: ClusterEnvironment, backend: str, timeout: timedelta | None, **kwargs: Any) -> None:
-    """Start the default process group of this job (once per process)."""
+def init_process_group(
+    environment: ClusterEnvironment, backend: str | None, device: torch.device, timeout: timedelta | None
+) -> str:
+    """Start the default process group of this job (once per process) for this process's ``device``, over
+    ``backend`` (None: Lightning's default for the device); return the backend."""
+    backend = backend or default_process_group_backend(device)
+    kwargs: dict[str, Any] = {"device_id": device} if device.type != "cpu" else {}
     # gloo's worker threads abort the process ("terminate called without an active exception") when the
     # interpreter finalises before the groups are destroyed: destroy them while it is still alive.
     atexit.unregister(_destroy_process_groups)
     atexit.register(_destroy_process_groups)
     if not isinstance(environment, TorchElasticEnvironment) or distributed_is_initialized():
         init_dist_connection(environment, backend, timeout=timeout, **kwargs)
-        return
+        return backend
     # torchrun keeps its store across the restarts of a job: key the process groups by restart (after a
     # failure) and world size (after machines joined), or the groups of a restarted job read the addresses
     # their dead predecessors left and connect to nothing.
@@ -53,6 +62,7 @@ def init_process_group(environment: ClusterEnvironment, backend: str, timeout: t
     store = dist.PrefixStore(f"lightning_varuna/restart_{restart}/world_{world_size}", store)
     log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    return backend
 
 
 def _destroy_process_groups() -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
-__all__ = ["WEIGHT_AVERAGING", "require_automatic_optimization"]
+from lightning_varuna.strategies.callback_hooks import callbacks_of
+
+__all__ = ["WEIGHT_AVERAGING", "require_automatic_optimization", "require_pipelined_training"]
 
 # Lightning's callbacks that keep an average of every parameter of the model.
 WEIGHT_AVERAGING = (StochasticWeightAveraging, WeightAveraging)
@@ -19,4 +21,20 @@ def require_automatic_optimization(module: pl.LightningModule, strategy: str, ru
             "Lightning's automatic optimization. Remove `automatic_optimization = False` (and `manual_backward`), "
             "return the loss from `training_step`, and set `gradient_clip_val` / `accumulate_grad_batches` on the "
             "Trainer."
+        )
+
+
+def require_pipelined_training(trainer: pl.Trainer, strategy: str, num_stages: int) -> None:
+    """Refuse what ``strategy``'s pipeline of ``num_stages`` stages cannot train: manual optimization, and a callback
+    of ``trainer`` that averages every parameter when several stages hold them."""
+    require_automatic_optimization(
+        trainer.lightning_module, strategy, "the pipelined forward and backward of `training_step`"
+    )
+    averaging = callbacks_of(trainer, WEIGHT_AVERAGING)
+    if averaging and num_stages > 1:
+        raise ValueError(
+            f"`{type(averaging[0]).__name__}` keeps an average of every parameter of the model, but with "
+            f"{num_stages} pipeline stages each process holds only its stage's. Train "
+            "with `pipeline_parallel_size=1` (data parallel: every process holds the whole model), or without the "
+            "callback."
         )

@@ -1,103 +1,61 @@
-"""`VarunaStrategy`: pipeline x data parallel training of a LightningModule cut at its CutPoints."""
+"""`VarunaStrategy`: pipeline x data parallel training of a LightningModule cut at its CutPoints; Lightning's hooks
+adapted to the package's pieces (`cut_model`, `StageSteps`, `GradientPhase`, `RunFailures`, `ShardedCheckpoints`)."""
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from functools import cached_property
 from typing import Any, Literal, TypeVar
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
-from torch.distributed import ReduceOp
-from torch.utils._pytree import tree_map
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 from typing_extensions import override
 
-from lightning_varuna._lightning_private import (
-    default_process_group_backend,
-    distributed_is_initialized,
-    optimizer_to_device,
-    optimizers_to_device,
-    sync_ddp_if_available,
-)
-from lightning_varuna._torch_private import NormWithRunningStats
+from lightning_varuna._lightning_private import distributed_is_initialized, optimizer_to_device, optimizers_to_device
 from lightning_varuna.checkpoint.consolidate import RUN_SHAPE
 from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.checkpoint.sharded import ShardedCheckpoints
 from lightning_varuna.checkpoint.single_file import stage_checkpoint
-from lightning_varuna.checkpoint.state import (
-    OPTIMIZER_PARAMETER_NAMES,
-    load_optimizer_state_by_name,
-    optimizer_state_by_name,
-    parameter_group_names,
-)
+from lightning_varuna.checkpoint.stage_save import split_stage_checkpoint
+from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
+from lightning_varuna.data.replicas import resumable_for_replicas
 from lightning_varuna.data.resumable import DataProgress
-from lightning_varuna.partition.plan import plan_stage
-from lightning_varuna.pipeline.batch_norm import normalizes_over_the_batch, one_value_per_channel_refused
-from lightning_varuna.pipeline.gradients import (
-    StepGradients,
-    agree_on_overflow,
-    broadcast_buffers,
-    clip_grad_norm_across_stages,
-    reduce_gradients,
-)
-from lightning_varuna.pipeline.microbatch import (
-    batch_size_of,
-    default_micro_batch_size,
-    has_ignored_labels,
-    microbatch_sizes,
-    split_microbatches,
-)
-from lightning_varuna.pipeline.module_hooks import PipelinedModuleHooks, metrics_synced_over
-from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
+from lightning_varuna.pipeline.gradients import GradientPhase
+from lightning_varuna.pipeline.module_hooks import PipelinedModuleHooks
 from lightning_varuna.pipeline.stage import Stage
-from lightning_varuna.pipeline.step import MicroBatchedStep, capture_forward_inputs
-from lightning_varuna.pipeline.step_logging import STAGE_REPLICAS, replay
-from lightning_varuna.pipeline.step_results import StepResults
+from lightning_varuna.pipeline.stage_steps import StageSteps
 from lightning_varuna.pipeline.topology import PipelineGroups, Topology
-from lightning_varuna.profiling.autoconfig import choose_configs, format_ranking
-from lightning_varuna.profiling.profile import ModelProfile, segment_costs
-from lightning_varuna.profiling.segments import measure_segments
-from lightning_varuna.profiling.simulator import Config
+from lightning_varuna.pipeline.user_collectives import UserCollectives
+from lightning_varuna.profiling.model_costs import ModelCosts
 from lightning_varuna.spilling.grad_scaler import shardwise
 from lightning_varuna.storage import Storage
-from lightning_varuna.strategies.callback_hooks import callbacks_of, restore_callback_hooks, run_hook_inside
+from lightning_varuna.strategies.callback_hooks import restore_callback_hooks, run_hook_inside
 from lightning_varuna.strategies.clipping import route_gradient_clipping
-from lightning_varuna.strategies.failures import Failure, FailureNotice, PeerFailure
-from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
-from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_varuna.strategies.failures import RunFailures
 from lightning_varuna.strategies.mid_epoch_resume import accumulate_as_scheduled
+from lightning_varuna.strategies.model_cut import cut_model, default_micro_batch_size_of
 from lightning_varuna.strategies.model_summary import summarize_whole_model
-from lightning_varuna.strategies.one_batch import check_stages_read_one_batch
-from lightning_varuna.strategies.optimizers import torch_optimizer
-from lightning_varuna.strategies.process_groups import init_process_group, torchrun_layout
-from lightning_varuna.strategies.requirements import WEIGHT_AVERAGING, require_automatic_optimization
+from lightning_varuna.strategies.optimizers import StageParameterGroups, torch_optimizer
+from lightning_varuna.strategies.processes import MultiProcessStrategy
+from lightning_varuna.strategies.requirements import require_pipelined_training
 from lightning_varuna.strategies.sigterm import stop_on_sigterm_without_broadcasts
+from lightning_varuna.strategies.training_batches import TrainingBatches
+from lightning_varuna.strategies.varuna_config import VarunaConfig
 
 __all__ = ["VarunaStrategy"]
-
-log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class VarunaStrategy(ParallelStrategy):
+class VarunaStrategy(MultiProcessStrategy):
     """Pipeline x data parallel training of a LightningModule cut at its `CutPoint`s (Varuna).
 
     The model is cut into ``pipeline_parallel_size`` stages at the cutpoints that balance the measured
@@ -170,248 +128,76 @@ class VarunaStrategy(ParallelStrategy):
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
         )
-        sizes = {"pipeline_parallel_size": pipeline_parallel_size, "micro_batch_size": micro_batch_size}
-        self._auto = {name for name, value in {**sizes, "schedule": schedule}.items() if value == "auto"}
-        for name, value in sizes.items():
-            if name not in self._auto and value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f'`VarunaStrategy({name}={value!r})` must be a positive integer or "auto".')
-        if self._auto and (profile is None or global_batch_size is None):
-            auto = ", ".join(f'{name}="auto"' for name in sorted(self._auto))
-            raise ValueError(
-                f"`VarunaStrategy({auto})` picks the fastest configuration from a profile of the model: pass "
-                "`profile=` (written by `lightning-varuna profile`) and the `global_batch_size=` to keep."
-            )
-        for name, value in (("data_parallel_size", data_parallel_size), ("global_batch_size", global_batch_size)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"`VarunaStrategy({name}={value!r})` must be a positive integer.")
-        if schedule not in SCHEDULES and schedule != "auto":
-            raise ValueError(
-                f'`VarunaStrategy(schedule={schedule!r})` is unknown; choose one of {sorted(SCHEDULES)} or "auto".'
-            )
-        self.pipeline_parallel_size: int = pipeline_parallel_size if isinstance(pipeline_parallel_size, int) else 0
-        self.data_parallel_size = data_parallel_size
+        self._config = VarunaConfig(
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            micro_batch_size=micro_batch_size,
+            schedule=schedule,
+            shared_weights=shared_weights,
+            profile_repeats=profile_repeats,
+            profile=profile,
+            global_batch_size=global_batch_size,
+            loss_items=loss_items,
+        )
         # 0 until chosen: by the auto-configuration ("auto") or from the first batch (None, see `setup`).
+        self.pipeline_parallel_size: int = pipeline_parallel_size if isinstance(pipeline_parallel_size, int) else 0
         self.micro_batch_size: int = micro_batch_size if isinstance(micro_batch_size, int) else 0
         self._micro_batch_size_chosen_for: TrainerFn | None = None  # the run whose batch chose the default
-        self.schedule = schedule
-        self.shared_weights = [tuple(pair) for pair in shared_weights or []]
-        self.profile_repeats = profile_repeats
-        self.profile = profile
-        self.global_batch_size = global_batch_size
-        if loss_items is not None and not callable(loss_items):
-            raise ValueError(
-                f"`VarunaStrategy(loss_items={loss_items!r})` must be a function of a batch that returns how many "
-                'items its loss is the mean of, e.g. `lambda batch: (batch["labels"] != -100).sum()`.'
-            )
-        self.loss_items = loss_items
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._start_method = start_method
-        self._num_nodes = 1
+        self.data_parallel_size, self.schedule, self.global_batch_size = data_parallel_size, schedule, global_batch_size
+        self.shared_weights, self.loss_items = self._config.shared_weights or [], loss_items
+        self.profile_repeats, self.profile = profile_repeats, profile
         self.topology: Topology | None = None
         self._groups = PipelineGroups(None, None, (None, None))
-        self._step_results: StepResults | None = None
-        self._module_hooks: PipelinedModuleHooks | None = None
-        self._collective_group: dist.ProcessGroup | None = None  # of collectives the user calls (None: all ranks)
         self._stages: Stage | None = None
-        self._step_gradients = StepGradients()
-        self._sync_gradients = True  # False while Lightning accumulates a batch without an optimizer step
-        self._failures: FailureNotice | None = None  # of the current Trainer run
+        self._steps: StageSteps | None = None  # the steps on this rank's stage (`_stages`)
+        self._gradients: GradientPhase | None = None
+        self._module_hooks: PipelinedModuleHooks | None = None
+        self._failures: RunFailures | None = None  # of the current Trainer run
         self.checkpoint_storage = Storage(storage_options)
+        self._costs = ModelCosts(profile, self.checkpoint_storage, profile_repeats)
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage, tempdir=checkpoint_tempdir)
-        self._replica_batch_size: int | None = None
-        self._check_iterable_batches = True
-        self._resumed_shape: dict[str, Any] | None = None
-        self._optimizer_parameter_names: list[list[list[str]]] = []  # the whole model's (`setup_optimizers`)
+        self._batches = TrainingBatches(loss_items)
+        self._parameter_groups = StageParameterGroups()
         self._data = DataProgress()
 
     # ----------------------------------------------------------------------------------------- processes
     @property
-    def is_distributed(self) -> bool:
-        return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # All stages of a replica read the same batches; replicas read disjoint ones.
-        assert self.topology is not None
-        return {"num_replicas": self.topology.data_parallel_size, "rank": self.topology.dp_rank}
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        self._follow_torchrun()
-        if self._start_method == "popen":
-            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = MultiProcessingLauncher(self, start_method=self._start_method)
-
-    def _follow_torchrun(self) -> None:
-        """Under torchrun, take the processes per node and the node count from torchrun, not the Trainer."""
-        assert self.cluster_environment is not None and self.parallel_devices is not None
-        layout = torchrun_layout(self.cluster_environment, self.parallel_devices)
-        if layout is not None:
-            self.parallel_devices, self.num_nodes = layout
+        topology = _set_up(self.topology)
+        return {"num_replicas": topology.data_parallel_size, "rank": topology.dp_rank}
 
     @override
     def setup_environment(self) -> None:
+        """Start the processes' default process group (`MultiProcessStrategy`), then lay out the job's pipelines."""
         super().setup_environment()
-        reset_seed()
-        assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-        backend = self._process_group_backend or default_process_group_backend(self.root_device)
-        self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"device_id": self.root_device} if self.root_device.type != "cpu" else {}
-        assert self.cluster_environment is not None
-        init_process_group(self.cluster_environment, backend, self._timeout, **kwargs)
-        if self._auto:
-            self._autoconfigure()
+        if self._config.auto:  # what was left "auto", chosen for this world size
+            keep = self._config.sizes_to_keep(self.pipeline_parallel_size, self.micro_batch_size, self.schedule)
+            best = self._costs.choose_config(self.world_size, self.root_device, self.num_nodes, **keep)
+            self.pipeline_parallel_size, self.micro_batch_size = best.pipeline_parallel_size, best.micro_batch_size
+            self.schedule = best.schedule
         self.topology = Topology.from_world(
             self.world_size, self.global_rank, self.pipeline_parallel_size, self.data_parallel_size
         )
-        if self.global_batch_size is not None and self.global_batch_size % self.topology.data_parallel_size:
-            raise ValueError(
-                f"`VarunaStrategy(global_batch_size={self.global_batch_size})` does not split evenly over "
-                f"data_parallel_size={self.topology.data_parallel_size} replicas (world size {self.world_size} / "
-                f"pipeline_parallel_size {self.pipeline_parallel_size}). Use a global batch that is a multiple of "
-                "the data-parallel sizes the job may run at, or another pipeline_parallel_size."
-            )
-        self._groups = self.topology.process_groups()
-
-    def _autoconfigure(self) -> None:
-        """Choose what was left ``"auto"`` for this world size: the fastest configuration the simulator predicts
-        that fits the smallest device of the job. Rank 0 decides; every rank takes its choice."""
-        assert self.profile is not None and self.global_batch_size is not None
-        memory = None
-        if self.root_device.type == "cuda":
-            memories: list[Any] = [None] * self.world_size
-            dist.all_gather_object(memories, torch.cuda.get_device_properties(self.root_device).total_memory)
-            memory = min(memories)
-        choice: Any = None
-        if self.is_global_zero:
-            try:
-                choice = self._rank_configs(memory)
-            except ValueError as error:  # every rank raises it, none waits for a choice
-                choice = str(error)
-        choice = self.broadcast(choice)
-        if isinstance(choice, str):
-            raise ValueError(choice)
-        best, table = choice
-        self.pipeline_parallel_size, self.micro_batch_size = best.pipeline_parallel_size, best.micro_batch_size
-        self.schedule = best.schedule
-        rank_zero_info(f"VarunaStrategy chose {best} for {self.world_size} processes:\n{table}")
-
-    def _rank_configs(self, memory: int | None) -> tuple[Config, str]:
-        assert self.profile is not None and self.global_batch_size is not None
-        ranked = choose_configs(
-            self._model_profile,
-            self.world_size,
-            self.global_batch_size,
-            pipeline_parallel_size=None if "pipeline_parallel_size" in self._auto else self.pipeline_parallel_size,
-            data_parallel_size=self.data_parallel_size,
-            micro_batch_size=None if "micro_batch_size" in self._auto else self.micro_batch_size or None,
-            schedule=None if "schedule" in self._auto else self.schedule,
-            memory_bytes=memory,
-            nodes=self.num_nodes,
+        self._config.check_global_batch_splits(
+            self.topology.data_parallel_size, self.world_size, self.pipeline_parallel_size
         )
-        return ranked[0].config, format_ranking(ranked, 5)
+        self._groups = self.topology.process_groups()
+        self._collectives = UserCollectives(self.topology, self._groups)
 
-    @cached_property
-    def _model_profile(self) -> ModelProfile:
-        """``profile``, read once (by the auto-configuration and the cut)."""
-        assert self.profile is not None
-        return ModelProfile.load(self.profile, self.checkpoint_storage)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if distributed_is_initialized():
-            dist.barrier(self._collective_group)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        return super().all_gather(tensor, self._user_group(group), sync_grads)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not distributed_is_initialized():
-            return obj
-        objects = [obj]
-        if self._collective_group is None:
-            dist.broadcast_object_list(objects, src, group=_group.WORLD)
-        else:  # inside an epoch-end hook, from the last stage of ``src``'s replica
-            assert self.topology is not None
-            last_stage = self.topology.replica_ranks()[src // self.topology.pipeline_parallel_size]
-            dist.broadcast_object_list(objects, last_stage, group=self._collective_group)
-        return objects[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return sync_ddp_if_available(tensor, self._user_group(group), reduce_op=reduce_op)
-        return tensor
-
-    def _user_group(self, group: Any | None) -> Any | None:
-        """The group of a collective that user code calls over all ranks (``group`` None or WORLD, as
-        ``LightningModule.all_gather`` passes it): all ranks', or the last stages' inside an epoch-end hook; for
-        `STAGE_REPLICAS` (a replayed ``sync_dist`` value), the replicas of this rank's stage."""
-        if group == STAGE_REPLICAS:
-            return self._groups.replicas
-        if self._collective_group is not None and group in (None, dist.group.WORLD):
-            return self._collective_group
-        return group
-
-    @property
-    def _module(self) -> pl.LightningModule:
-        module = self.lightning_module
-        assert module is not None, "VarunaStrategy is used before Lightning connected the model"
-        return module
-
+    # ---------------------------------------------------------------------------------------------- data
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Make the training DataLoader resumable mid-epoch and, with ``global_batch_size``, re-batch it."""
-        trainer = self._module.trainer
-        if trainer.state.stage != RunningStage.TRAINING:
+        if self._module.trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        sampler = getattr(dataloader, "sampler", None)
-        # Lightning's sampler over the dataset; not its wrapper of a custom sampler (a subclass), whose order it keeps.
-        resumable = isinstance(dataloader, DataLoader) and type(sampler) is DistributedSampler
-        if not resumable or type(getattr(dataloader, "batch_sampler", None)) is not BatchSampler:
-            if self.global_batch_size is not None:
-                raise ValueError(
-                    "`VarunaStrategy(global_batch_size=...)` re-batches the training DataLoader, which needs a "
-                    "map-style dataset, Lightning's distributed sampler (`Trainer(use_distributed_sampler=True)`), "
-                    "no custom `sampler` and no `batch_sampler`. Remove `global_batch_size` and size the DataLoader "
-                    "batch yourself: global batch = DataLoader batch x data_parallel_size."
-                )
-            return dataloader
-        assert isinstance(dataloader, DataLoader) and isinstance(sampler, DistributedSampler)
-        assert self.topology is not None
-        batch_size = dataloader.batch_size
-        assert batch_size is not None  # a plain BatchSampler
-        if self.global_batch_size is not None:
-            batch_size = self.global_batch_size // self.topology.data_parallel_size
-        return self._data.resumable(dataloader, sampler, batch_size, self.topology.data_parallel_size)
+        replicas = _set_up(self.topology).data_parallel_size
+        return resumable_for_replicas(dataloader, self._data, replicas, self.global_batch_size)
 
     @override
     def on_train_start(self) -> None:
@@ -424,6 +210,7 @@ class VarunaStrategy(ParallelStrategy):
         if batch_idx == 0:
             self._data.epoch_started(self._module.trainer.current_epoch)
 
+    # -------------------------------------------------------------------------------------- partitioning
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -438,185 +225,78 @@ class VarunaStrategy(ParallelStrategy):
             return nullcontext()
         return stages.skeleton.stand_ins(module, missing_only=True, device=device)
 
-    # -------------------------------------------------------------------------------------- partitioning
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self._failures = FailureNotice()
-        assert self.accelerator is not None
+        self._failures = failures = RunFailures(trainer, self.global_rank, self.topology)
+        assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        assert self.model is not None
-        require_automatic_optimization(
-            self._module, "VarunaStrategy", "the pipelined forward and backward of `training_step`"
-        )
-        assert self.topology is not None
-        averaging = callbacks_of(trainer, WEIGHT_AVERAGING)
-        if averaging and self.topology.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"`{type(averaging[0]).__name__}` keeps an average of every parameter of the model, but with "
-                f"{self.topology.pipeline_parallel_size} pipeline stages each process holds only its stage's. Train "
-                "with `pipeline_parallel_size=1` (data parallel: every process holds the whole model), or without the "
-                "callback."
-            )
+        topology = _set_up(self.topology)
+        require_pipelined_training(trainer, "VarunaStrategy", topology.pipeline_parallel_size)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        # The default comes from the training batch, also where a `validate` on the same Trainer chose one first.
-        chosen_for_another_run = self._micro_batch_size_chosen_for not in (None, TrainerFn.FITTING)
-        if not self.micro_batch_size or (trainer.state.fn == TrainerFn.FITTING and chosen_for_another_run):
-            self._choose_micro_batch_size(trainer)
-        if self._stages is None or self._stages.module is not self.model:
-            with self.precision_plugin.tensor_init_context():  # as in the steps: the forward's new tensors ("true")
-                self._stages = self._partition(trainer)
-        summarize_whole_model(trainer, self._stages.skeleton)
-        assert self.topology is not None
-        if self.topology.pipeline_parallel_size > 1:
+        stage = self._stage_of_this_model(trainer, topology)
+        summarize_whole_model(trainer, stage.skeleton)
+        if topology.pipeline_parallel_size > 1:
+            steps = _set_up(self._steps)
             self._module_hooks = PipelinedModuleHooks(
                 self._module,
-                self.topology.is_last_stage,
-                self._collectives_over_last_stages,
-                self._exchange_results,
-                self._gather_from_stages,
+                topology.is_last_stage,
+                lambda: self._collectives.over_last_stages(self._module),
+                lambda results: steps.results.exchange(results, failures.stop_if_job_ended),
+                self._collectives.gather_from_stages,
             )
         # Finetuning callbacks add parameter groups as training goes, as `configure_optimizers` makes them.
         run_hook_inside(trainer, BaseFinetuning, "on_train_epoch_start", lambda _: self._whole_model_for_optimizers())
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._check_iterable_batches = True
+            self._batches.fit_started()
         self.setup_precision_plugin()
         scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None and not self.topology.is_last_stage:
-            # Only the last stage scales a loss; scaling nothing gives the others' scalers the scale unscale_ needs.
-            scaler.scale(torch.zeros((), device=self.root_device))
-        route_gradient_clipping(self.precision_plugin, self._clip_grad_by_global_norm)
-        if self._stage_plan().runtime.waiter.polls:
+        loss_scaler = shardwise(scaler) if scaler is not None else None
+        gradients = self._gradients = GradientPhase(
+            stage, topology, self._groups, self.root_device, failures.stop_if_job_ended, loss_scaler
+        )
+        route_gradient_clipping(self.precision_plugin, lambda _, clip_val: gradients.clip_by_global_norm(clip_val))
+        if stage.runtime.waiter.polls:
             stop_on_sigterm_without_broadcasts(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
+    def _stage_of_this_model(self, trainer: pl.Trainer, topology: Topology) -> Stage:
+        """This rank's stage, cut again for another model (`cut_model`) after choosing the default micro-batch size,
+        which sets the shapes it is traced with."""
+        # The default comes from the training batch, also where a `validate` on the same Trainer chose one first.
+        chosen_for_another_run = self._micro_batch_size_chosen_for not in (None, TrainerFn.FITTING)
+        if not self.micro_batch_size or (trainer.state.fn == TrainerFn.FITTING and chosen_for_another_run):
+            self.micro_batch_size = default_micro_batch_size_of(trainer, topology, self.global_batch_size)
+            self._micro_batch_size_chosen_for = trainer.state.fn
+        if self._stages is None or self._stages.module is not self.model:
+            with self.precision_plugin.tensor_init_context():  # as in the steps: the forward's new tensors ("true")
+                self._stages = cut_model(
+                    trainer, topology, self._groups, self._costs, self.micro_batch_size, self.shared_weights
+                )
+            self._steps = StageSteps(
+                self._module, self._stages, topology, self._groups, self.root_device, self.loss_items
+            )
+        return self._stages
+
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """`configure_optimizers` sees the whole model (memory-free stand-ins of the other stages' parameters), and
-        each of its parameter groups then keeps this stage's parameters, maybe none: every stage has the groups of
-        one device (for schedulers and callbacks that index them), and a stage whose parameters are all frozen gets
-        an optimizer over none rather than an error."""
+        """`configure_optimizers` sees the whole model, then each group keeps this stage's parameters, maybe none
+        (`StageParameterGroups`)."""
         with self._whole_model_for_optimizers():
             super().setup_optimizers(trainer)
 
-    @contextmanager
-    def _whole_model_for_optimizers(self) -> Iterator[None]:
-        """Inside, the other stages' parameters have stand-ins; after, the optimizers' groups hold none of them."""
-        module = self._module
-        with self._stage_plan().skeleton.stand_ins(module, missing_only=True):
-            yield
-            optimizers = [torch_optimizer(o) for o in self.optimizers]
-            self._optimizer_parameter_names = parameter_group_names(optimizers, module)
-        own = {id(p) for p in module.parameters()}
-        for optimizer in self.optimizers:
-            for group in torch_optimizer(optimizer).param_groups:
-                group["params"] = [p for p in group["params"] if id(p) in own]
-
-    def _choose_micro_batch_size(self, trainer: pl.Trainer) -> None:
-        """The default ``micro_batch_size``, from the replica's batch and the number of stages (logged once)."""
-        assert self.topology is not None
-        num_stages = self.topology.pipeline_parallel_size
-        if self.global_batch_size is not None:
-            rows = self.global_batch_size // self.topology.data_parallel_size
-        else:
-            rows = batch_size_of(first_batch(trainer))
-        min_rows = 2 if normalizes_over_the_batch(self._module) else 1  # BatchNorm cannot train on one row
-        self.micro_batch_size = default_micro_batch_size(rows, num_stages, min_rows)
-        self._micro_batch_size_chosen_for = trainer.state.fn
-        count = len(microbatch_sizes(rows, self.micro_batch_size))
-        rank_zero_info(
-            f"VarunaStrategy: micro_batch_size={self.micro_batch_size} ({count} micro-batch(es) of the batch of {rows} "
-            f"rows for {num_stages} stage(s)); pass `micro_batch_size=` to choose another."
-        )
-
-    def _partition(self, trainer: pl.Trainer) -> Stage:
-        module = self.lightning_module
-        assert module is not None and self.topology is not None
-        for keep, tie in self.shared_weights:
-            owner, _, name = tie.rpartition(".")
-            module.get_submodule(owner).register_parameter(name, module.get_parameter(keep))
-        args, kwargs = self._example_forward_inputs(trainer)
-        advice = f"Pass `VarunaStrategy(micro_batch_size=2)` or more (it is {self.micro_batch_size})."
-        with one_value_per_channel_refused(module, advice):
-            stage = plan_stage(
-                module,
-                args,
-                kwargs,
-                self.topology,
-                lambda cutpoints: self._segment_costs(args, kwargs, cutpoints),
-                self.root_device,
-                self._groups,
-            )
-        cut = f"cut at CutPoints {stage.boundaries}" if stage.boundaries else "not cut"
-        rank_zero_info(f"VarunaStrategy: {self.topology.pipeline_parallel_size} stage(s), {cut}")
-        if normalizes_over_the_batch(module):
-            rank_zero_info(
-                f"VarunaStrategy: batch normalization sees one micro-batch ({self.micro_batch_size} rows) at a time, "
-                "as in GPipe; every replica keeps the first replica's running statistics, as DDP does."
-            )
-        self._step_results = StepResults(self.topology, self._groups.results, stage.runtime.waiter)
-        return stage
-
-    def _segment_costs(self, args: tuple, kwargs: dict, cutpoints: list[str]) -> list[float]:
-        """Forward + backward seconds of each segment: from ``profile`` if given, else measured now on rank 0."""
-        if self.profile is None:
-            module = self.lightning_module
-            assert module is not None
-            costs = (
-                segment_costs(measure_segments(module, args, kwargs, repeats=self.profile_repeats))
-                if self.is_global_zero
-                else None
-            )
-            return self.broadcast(costs)
-        profile = self._model_profile
-        if profile.cutpoints != cutpoints:
-            raise ValueError(
-                f"The profile {self.profile} was taken of a model with CutPoints {profile.cutpoints}, but this one "
-                f"calls {cutpoints}; profile it again (`lightning-varuna profile`)."
-            )
-        return profile.segment_costs(profile.threads_per_process(self.num_processes), self.micro_batch_size)
-
-    def _example_forward_inputs(self, trainer: pl.Trainer) -> tuple[tuple, dict]:
-        """Forward arguments of one micro-batch: what the first step passes to ``self(...)`` (which also checks
-        that the step calls it; ``example_input_array`` would not)."""
-        module = self.lightning_module
-        assert module is not None
-        batch = self.batch_to_device(first_batch(trainer))
-        microbatch = split_microbatches(batch, self.micro_batch_size)[0]
-        assert trainer.state.fn is not None
-        return capture_forward_inputs(module, STEP_OF_FN[trainer.state.fn], microbatch)
+    def _whole_model_for_optimizers(self) -> AbstractContextManager[None]:
+        return self._parameter_groups.whole_model(self._module, _set_up(self._stages).skeleton, lambda: self.optimizers)
 
     # ------------------------------------------------------------------------------------------- steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        rows = batch_size_of(args[0])
-        self._check_micro_batch_size(rows)
-        self._check_global_batch(rows)
-        assert self.topology is not None
-        if self._check_iterable_batches:  # the first batch of a fit (`one_batch`, and ignored labels)
-            self._check_iterable_batches = False
-            if self.loss_items is None and rows > self.micro_batch_size and has_ignored_labels(args[0]):
-                rank_zero_warn(
-                    'The batch\'s "labels" hold -100 (tokens without a label): if the loss is a mean over the '
-                    "labelled tokens, micro-batches counted by rows do not train on the batch's mean; pass "
-                    '`VarunaStrategy(loss_items=lambda batch: (batch["labels"] != -100).sum())` (for a causal LM, '
-                    'which predicts each next token: `batch["labels"][:, 1:]`).'
-                )
-            loader = self._module.trainer.train_dataloader
-            if (
-                isinstance(getattr(loader, "dataset", None), IterableDataset)
-                and self.topology.pipeline_parallel_size > 1
-            ):
-                check_stages_read_one_batch(
-                    args[0], self._groups.stages, self.topology.pipeline_parallel_size, self.root_device
-                )
-        self._data.advance(rows * self.topology.data_parallel_size, self._module.trainer)
-        with (
-            self._step_gradients.computing(self._stage_plan().own_parameters()),
-            self.precision_plugin.train_step_context(),
-        ):
+        topo, trainer = _set_up(self.topology), self._module.trainer
+        rows = self._batches.check(args[0], self.micro_batch_size, topo, self._groups.stages, self.root_device, trainer)
+        self._data.advance(rows * topo.data_parallel_size, trainer)
+        with _set_up(self._gradients).computing(), self.precision_plugin.train_step_context():
             return self._pipelined_step("training_step", args, kwargs, backward=True)
 
     @override
@@ -636,208 +316,34 @@ class VarunaStrategy(ParallelStrategy):
 
     def _pipelined_step(self, step_name: str, args: tuple, kwargs: dict, backward: bool) -> Any:
         """Run ``step_name`` of every micro-batch through the pipeline; return the batch's step output."""
-        module, stage, topo = self._module, self._stage_plan(), self.topology
-        assert topo is not None
-        batch = args[0]
-        make = SCHEDULES[self.schedule] if backward else forward_only
-        actions = make(topo.pipeline_parallel_size, len(microbatch_sizes(batch_size_of(batch), self.micro_batch_size)))
-        scaler = getattr(self.precision_plugin, "scaler", None) if backward else None
-        step = MicroBatchedStep(
-            module,
-            stage,
-            step_name,
-            args[1:],
-            kwargs,
-            loss_weight=self._share_of_items(batch) / module.trainer.accumulate_grad_batches if backward else 1.0,
-            scale_loss=scaler.scale if scaler is not None else None,
-            loss_items=self.loss_items,
-        )
-        with self._failures_reported():
-            outputs = step.run(
-                batch, self.micro_batch_size, actions[topo.pp_rank], training=backward, on_wait=self._stop_if_job_ended
-            )
-            summary, outputs = self._exchange_results((step.recorder.summary(), outputs))
-        replay(module, summary, self.root_device)
-        return tree_map(lambda t: t.to(self.root_device) if isinstance(t, Tensor) else t, outputs)
-
-    def _share_of_items(self, batch: Any) -> float:
-        """This replica's share of the items (`loss_items`) of every replica's batch, on the last stage (where
-        losses are weighted): 1 / replicas for rows, which every replica has as many of."""
-        topo = self.topology
-        assert topo is not None
-        if self.loss_items is None or topo.data_parallel_size == 1 or not topo.is_last_stage:
-            return 1 / topo.data_parallel_size
-        items = torch.as_tensor(self.loss_items(batch), dtype=torch.float64, device=self.root_device)
-        every_replica = items.clone()
-        dist.all_reduce(every_replica, group=self._groups.replicas)
-        return float(items / every_replica)
-
-    def _exchange_results(self, results: Any) -> Any:
-        """Send ``results`` from the last stage to the replica's other stages (see `StepResults`)."""
-        assert self._step_results is not None
-        return self._step_results.exchange(results, self._stop_if_job_ended)
-
-    def _gather_from_stages(self, obj: Any) -> list[Any]:
-        """What every stage of this replica gives, in stage order."""
-        assert self.topology is not None
-        gathered: list[Any] = [None] * self._stage_plan().runtime.num_stages
-        dist.all_gather_object(gathered, obj, group=self._groups.stages)
-        in_rank_order = sorted(self.topology.stage_ranks())  # a group's ranks count its members by global rank
-        return [gathered[in_rank_order.index(rank)] for rank in self.topology.stage_ranks()]
-
-    @contextmanager
-    def _collectives_over_last_stages(self) -> Iterator[None]:
-        """Inside, the collectives that user code calls (``self.all_gather``, ``sync_dist``, a metric's
-        ``compute()``) run over the last stages of the replicas: an epoch-end hook runs there alone (`module_hooks`)."""
-        self._collective_group = self._groups.replicas
-        try:
-            with metrics_synced_over(self._module, self._groups.replicas):
-                yield
-        finally:
-            self._collective_group = None
-
-    @contextmanager
-    def _failures_reported(self) -> Iterator[None]:
-        """Leave an error of this rank's step for the other ranks; if another rank failed first (and this error
-        follows from it: a connection to it broke), raise that failure instead."""
-        try:
-            yield
-        except PeerFailure:
-            raise
-        except Exception as error:
-            first = self._report_failure(error)
-            if first is not None and first.rank != self.global_rank:
-                raise first.stop(error) from None
-            raise
-
-    def _stop_if_job_ended(self) -> None:
-        """Stop waiting for a peer on SIGTERM (this rank's, or another's that it left in the notice), or when another
-        rank failed."""
-        if self._module.trainer.received_sigterm:
-            raise SIGTERMException
-        first = self._failures.first() if self._failures is not None else None
-        if first is not None and first.rank != self.global_rank:
-            raise first.stop()
-
-    def _report_failure(self, error: BaseException) -> Failure | None:
-        """Leave ``error`` for the other ranks unless another rank failed first; return the first failure."""
-        if self._failures is None:
-            return None
-        where = f"rank {self.global_rank}"
-        if self.topology is not None:
-            where += f" (pipeline stage {self.topology.pp_rank} of replica {self.topology.dp_rank})"
-        return self._failures.report(error, where)
+        schedule, scaler = (self.schedule, getattr(self.precision_plugin, "scaler", None)) if backward else (None, None)
+        steps, failures = _set_up(self._steps), _set_up(self._failures)
+        return steps.run(step_name, args, kwargs, self.micro_batch_size, schedule, scaler, failures)
 
     def record_timeline(self) -> None:
         """Record when each action of the coming training steps runs on this rank (see `PipelineTrace`)."""
-        self._stage_plan().runtime.timeline = []
+        _set_up(self._stages).runtime.timeline = []
 
     def take_timeline(self) -> list[tuple[str, float, float]]:
         """Stop recording; return this rank's ``(action, start, end)`` in wall-clock seconds."""
-        runtime = self._stage_plan().runtime
+        runtime = _set_up(self._stages).runtime
         timeline, runtime.timeline = runtime.timeline or [], None
         return timeline
 
-    def _check_micro_batch_size(self, rows: int) -> None:
-        # Against the largest batch seen: a short last batch is simply one smaller micro-batch.
-        rows = max(rows, self._replica_batch_size or 0)
-        if self.micro_batch_size > rows:
-            raise ValueError(
-                f"`VarunaStrategy(micro_batch_size={self.micro_batch_size})` is larger than the batch of {rows} rows; "
-                f"use micro_batch_size <= {rows} or a larger DataLoader batch_size."
-            )
-
-    def _check_global_batch(self, rows: int) -> None:
-        assert self.topology is not None
-        # The largest batch seen: a short last batch does not define the run's global batch.
-        self._replica_batch_size = max(self._replica_batch_size or 0, rows)
-        if self._resumed_shape is None:
-            return
-        before, self._resumed_shape = self._resumed_shape.get("global_batch_size"), None
-        now = self._replica_batch_size * self.topology.data_parallel_size
-        if before is not None and before != now:
-            rank_zero_warn(
-                f"Resumed from a checkpoint trained with a global batch of {before} rows; this run's is {now} "
-                f"(DataLoader batch {self._replica_batch_size} x data_parallel_size "
-                f"{self.topology.data_parallel_size}). Set the DataLoader batch to {before} / data_parallel_size "
-                "to continue the same training."
-            )
-
-    # ------------------------------------------------------------------------------ gradients and step
+    # ------------------------------------------------------------------------------------------ gradients
     @override
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning's hook for the batches that accumulate gradients without an optimizer step (as DDP's
         ``no_sync``): their gradients are summed locally and reduced once, with the last batch's."""
-        self._sync_gradients = False
-        try:
+        with _set_up(self._gradients).accumulating():
             yield
-        finally:
-            self._sync_gradients = True
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Put the gradients of the pipelined step in place, summed over replicas and ties (each micro-batch's loss
-        was weighted by its share of the step's rows, so the sum is the mean)."""
-        topo = self.topology
-        assert topo is not None
-        # Not frozen or unused ones: without a gradient, as on one device, an optimizer leaves them alone (a zero
-        # gradient would take AdamW's weight decay).
-        params = self._stage_plan().trained_parameters()
-        if not self._sync_gradients:
-            self._step_gradients.accumulate(params)
-            return closure_loss
-        # The gradients of earlier accumulated batches are not reduced yet: reduce them all at once.
-        grads = self._step_gradients.gradients_with(params)
-        start = time.time()
-        shared = self._stage_plan().shared
-        grads = self._wait_for_peers(
-            lambda: reduce_gradients(params, grads, self._groups.replicas, topo.data_parallel_size, shared)
-        )
-        timeline = self._stage_plan().runtime.timeline
-        if timeline is not None:
-            timeline.append(("all-reduce", start, time.time()))
-        for p, g in zip(params, grads):
-            p.grad = g
-        statistics = self._running_statistics() if topo.data_parallel_size > 1 else []
-        if statistics:
-            self._wait_for_peers(
-                lambda: broadcast_buffers(
-                    statistics, self._groups.replicas, topo.replica_ranks()[0], topo.data_parallel_size
-                )
-            )
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None:  # every stage's scaler skips a step that overflowed on any
-            found = self._wait_for_peers(lambda: agree_on_overflow(params, self.root_device))
-            shardwise(scaler).note_found_inf(found)
+        """Put the gradients of the pipelined step in place, summed over replicas and ties (`GradientPhase`)."""
+        _set_up(self._gradients).put_in_place()
         return closure_loss
-
-    def _wait_for_peers(self, collectives: Callable[[], T]) -> T:
-        """Return ``collectives()``, given up on SIGTERM or when another rank failed, as a pipeline message is: a
-        peer that gave up its step never joins them."""
-        return self._stage_plan().runtime.waiter.call(collectives, self._stop_if_job_ended)
-
-    def _running_statistics(self) -> list[Tensor]:
-        """The buffers of this stage that training updates: the running statistics of its normalization layers
-        (BatchNorm, InstanceNorm), not constant buffers such as a positional encoding."""
-        return [
-            buffer
-            for module in self._module.modules()
-            if isinstance(module, NormWithRunningStats)
-            for buffer in module.buffers(recurse=False)
-            if buffer is not None
-        ]
-
-    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
-        """Lightning's gradient clipping by norm, over the gradients of all stages."""
-        stage = self._stage_plan()
-        params = stage.own_parameters()
-        assert self.topology is not None
-        stages = self.topology.pipeline_parallel_size
-        counted = stage.shared.counted_once(params)
-        self._wait_for_peers(
-            lambda: clip_grad_norm_across_stages(params, counted, clip_val, self._groups.stages, stages)
-        )
 
     # ----------------------------------------------------------------------------------- checkpoints
     @property
@@ -854,35 +360,13 @@ class VarunaStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write a sharded checkpoint to the folder ``filepath`` (any fsspec URL); every rank writes its stage."""
-        lightning_state = dict(checkpoint)
-        tensors: dict[str, Any] = {"model": lightning_state.pop("state_dict")}
-        optimizer_states = lightning_state.pop("optimizer_states", None)
-        if optimizer_states is not None:
-            tensors["optimizer"] = {str(i): state for i, state in enumerate(optimizer_states)}
-            if self._groups_as_recorded():
-                lightning_state[OPTIMIZER_PARAMETER_NAMES] = self._optimizer_parameter_names
-        topo = self.topology
-        assert topo is not None
-        global_batch_size = (
-            None if self._replica_batch_size is None else self._replica_batch_size * topo.data_parallel_size
-        )
-        shape = run_shape(
-            topo.pipeline_parallel_size,
-            topo.data_parallel_size,
-            self.micro_batch_size,
-            global_batch_size,
-            self._data.saved(self._module.trainer),
-        )
+        optimizers, names = [torch_optimizer(o) for o in self.optimizers], self._parameter_groups.names
+        tensors, lightning_state = split_stage_checkpoint(checkpoint, optimizers, names, self.root_device)
+        topo = _set_up(self.topology)
+        replicas, position = topo.data_parallel_size, self._data.saved(self._module.trainer)
+        global_batch_size = self._batches.global_batch_size(replicas)
+        shape = run_shape(topo.pipeline_parallel_size, replicas, self.micro_batch_size, global_batch_size, position)
         self._checkpoints.save(tensors, lightning_state, str(filepath), shape, storage_options)
-
-    def _groups_as_recorded(self) -> bool:
-        """Whether every stage's optimizers have as many groups as when the whole model's names were recorded (a
-        callback may have added one on the stages holding its parameters since, BaseFinetuning aside). Collective."""
-        counts = [len(torch_optimizer(o).param_groups) for o in self.optimizers]
-        same = torch.tensor(int(counts == [len(groups) for groups in self._optimizer_parameter_names]))
-        same = same.to(self.root_device)
-        dist.all_reduce(same, op=dist.ReduceOp.MIN)
-        return bool(same.item())
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -891,14 +375,16 @@ class VarunaStrategy(ParallelStrategy):
         unfinished epoch starts again) or one that `consolidate` wrote (it continues where the sharded one would)."""
         optimizers = [torch_optimizer(o) for o in self.optimizers]
         fs, path = self.checkpoint_storage.fs(str(checkpoint_path))
-        if fs.isfile(path):
-            whole = super().load_checkpoint(checkpoint_path, weights_only)
-            self._resumed_shape = whole.get(RUN_SHAPE)  # (a plain file has none)
-            self._data.restore((self._resumed_shape or {}).get("data_position"), whole.get("loops", {}))
-            return stage_checkpoint(whole, self._module, self._stage_plan().skeleton, optimizers)
-        checkpoint, info = self._checkpoints.load(str(checkpoint_path), self._module, optimizers)
-        self._resumed_shape = info.shape
-        self._data.restore(info.shape.get("data_position"), checkpoint.get("loops", {}))
+        if single_file := fs.isfile(path):
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+            shape = checkpoint.get(RUN_SHAPE)  # (a plain file has none)
+        else:
+            checkpoint, info = self._checkpoints.load(str(checkpoint_path), self._module, optimizers)
+            shape = info.shape
+        self._batches.resumed(shape)
+        self._data.restore((shape or {}).get("data_position"), checkpoint.get("loops", {}))
+        if single_file:  # the whole model's: this stage's part of it
+            return stage_checkpoint(checkpoint, self._module, _set_up(self._stages).skeleton, optimizers)
         return checkpoint
 
     @override
@@ -917,10 +403,12 @@ class VarunaStrategy(ParallelStrategy):
         if self.is_global_zero:
             self._checkpoints.remove(str(filepath))
 
+    # ----------------------------------------------------------------------------------------- the end
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Leave this rank's error for the other ranks, unless another rank failed first (`failures`)."""
-        self._report_failure(exception)
+        if self._failures is not None:
+            self._failures.report(exception)
 
     @override
     def teardown(self) -> None:
@@ -939,17 +427,19 @@ class VarunaStrategy(ParallelStrategy):
             self._module_hooks.restore()
             self._module_hooks = None
         try:
-            if self._step_results is not None and normal_end:  # after an error, a peer may never receive them
-                self._step_results.flush(self._stop_if_job_ended)
+            if self._steps is not None and normal_end:  # after an error, a peer may never receive the step's results
+                self._steps.results.flush(_set_up(self._failures).stop_if_job_ended)
             self._checkpoints.wait(collective=normal_end and distributed_is_initialized())
         finally:
             with self._released_slots_filled(torch.device("cpu")):  # Lightning moves the module to the CPU
                 super().teardown()
 
-    def _stage_plan(self) -> Stage:
-        if self._stages is None:
-            raise RuntimeError("VarunaStrategy is not set up: it partitions the model in `Trainer.fit/validate/...`.")
-        return self._stages
+
+def _set_up(part: T | None) -> T:
+    """A part of the strategy that `VarunaStrategy.setup` (or `setup_environment`) makes."""
+    if part is None:
+        raise RuntimeError("VarunaStrategy is not set up: it partitions the model in `Trainer.fit/validate/...`.")
+    return part
 
 
 StrategyRegistry.register(

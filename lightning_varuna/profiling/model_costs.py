@@ -1,0 +1,128 @@
+"""What `VarunaStrategy` plans by as it starts: the fastest configuration for the job's processes (the sizes it was
+asked to choose) and the seconds of each segment that the stages are balanced by. Both come from a profile written by
+``lightning-varuna profile``; without one the segments are timed at start-up. Rank 0 decides, every rank gets its
+answer."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_varuna.profiling.autoconfig import choose_configs, format_ranking
+from lightning_varuna.profiling.profile import ModelProfile, segment_costs
+from lightning_varuna.profiling.segments import measure_segments
+from lightning_varuna.profiling.simulator import Config
+from lightning_varuna.storage import Storage
+
+__all__ = ["ModelCosts"]
+
+
+class ModelCosts:
+    """The costs of one model, from its profile or measured.
+
+    Args:
+        profile: the URL of a profile (`ModelProfile`), read once; ``None``: the segments are timed at start-up.
+        storage: where ``profile`` is read from.
+        repeats: the steps timed per segment without a profile.
+    """
+
+    def __init__(self, profile: str | None, storage: Storage, repeats: int) -> None:
+        self.url, self._storage, self._repeats = profile, storage, repeats
+
+    @cached_property
+    def profile(self) -> ModelProfile:
+        """The profile, read once (by the auto-configuration and the cut)."""
+        assert self.url is not None
+        return ModelProfile.load(self.url, self._storage)
+
+    def choose_config(
+        self,
+        world_size: int,
+        device: torch.device,
+        nodes: int,
+        *,
+        global_batch_size: int | None,
+        pipeline_parallel_size: int | None,
+        data_parallel_size: int | None,
+        micro_batch_size: int | None,
+        schedule: str | None,
+    ) -> Config:
+        """The fastest configuration of ``world_size`` processes on ``nodes`` that the simulator predicts for
+        ``global_batch_size``, keeping the sizes given (``None``: free to choose) and fitting the smallest device of
+        the job (``device`` is this process's); logged. Collective.
+
+        Raises:
+            ValueError: on every rank, when none is feasible (says why).
+        """
+        assert global_batch_size is not None, "the auto-configuration keeps a global batch"
+        memory = _smallest_device_memory(device, world_size)
+        choice: Any = None
+        if dist.get_rank() == 0:
+            try:
+                ranked = choose_configs(
+                    self.profile,
+                    world_size,
+                    global_batch_size,
+                    pipeline_parallel_size=pipeline_parallel_size,
+                    data_parallel_size=data_parallel_size,
+                    micro_batch_size=micro_batch_size,
+                    schedule=schedule,
+                    memory_bytes=memory,
+                    nodes=nodes,
+                )
+                choice = ranked[0].config, format_ranking(ranked, 5)
+            except ValueError as error:  # every rank raises it, none waits for a choice
+                choice = str(error)
+        choice = _from_rank_zero(choice)
+        if isinstance(choice, str):
+            raise ValueError(choice)
+        best, table = choice
+        rank_zero_info(f"VarunaStrategy chose {best} for {world_size} processes:\n{table}")
+        return best
+
+    def segment_costs(
+        self,
+        module: nn.Module,
+        args: tuple,
+        kwargs: dict,
+        cutpoints: list[str],
+        *,
+        micro_batch_size: int,
+        processes_per_node: int,
+    ) -> list[float]:
+        """Forward + backward seconds of each segment of ``module`` (called with one micro-batch, ``args`` and
+        ``kwargs``): from the profile if there is one, else measured now on rank 0. Collective.
+
+        Raises:
+            ValueError: the profile is of a model with other CutPoints than ``cutpoints``.
+        """
+        if self.url is None:
+            timed = measure_segments(module, args, kwargs, repeats=self._repeats) if dist.get_rank() == 0 else None
+            return _from_rank_zero(segment_costs(timed) if timed is not None else None)
+        profile = self.profile
+        if profile.cutpoints != cutpoints:
+            raise ValueError(
+                f"The profile {self.url} was taken of a model with CutPoints {profile.cutpoints}, but this one "
+                f"calls {cutpoints}; profile it again (`lightning-varuna profile`)."
+            )
+        return profile.segment_costs(profile.threads_per_process(processes_per_node), micro_batch_size)
+
+
+def _smallest_device_memory(device: torch.device, world_size: int) -> int | None:
+    """The memory of the job's smallest GPU; ``None`` on CPUs. Collective."""
+    if device.type != "cuda":
+        return None
+    memories: list[Any] = [None] * world_size
+    dist.all_gather_object(memories, torch.cuda.get_device_properties(device).total_memory)
+    return min(memories)
+
+
+def _from_rank_zero(obj: Any) -> Any:
+    objects = [obj]
+    dist.broadcast_object_list(objects, 0)
+    return objects[0]

@@ -1,0 +1,96 @@
+"""What `VarunaStrategy` is asked for: its own arguments, checked once when it is made."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+from torch import Tensor
+
+from lightning_varuna.pipeline.schedules import SCHEDULES
+
+__all__ = ["VarunaConfig"]
+
+_AUTO_CHOICES = ("pipeline_parallel_size", "micro_batch_size", "schedule")
+
+
+@dataclass(kw_only=True)
+class VarunaConfig:
+    """The arguments of `VarunaStrategy` that are its own (its docstring says what each does), as given.
+
+    Raises:
+        ValueError: a size is not a positive integer, a schedule is unknown, ``"auto"`` lacks the profile and the
+            global batch it is chosen for, or ``loss_items`` is not a function.
+    """
+
+    pipeline_parallel_size: int | Literal["auto"] = 1
+    """Pipeline stages, or ``"auto"``."""
+    data_parallel_size: int | None = None
+    """Replicas of the pipeline; None: world size / pipeline_parallel_size."""
+    micro_batch_size: int | Literal["auto"] | None = None
+    """Rows per micro-batch, ``"auto"``, or None: chosen from the first batch."""
+    schedule: str = "1f1b"
+    """A name of `SCHEDULES`, or ``"auto"``."""
+    shared_weights: list[tuple[str, str]] | None = None
+    """Pairs of parameter names to keep identical (the second tied to the first)."""
+    profile_repeats: int = 3
+    """Steps timed per segment to balance the stages (without ``profile``)."""
+    profile: str | None = None
+    """The URL of a profile written by ``lightning-varuna profile``."""
+    global_batch_size: int | None = None
+    """Rows per optimizer step over all replicas; None: DataLoader batch x data_parallel_size."""
+    loss_items: Callable[[Any], int | Tensor] | None = None
+    """The number of items a batch's loss is the mean of, as a function of the batch; None: its rows."""
+
+    def __post_init__(self) -> None:
+        sizes = {"pipeline_parallel_size": self.pipeline_parallel_size, "micro_batch_size": self.micro_batch_size}
+        for name, value in sizes.items():
+            if name not in self.auto and value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f'`VarunaStrategy({name}={value!r})` must be a positive integer or "auto".')
+        if self.auto and (self.profile is None or self.global_batch_size is None):
+            auto = ", ".join(f'{name}="auto"' for name in sorted(self.auto))
+            raise ValueError(
+                f"`VarunaStrategy({auto})` picks the fastest configuration from a profile of the model: pass "
+                "`profile=` (written by `lightning-varuna profile`) and the `global_batch_size=` to keep."
+            )
+        for name in ("data_parallel_size", "global_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"`VarunaStrategy({name}={value!r})` must be a positive integer.")
+        if self.schedule not in SCHEDULES and self.schedule != "auto":
+            raise ValueError(
+                f'`VarunaStrategy(schedule={self.schedule!r})` is unknown; choose one of {sorted(SCHEDULES)} or "auto".'
+            )
+        if self.loss_items is not None and not callable(self.loss_items):
+            raise ValueError(
+                f"`VarunaStrategy(loss_items={self.loss_items!r})` must be a function of a batch that returns how many "
+                'items its loss is the mean of, e.g. `lambda batch: (batch["labels"] != -100).sum()`.'
+            )
+        self.shared_weights = cast(list[tuple[str, str]], [tuple(pair) for pair in self.shared_weights or []])
+
+    @property
+    def auto(self) -> frozenset[str]:
+        """The names of the arguments given as ``"auto"``."""
+        return frozenset(name for name in _AUTO_CHOICES if getattr(self, name) == "auto")
+
+    def sizes_to_keep(self, pipeline_parallel_size: int, micro_batch_size: int, schedule: str) -> dict[str, Any]:
+        """What the auto-configuration keeps (`ModelCosts.choose_config`): the global batch, and of the sizes in use
+        those not given as ``"auto"`` (None: chosen, as a micro-batch size not chosen yet)."""
+        return {
+            "global_batch_size": self.global_batch_size,
+            "pipeline_parallel_size": None if "pipeline_parallel_size" in self.auto else pipeline_parallel_size,
+            "data_parallel_size": self.data_parallel_size,
+            "micro_batch_size": None if "micro_batch_size" in self.auto else micro_batch_size or None,
+            "schedule": None if "schedule" in self.auto else schedule,
+        }
+
+    def check_global_batch_splits(self, data_parallel_size: int, world_size: int, pipeline_parallel_size: int) -> None:
+        """Raise if ``global_batch_size`` does not split evenly over ``data_parallel_size`` replicas."""
+        if self.global_batch_size is not None and self.global_batch_size % data_parallel_size:
+            raise ValueError(
+                f"`VarunaStrategy(global_batch_size={self.global_batch_size})` does not split evenly over "
+                f"data_parallel_size={data_parallel_size} replicas (world size {world_size} / "
+                f"pipeline_parallel_size {pipeline_parallel_size}). Use a global batch that is a multiple of "
+                "the data-parallel sizes the job may run at, or another pipeline_parallel_size."
+            )
