@@ -6,7 +6,6 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
@@ -106,9 +105,3 @@ class MultiProcessStrategy(ParallelStrategy):
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         return self._collectives.reduce(tensor, group, reduce_op)
-
-    @property
-    def _module(self) -> pl.LightningModule:
-        module = self.lightning_module
-        assert module is not None, f"{type(self).__name__} is used before Lightning connected the model"
-        return module

@@ -23,7 +23,6 @@ from typing_extensions import override
 
 from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.data.one_device import resumable_on_one_device
-from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.partition.discovery import buffers_kept
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.pipeline.microbatch import batch_size_of
@@ -36,14 +35,12 @@ from lightning_varuna.spilling.optimizer_step import ShardwiseStep
 from lightning_varuna.spilling.packing import SegmentMemory, parse_bytes
 from lightning_varuna.spilling.planning import plan_shards
 from lightning_varuna.spilling.shards import ShardedModel, any_time
-from lightning_varuna.storage import Storage
-from lightning_varuna.strategies.callback_hooks import restore_callback_hooks
 from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.first_batch import STEP_OF_FN, first_batch
 from lightning_varuna.strategies.launchers import InProcessLauncher
-from lightning_varuna.strategies.mid_epoch_resume import accumulate_as_scheduled
 from lightning_varuna.strategies.model_summary import summarize_whole_model
 from lightning_varuna.strategies.optimizers import optimized_parameters, torch_optimizer
+from lightning_varuna.strategies.resumable_training import ResumableTraining
 from lightning_varuna.strategies.spilling_requirements import (
     check_callbacks_of_spilled_model,
     check_module_to_spill,
@@ -56,7 +53,7 @@ __all__ = ["SpillingStrategy"]
 log = logging.getLogger(__name__)
 
 
-class SpillingStrategy(SingleDeviceStrategy):
+class SpillingStrategy(ResumableTraining, SingleDeviceStrategy):
     """Train on one device a model larger than its memory, by spilling shards to host memory or disk.
 
     The model is cut at its CutPoints into segments, packed into shards from their measured memory so that one
@@ -91,7 +88,12 @@ class SpillingStrategy(SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        super().__init__(device="cpu", checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        super().__init__(
+            storage_options=storage_options,
+            device="cpu",
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self.memory_budget = parse_bytes(memory_budget) if memory_budget is not None else None
         self.spill_dir = Path(spill_dir) if spill_dir is not None else None
         self.prefetch = prefetch
@@ -109,9 +111,7 @@ class SpillingStrategy(SingleDeviceStrategy):
         # The optimizer step whose closure runs now: Lightning calls `backward` (and clipping) from inside it with no
         # way to pass it on, and its backward steps or unscales the shards as the step says.
         self._step: ShardwiseStep | None = None
-        self.checkpoint_storage = Storage(storage_options)
         self._checkpoints = SpilledCheckpoints(self.checkpoint_storage)
-        self._data = DataProgress()
         self._batch_size: int | None = None  # the largest training batch so far
         self._parked: ParkedSegments | None = None  # segments of a meta-device model materialized at set-up
 
@@ -133,12 +133,6 @@ class SpillingStrategy(SingleDeviceStrategy):
         if devices:
             self._root_device = torch.device(devices[0])
 
-    @property
-    def _module(self) -> pl.LightningModule:
-        module = self.lightning_module
-        assert module is not None
-        return module
-
     @override
     def _configure_launcher(self) -> None:
         """Train in this process, resolving ``ckpt_path="last"`` to the newest complete sharded checkpoint."""
@@ -151,17 +145,6 @@ class SpillingStrategy(SingleDeviceStrategy):
         if self._module.trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
             return dataloader
         return resumable_on_one_device(dataloader, self._data)
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        accumulate_as_scheduled(self._module.trainer)  # an epoch resumed mid-way ran no epoch-start hook
-        self._data.warn_if_epoch_restarts(self._module.trainer)
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if batch_idx == 0:
-            self._data.epoch_started(self._module.trainer.current_epoch)
 
     # ---------------------------------------------------------------------------------------------- set-up
     @override
@@ -329,12 +312,6 @@ class SpillingStrategy(SingleDeviceStrategy):
         return self._sharded
 
     # ----------------------------------------------------------------------------------------- checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # A checkpoint is loaded a shard at a time into the spilled model: after sharding.
-        return True
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Empty while the model is spilled: `save_checkpoint` writes its tensors a shard at a time."""
@@ -381,10 +358,7 @@ class SpillingStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         """The model gets its parameters back (in host memory) for whatever follows ``fit``."""
-        self._data.fit_ended()
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is not None:
-            restore_callback_hooks(trainer)
+        self._end_run()
         if self._sharded is not None:
             self._sharded.restore(torch.device("cpu"))  # host memory: the whole model may not fit the device
             self._sharded = None

@@ -27,7 +27,6 @@ from lightning_varuna.checkpoint.single_file import stage_checkpoint
 from lightning_varuna.checkpoint.stage_save import split_stage_checkpoint
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
 from lightning_varuna.data.replicas import resumable_for_replicas
-from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.pipeline.gradients import GradientPhase
 from lightning_varuna.pipeline.module_hooks import PipelinedModuleHooks
 from lightning_varuna.pipeline.stage import Stage
@@ -36,16 +35,15 @@ from lightning_varuna.pipeline.topology import PipelineGroups, Topology
 from lightning_varuna.pipeline.user_collectives import UserCollectives
 from lightning_varuna.profiling.model_costs import ModelCosts
 from lightning_varuna.spilling.grad_scaler import shardwise
-from lightning_varuna.storage import Storage
-from lightning_varuna.strategies.callback_hooks import restore_callback_hooks, run_hook_inside
+from lightning_varuna.strategies.callback_hooks import run_hook_inside
 from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.failures import RunFailures
-from lightning_varuna.strategies.mid_epoch_resume import accumulate_as_scheduled
 from lightning_varuna.strategies.model_cut import cut_model, default_micro_batch_size_of
 from lightning_varuna.strategies.model_summary import summarize_whole_model
 from lightning_varuna.strategies.optimizers import StageParameterGroups, torch_optimizer
 from lightning_varuna.strategies.processes import MultiProcessStrategy
 from lightning_varuna.strategies.requirements import require_pipelined_training
+from lightning_varuna.strategies.resumable_training import ResumableTraining
 from lightning_varuna.strategies.sigterm import stop_on_sigterm_without_broadcasts
 from lightning_varuna.strategies.training_batches import TrainingBatches
 from lightning_varuna.strategies.varuna_config import VarunaConfig
@@ -55,7 +53,7 @@ __all__ = ["VarunaStrategy"]
 T = TypeVar("T")
 
 
-class VarunaStrategy(MultiProcessStrategy):
+class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
     """Pipeline x data parallel training of a LightningModule cut at its `CutPoint`s (Varuna).
 
     The model is cut into ``pipeline_parallel_size`` stages at the cutpoints that balance the measured
@@ -131,6 +129,7 @@ class VarunaStrategy(MultiProcessStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            storage_options=storage_options,
         )
         self._config = VarunaConfig(
             pipeline_parallel_size=pipeline_parallel_size,
@@ -157,12 +156,10 @@ class VarunaStrategy(MultiProcessStrategy):
         self._gradients: GradientPhase | None = None
         self._module_hooks: PipelinedModuleHooks | None = None
         self._failures: RunFailures | None = None  # of the current Trainer run
-        self.checkpoint_storage = Storage(storage_options)
         self._costs = ModelCosts(profile, self.checkpoint_storage, profile_repeats)
         self._checkpoints = ShardedCheckpoints(self.checkpoint_storage, tempdir=checkpoint_tempdir)
         self._batches = TrainingBatches(loss_items)
         self._parameter_groups = StageParameterGroups()
-        self._data = DataProgress()
 
     # ----------------------------------------------------------------------------------------- processes
     @property
@@ -198,17 +195,6 @@ class VarunaStrategy(MultiProcessStrategy):
             return dataloader
         replicas = _set_up(self.topology).data_parallel_size
         return resumable_for_replicas(dataloader, self._data, replicas, self.global_batch_size)
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        accumulate_as_scheduled(self._module.trainer)  # an epoch resumed mid-way ran no epoch-start hook
-        self._data.warn_if_epoch_restarts(self._module.trainer)
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if batch_idx == 0:
-            self._data.epoch_started(self._module.trainer.current_epoch)
 
     # -------------------------------------------------------------------------------------- partitioning
     @override
@@ -346,12 +332,6 @@ class VarunaStrategy(MultiProcessStrategy):
         return closure_loss
 
     # ----------------------------------------------------------------------------------- checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # A checkpoint is loaded by parameter name into the stage this rank holds: after partitioning.
-        return True
-
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's state keyed by parameter name (independent of the pipeline shape)."""
@@ -418,11 +398,8 @@ class VarunaStrategy(MultiProcessStrategy):
         failed), so that the next ``fit(ckpt_path="last")`` sees it; after an error each rank only waits for its
         own uploads.
         """
-        self._data.fit_ended()
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = self._end_run()
         normal_end = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
-        if trainer is not None:
-            restore_callback_hooks(trainer)
         if self._module_hooks is not None:
             self._module_hooks.restore()
             self._module_hooks = None
