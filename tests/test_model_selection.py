@@ -183,3 +183,27 @@ def test_a_killed_worker_s_trial_is_taken_over_by_another_from_its_checkpoint(tm
     counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
     assert_every_trial_trained_as_alone(tmp_path, study, 300)
+
+
+@pytest.mark.slow
+def test_a_slurm_job_array_runs_one_study_and_a_preempted_task_s_trial_continues_on_the_other(tmp_path, slurm):
+    """The script of docs/model-selection.md as a SLURM job array of two tasks (``srun`` in each) against one journal:
+    they run one study. SLURM's notice of a preemption (SIGUSR1) to one task checkpoints its trial and hands it over;
+    the other task resumes it from the checkpoint. The study completes its four trials, none run twice, every step
+    as alone."""
+    config = dict(n_trials=4, max_steps=300, max_running=1)
+    command = f"srun {sys.executable} {RUNNER} {tmp_path} '{json.dumps(config)}'"
+    output = f"--output={tmp_path}/slurm-%A_%a.out"  # each task's own output, as slurm.output names it
+    job = slurm.sbatch(command, "--array=0-1", "--ntasks=1", output, cwd=tmp_path, env=clean_env())
+    tasks = [f"{job}_0", f"{job}_1"]
+    wait_for_steps(tmp_path, trials=2, steps=10)  # both tasks train a trial
+    subprocess.run(["scancel", "--signal=USR1", tasks[0]], env=slurm.env, check=True)
+    states = [slurm.wait_until_ended(task, 300) for task in tasks]
+    output = "\n".join(slurm.output(f"{job}_{i}", tmp_path) for i in (0, 1))
+    assert states == ["COMPLETED", "COMPLETED"], output[-6000:]
+    study = study_in(tmp_path)
+    preempted = [t for t in study.trials if t.user_attrs.get(HANDED_OVER) == "preempted"]
+    assert len(preempted) == 1, output[-6000:]
+    counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
+    assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
+    assert_every_trial_trained_as_alone(tmp_path, study, 300)
