@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 
-from lightning_varuna.pipeline.microbatch import batch_size_of
+from lightning_varuna.data.microbatch import batch_size_of
 from lightning_varuna.profiling.trace import Span, chrome_trace, work_of
 
 if TYPE_CHECKING:
