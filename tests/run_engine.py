@@ -57,7 +57,7 @@ def batch() -> tuple[Tensor, Tensor]:
 
 def build_stage(topo: Topology, groups: PipelineGroups, example: Tensor) -> tuple[TinyLM, Stage]:
     """A fresh TinyLM (seed 0, as the reference) cut into this rank's stage, tied weights found as
-    `partition.plan.plan_stage` finds them."""
+    `pipeline.stage_plan.plan_stage` finds them."""
     torch.manual_seed(0)
     model = TinyLM()
     boundaries = BOUNDARIES[topo.pipeline_parallel_size]

@@ -27,10 +27,10 @@ from torch.utils.data import DataLoader
 
 from lightning_varuna import SpillingStrategy, VarunaStrategy
 from lightning_varuna.checkpoint.layout import COMMIT_MARKER, IncompleteCheckpointError, find_newest
-from lightning_varuna.checkpoint.range_reader import RangeReader
 from lightning_varuna.checkpoint.sharded import read_tensors
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
 from lightning_varuna.storage import Storage
+from lightning_varuna.storage.range_reader import RangeReader
 
 
 def trainer(**kwargs) -> L.Trainer:

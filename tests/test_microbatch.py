@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_varuna.pipeline.microbatch import (
+from lightning_varuna.data.microbatch import (
     batch_size_of,
     default_micro_batch_size,
     first_rows,

@@ -15,7 +15,7 @@ from models import TinyLM, token_dataset
 from ports import free_port
 from reference import train_reference
 
-from lightning_varuna.pipeline.microbatch import default_micro_batch_size
+from lightning_varuna.data.microbatch import default_micro_batch_size
 from lightning_varuna.profiling.profiler import profile_model
 
 pytestmark = pytest.mark.slow  # real multi-process jobs

@@ -10,8 +10,8 @@ import torch
 from models import DIM, SEQ, NormalizesOverRows, TinyLM
 
 from lightning_varuna.cli import main as cli
+from lightning_varuna.data.microbatch import microbatch_sizes
 from lightning_varuna.partition.discovery import discover_cutpoints
-from lightning_varuna.pipeline.microbatch import microbatch_sizes
 from lightning_varuna.pipeline.schedules import SCHEDULES
 from lightning_varuna.profiling.autoconfig import candidate_configs, choose_configs, format_ranking, rank_configs
 from lightning_varuna.profiling.calibration import calibrate, measured_step_s

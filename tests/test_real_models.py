@@ -21,7 +21,7 @@ from models import RecordLosses
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_varuna.comparing import GlobalBatches
-from lightning_varuna.pipeline.microbatch import batch_size_of, split_microbatches
+from lightning_varuna.data.microbatch import batch_size_of, split_microbatches
 
 pytest.importorskip("transformers", reason="the real-model tests train Hugging Face models: pip install transformers")
 from real_models import ROWS, build  # noqa: E402

@@ -1,4 +1,5 @@
-"""Lightning callbacks of lightning-varuna."""
+"""Lightning callbacks (layer 7): `MorphCallback` (SIGUSR1 and resource changes: checkpoint, stop, relaunch in a new
+shape) and `PipelineTrace` (a training step's measured timeline)."""
 
 from lightning_varuna.callbacks.morph import MorphCallback
 from lightning_varuna.callbacks.pipeline_trace import PipelineTrace

@@ -3,19 +3,33 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch.distributed as dist
 
-from lightning_varuna.pipeline.microbatch import batch_size_of
+from lightning_varuna.data.microbatch import batch_size_of
+from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.profiling.trace import Span, chrome_trace, work_of
-
-if TYPE_CHECKING:
-    from lightning_varuna.strategies.varuna import VarunaStrategy
 from lightning_varuna.storage import Storage
 
-__all__ = ["PipelineTrace"]
+__all__ = ["PipelineTrace", "RecordsTimeline"]
+
+
+@runtime_checkable
+class RecordsTimeline(Protocol):
+    """What `PipelineTrace` needs from the Trainer's strategy (`VarunaStrategy` has it): the pipeline's shape and
+    this rank's recorded actions."""
+
+    topology: Topology | None
+    micro_batch_size: int
+    schedule: str
+
+    def record_timeline(self) -> None:
+        """Record when each action of the coming training steps runs on this rank."""
+
+    def take_timeline(self) -> list[tuple[str, float, float]]:
+        """Stop recording; return this rank's ``(action, start, end)`` in wall-clock seconds."""
 
 
 class PipelineTrace(pl.Callback):
@@ -93,9 +107,7 @@ class PipelineTrace(pl.Callback):
             self._storage.write_bytes(self.path, trace.encode())
 
 
-def _varuna(trainer: pl.Trainer) -> VarunaStrategy:
-    from lightning_varuna.strategies.varuna import VarunaStrategy
-
-    if not isinstance(trainer.strategy, VarunaStrategy):
+def _varuna(trainer: pl.Trainer) -> RecordsTimeline:
+    if not isinstance(trainer.strategy, RecordsTimeline):
         raise TypeError(f"PipelineTrace records VarunaStrategy's pipeline; this Trainer runs {trainer.strategy}.")
     return trainer.strategy

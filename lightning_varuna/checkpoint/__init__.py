@@ -1,1 +1,3 @@
-"""Sharded checkpoints on any fsspec URL that survive a change of pipeline shape."""
+"""Checkpoints (layer 3): the sharded format on any fsspec URL, per CutPoint segment, that a run of another pipeline
+shape or a spilled run loads; state keyed by parameter name, asynchronous uploads, and consolidation to one plain
+Lightning checkpoint."""

@@ -11,8 +11,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_varuna.cutpoint import CutPoint
+from lightning_varuna.data.microbatch import batch_size_of
 from lightning_varuna.partition.tracing import kv_cache_configs, without_kv_cache
-from lightning_varuna.pipeline.microbatch import batch_size_of
 
 __all__ = ["buffers_kept", "discover_cutpoints", "observe_cutpoints"]
 

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-import lightning_varuna
 from lightning_varuna._torch_private import transformer_module
 
 __all__ = [
@@ -28,7 +27,7 @@ __all__ = [
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn") + os.sep
-_OWN_DIR = os.path.dirname(lightning_varuna.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep  # lightning_varuna/
 _LIGHTNING_DIR = os.path.dirname(os.path.dirname(pl.__file__)) + os.sep
 _MODULE_CALL = nn.Module.__call__.__code__.co_filename  # `Module.__call__` machinery between the model's frames
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from lightning_varuna.pipeline.microbatch import batch_size_of, microbatch_sizes
+from lightning_varuna.data.microbatch import batch_size_of, microbatch_sizes
 from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step import MicroBatchedStep

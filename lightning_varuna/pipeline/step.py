@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from lightning_varuna.pipeline.microbatch import batch_size_of, merge_microbatches, split_microbatches
+from lightning_varuna.data.microbatch import batch_size_of, merge_microbatches, split_microbatches
 from lightning_varuna.pipeline.schedules import Action, Phase, microbatches_of
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step_logging import LogRecorder

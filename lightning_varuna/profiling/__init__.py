@@ -1,4 +1,5 @@
-"""Profile a model's segments and the network, simulate pipeline configurations, and pick the fastest."""
+"""Profiling (layer 5): a model's segment costs and memory, the network, a simulator that runs the pipeline's own
+schedules on profiled costs, and the auto-configuration that picks the fastest shape that fits."""
 
 from lightning_varuna.profiling.autoconfig import rank_configs
 from lightning_varuna.profiling.calibration import calibrate

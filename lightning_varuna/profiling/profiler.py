@@ -16,11 +16,11 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 from tqdm.auto import tqdm
 
+from lightning_varuna.data.microbatch import batch_size_of
 from lightning_varuna.partition.discovery import buffers_kept, observe_cutpoints
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
 from lightning_varuna.pipeline.batch_norm import normalizes_over_the_batch, one_value_per_channel_refused
-from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.profiling.profile import ModelProfile, ProfiledSegment, SegmentTiming
 from lightning_varuna.profiling.segments import float_leaves, measure_segments
 

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from lightning_varuna.data.microbatch import batch_size_of
 from lightning_varuna.partition.discovery import buffers_kept, observe_cutpoints
-from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.profiling.profile import SegmentTiming
 

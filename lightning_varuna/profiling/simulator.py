@@ -6,8 +6,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lightning_varuna.data.microbatch import microbatch_sizes
 from lightning_varuna.partition.balance import balance_stages
-from lightning_varuna.pipeline.microbatch import microbatch_sizes
 from lightning_varuna.pipeline.schedules import SCHEDULES, Action, Phase, Work, chain, dependencies, microbatches_of
 from lightning_varuna.profiling.profile import LinearCost, ModelProfile, RuntimeOverheads, SegmentTiming
 from lightning_varuna.profiling.trace import Span, chrome_trace

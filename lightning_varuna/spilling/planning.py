@@ -14,9 +14,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from lightning_varuna.data.microbatch import batch_size_of, first_rows
 from lightning_varuna.partition.discovery import buffers_kept, discover_cutpoints, observe_cutpoints
 from lightning_varuna.partition.split import PipelineGraph, Source
-from lightning_varuna.pipeline.microbatch import batch_size_of, first_rows
 from lightning_varuna.pipeline.replay import generator_states, states_differ
 from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.spilling.folder import SpillFolder

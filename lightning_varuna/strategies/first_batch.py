@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_varuna.pipeline.microbatch import split_microbatches
+from lightning_varuna.data.microbatch import split_microbatches
 from lightning_varuna.pipeline.step import capture_forward_inputs
 from lightning_varuna.random_states import global_random_states_kept
 

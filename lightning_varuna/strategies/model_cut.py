@@ -8,11 +8,11 @@ from functools import partial
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_varuna.partition.plan import plan_stage
+from lightning_varuna.data.microbatch import batch_size_of, default_micro_batch_size, microbatch_sizes
 from lightning_varuna.pipeline.batch_norm import normalizes_over_the_batch, one_value_per_channel_refused
-from lightning_varuna.pipeline.microbatch import batch_size_of, default_micro_batch_size, microbatch_sizes
 from lightning_varuna.pipeline.shared_params import tie_weights
 from lightning_varuna.pipeline.stage import Stage
+from lightning_varuna.pipeline.stage_plan import plan_stage
 from lightning_varuna.pipeline.topology import PipelineGroups, Topology
 from lightning_varuna.profiling.model_costs import ModelCosts
 from lightning_varuna.strategies.first_batch import first_batch, first_forward_inputs

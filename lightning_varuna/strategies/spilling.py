@@ -22,10 +22,10 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_varuna.checkpoint.layout import run_shape
+from lightning_varuna.data.microbatch import batch_size_of
 from lightning_varuna.data.one_device import resumable_on_one_device
 from lightning_varuna.partition.discovery import buffers_kept
 from lightning_varuna.partition.skeleton import ModelSkeleton
-from lightning_varuna.pipeline.microbatch import batch_size_of
 from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
 from lightning_varuna.spilling.checkpoints import SpilledCheckpoints
 from lightning_varuna.spilling.folder import SpillFolder

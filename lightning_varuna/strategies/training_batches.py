@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import IterableDataset
 
-from lightning_varuna.pipeline.microbatch import batch_size_of, has_ignored_labels
+from lightning_varuna.data.microbatch import batch_size_of, has_ignored_labels
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.strategies.one_batch import check_stages_read_one_batch
 

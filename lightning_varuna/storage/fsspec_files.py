@@ -13,7 +13,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_varuna._torch_private import FsspecReader, FsspecWriter
-from lightning_varuna.checkpoint.range_reader import RangeReader
+from lightning_varuna.storage.range_reader import RangeReader
 
 __all__ = ["Storage", "join"]
 
