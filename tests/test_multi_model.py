@@ -30,8 +30,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_varuna import MultiModelTrainer, SpillingStrategy, demos
 from lightning_varuna.multimodel import DeviceScheduler, SweepStopped
 from lightning_varuna.multimodel import scheduler as scheduler_module
+from lightning_varuna.multimodel.devices import staying_models
 from lightning_varuna.multimodel.scheduler import HOLD_S
-from lightning_varuna.multimodel.trainer import staying_models
 
 
 class MLP(demos.MLP):
