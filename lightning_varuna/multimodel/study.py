@@ -245,6 +245,7 @@ class StudyRunner:
         self.outcomes.append(TrialOutcome(trial.number, dict(trial.params), state, value, steps, seconds))
         del self._running[trial.number]
         if self.display is not None:
+            self.display.ended(_row_name(trial), state)  # its row says how it ended: "pruned", "failed"...
             self.display.summary(self._progress())
 
     def _progress(self) -> str:

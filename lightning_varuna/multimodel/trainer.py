@@ -201,7 +201,7 @@ class MultiModelTrainer:
         if not torch.cuda.is_available():
             register_cuda_device_guard()  # before the models' threads trace (see the function)
         threads = [
-            threading.Thread(target=self._fit_member, args=(m, r), name=f"sweep {m.name}", daemon=True)
+            threading.Thread(target=self._fit_shown, args=(m, r), name=f"sweep {m.name}", daemon=True)
             for m, r in zip(self._members, self.results)
         ]
         with (
@@ -358,9 +358,13 @@ class MultiModelTrainer:
             if member.steps_before is not None:  # training started: the steps of this sweep, a failed one's too
                 result.steps = member.trainer.global_step - member.steps_before
             result.final_loss = member.last_loss
-            if self._display is not None:
-                early = result.status == "finished" and member.trainer.should_stop  # a callback ended it
-                self._display.ended(member.name, "stopped early" if early else result.status)
+
+    def _fit_shown(self, member: SweepMember, result: ModelResult) -> None:
+        """`_fit_member`, then its bar says how it ended (in a study, the runner says it: pruned, failed...)."""
+        self._fit_member(member, result)
+        if self._display is not None:
+            early = result.status == "finished" and member.trainer.should_stop  # a callback ended it
+            self._display.ended(member.name, "stopped early" if early else result.status)
 
 
 def _step_default_dtype(trainer: pl.Trainer) -> torch.dtype:
