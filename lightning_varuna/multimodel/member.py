@@ -5,6 +5,7 @@ whose shards wait for the sweep's devices (`SweepMemberStrategy`, launched in th
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ class SweepMember:
     stays_on_device: bool = False  # if it fits its budget in one shard (`keep_on_device`, decided by `fit`)
     last_loss: float | None = None
     steps_before: int | None = None  # the global step at which this sweep's training started
+    # When the next decision that may end it early comes (a global step), and the share that go on past it.
+    next_decision: Callable[[pl.Trainer], tuple[float, float]] | None = None
 
 
 class SweepMemberStrategy(SpillingStrategy):

@@ -49,9 +49,11 @@ class SweepMemberCallback(pl.Callback):
 
     def _report(self, trainer: pl.Trainer) -> None:
         steps_before = self.member.steps_before or 0
+        decision = self.member.next_decision(trainer) if self.member.next_decision is not None else ()
         self.scheduler.stepped(
             self.member.name,
             trainer.global_step - steps_before,
             float(trainer.estimated_stepping_batches),
             steps_before,
+            *decision,
         )

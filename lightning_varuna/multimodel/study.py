@@ -64,8 +64,17 @@ class Sweep(Protocol):
 
     storage_options: dict[str, Any] | None
 
-    def add(self, model: pl.LightningModule, *, ckpt_path: str | None, name: str, **kwargs: Any) -> pl.Trainer:
-        """Add ``model`` with what `Trainer(...)` and `Trainer.fit` take for it; return its Trainer."""
+    def add(
+        self,
+        model: pl.LightningModule,
+        *,
+        ckpt_path: str | None,
+        name: str,
+        next_decision: Callable[[pl.Trainer], tuple[float, float]],
+        **kwargs: Any,
+    ) -> pl.Trainer:
+        """Add ``model`` with what `Trainer(...)` and `Trainer.fit` take for it, and when its pruner next decides;
+        return its Trainer."""
         ...
 
     def launch(self, trainer: pl.Trainer, ended: Callable[[ModelResult], None]) -> ModelResult:
@@ -166,7 +175,9 @@ class StudyRunner:
             model = kwargs.pop("model")
             kwargs["callbacks"] = [*(kwargs.pop("callbacks", None) or []), callback]
             name = _row_name(trial)
-            trainer = self.sweep.add(model, ckpt_path=ckpt_path, name=name, **kwargs)
+            trainer = self.sweep.add(
+                model, ckpt_path=ckpt_path, name=name, next_decision=callback.next_decision, **kwargs
+            )
         except self._optuna.TrialPruned:
             self._tell(running, "pruned", 0, 0.0)
             return True

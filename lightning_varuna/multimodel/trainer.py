@@ -28,7 +28,7 @@ from lightning_varuna.multimodel.report import (
     device_timeline_trace,
     summary_table,
 )
-from lightning_varuna.multimodel.scheduler import DeviceScheduler, DeviceSpan, SweepStopped
+from lightning_varuna.multimodel.scheduler import DeviceScheduler, DeviceSpan, Ranking, SweepStopped
 from lightning_varuna.multimodel.signals import preempted_by_signals, stopped_by_signals
 from lightning_varuna.multimodel.study import StudyRunner, TrialOutcome
 from lightning_varuna.pipeline.replay import default_dtype
@@ -69,6 +69,9 @@ class MultiModelTrainer:
             memory is the device's.
         checkpoint_dir: where `optimize` keeps each trial's checkpoint (any fsspec URL; the workers of one study
             share it).
+        ranking: what a model's remaining time counts, which ranks it for the devices: ``"end"``, its time to its
+            end; ``"expected"``, for a model that may end early (a trial a pruner may stop, or one added with
+            ``next_decision``), its time to the next decision plus the share expected to go on of the rest.
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class MultiModelTrainer:
         enable_progress_bar: bool = True,
         keep_on_device: bool | None = None,
         checkpoint_dir: str | Path | None = None,
+        ranking: Ranking = "end",
     ) -> None:
         if accelerator not in ("cpu", "gpu", "cuda"):
             raise ValueError(f"MultiModelTrainer runs on 'cpu' or 'gpu' (CUDA), not accelerator={accelerator!r}.")
@@ -96,9 +100,10 @@ class MultiModelTrainer:
         self.enable_progress_bar, self.keep_on_device = enable_progress_bar, keep_on_device
         self.checkpoint_dir = str(checkpoint_dir) if checkpoint_dir is not None else None
         if self.on_gpu:
-            self.scheduler = DeviceScheduler(devices, gpus=[torch.device("cuda", torch.cuda.current_device())])
+            gpus = [torch.device("cuda", torch.cuda.current_device())]
+            self.scheduler = DeviceScheduler(devices, gpus=gpus, ranking=ranking)
         else:
-            self.scheduler = DeviceScheduler(devices, cores=cores_for(devices))
+            self.scheduler = DeviceScheduler(devices, cores=cores_for(devices), ranking=ranking)
         self.results: list[ModelResult] = []
         self._members: list[SweepMember] = []
         self._display: SweepDisplay | StudyDisplay | None = None
@@ -112,10 +117,13 @@ class MultiModelTrainer:
         ckpt_path: str | None = None,
         *,
         name: str | None = None,
+        next_decision: Callable[[pl.Trainer], tuple[float, float]] | None = None,
         **trainer_kwargs: Any,
     ) -> pl.Trainer:
         """Add ``model`` to the sweep, with what `Trainer(...)` (``trainer_kwargs``) and `Trainer.fit` take for it;
-        ``name`` shows it in the progress display and the summary. Returns its Trainer."""
+        ``name`` shows it in the progress display and the summary. ``next_decision(trainer)``, for a model that may
+        end early: the global step of the next decision that may end it and the share of models that go on past
+        such a decision (`optimize` passes its pruner's). Returns its Trainer."""
         set_here = sorted(set(trainer_kwargs) & set(_SET_BY_THE_SWEEP))
         if set_here:
             raise ValueError(
@@ -147,6 +155,7 @@ class MultiModelTrainer:
                 val_dataloaders=val_dataloaders,
                 ckpt_path=ckpt_path,
             ),
+            next_decision=next_decision,
         )
         strategy = SweepMemberStrategy(
             self.scheduler,
