@@ -16,7 +16,11 @@ file:
 * ``task-queue``: one process, ``study.optimize(objective, n_jobs=D)``: D threads each taking the next trial, one
   trial per device as a task queue runs them;
 * ``sweep``: ``MultiModelTrainer(devices=D).optimize(study, build, ...)``: up to 2D trials at once, their forwards,
-  backwards and optimizer steps taking turns on the D devices (longest remaining time first).
+  backwards and optimizer steps taking turns on the D devices, longest remaining time (to the trial's end) first;
+* ``sweep-expected``: the same with ``ranking="expected"``: longest expected remaining time first (the time to a
+  trial's next rung, plus a third of the rest, since the pruner promotes one trial in three).
+
+``--ways`` runs some of them only (e.g. ``--ways sweep sweep-expected``, about 3 minutes).
 
 For each: the makespan (from the first trial's start to the last one's end), trials complete and pruned, the best
 value and when it was found, and the devices' busy time; against the lower bound max(Σ tᵢ / D, max tᵢ), tᵢ being
@@ -44,10 +48,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_varuna import MultiModelTrainer
 from lightning_varuna.demos import MLP
+from lightning_varuna.multimodel.scheduler import Ranking
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "model_selection.json"
-WAYS = ["optuna-workers", "task-queue", "sweep"]
+WAYS = ["optuna-workers", "task-queue", "sweep", "sweep-expected"]
 BATCH, VAL_EVERY = 64, 10
 QUIET: dict[str, Any] = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
 VALIDATION: dict[str, Any] = {
@@ -126,7 +131,7 @@ def run_task_queue(folder: Path, trials: int, devices: int) -> None:
     open_study(folder).optimize(objective, n_trials=trials, n_jobs=devices)
 
 
-def run_sweep(folder: Path, trials: int, devices: int) -> None:
+def run_sweep(folder: Path, trials: int, devices: int, ranking: Ranking) -> None:
     study = open_study(folder)
 
     class Times(L.Callback):
@@ -149,7 +154,11 @@ def run_sweep(folder: Path, trials: int, devices: int) -> None:
         )  # fmt: skip
 
     sweep = MultiModelTrainer(
-        accelerator="cpu", devices=devices, checkpoint_dir=str(folder / "checkpoints"), enable_progress_bar=False
+        accelerator="cpu",
+        devices=devices,
+        checkpoint_dir=str(folder / "checkpoints"),
+        enable_progress_bar=False,
+        ranking=ranking,
     )
     sweep.optimize(study, build, n_trials=trials, monitor="val_loss")
     busy = sum(span.end_s - span.start_s for span in sweep.spans)
@@ -190,7 +199,7 @@ def summarize(way: str, folder: Path, devices: int, alone: dict[tuple, float]) -
     best = min(complete, key=lambda t: t.value)  # type: ignore[arg-type, return-value]
     times = [alone[_key(t)] for t in trials]
     bound = max(sum(times) / devices, max(times))
-    if way == "sweep":
+    if way.startswith("sweep"):
         busy = json.loads((folder / "busy.json").read_text())["busy_s"]
     else:  # a trial holds its device from its start to its end
         busy = sum(t.user_attrs["end"] - t.user_attrs["start"] for t in trials)
@@ -218,6 +227,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=16)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=WAYS, help="the ways to run (default: all)")
     parser.add_argument("--worker", choices=WAYS, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--alone", help=argparse.SUPPRESS)
@@ -227,8 +237,9 @@ def main() -> None:
         return run_optuna_worker(Path(args.folder), args.trials)
     if args.worker == "task-queue":
         return run_task_queue(Path(args.folder), args.trials, args.devices)
-    if args.worker == "sweep":
-        return run_sweep(Path(args.folder), args.trials, args.devices)
+    if args.worker in ("sweep", "sweep-expected"):
+        ranking: Ranking = "expected" if args.worker == "sweep-expected" else "end"
+        return run_sweep(Path(args.folder), args.trials, args.devices, ranking)
     if args.alone:
         print(json.dumps(alone_s(*json.loads(args.alone))))
         return None
@@ -238,7 +249,7 @@ def main() -> None:
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:
-        folders = {way: Path(tmp) / way for way in WAYS}
+        folders = {way: Path(tmp) / way for way in args.ways}
         for way, folder in folders.items():
             folder.mkdir()
             started = time.perf_counter()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 
@@ -76,6 +78,33 @@ def test_a_trial_that_fails_is_marked_failed_and_the_others_go_on(tmp_path):
     assert [t.state.name for t in study.trials] == ["COMPLETE", "FAIL", "COMPLETE"]
     assert "this trial cannot be built" in study.trials[1].user_attrs["fail_reason"]
     assert [o.state for o in sorted(outcomes, key=lambda o: o.number)] == ["complete", "failed", "complete"]
+
+
+class FailAtStep(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.step:
+            raise RuntimeError("this trial's step failed")
+
+
+def test_a_trial_s_row_says_how_it_ended(tmp_path, capsys):
+    """The display's row of a trial that the pruner stopped says "pruned" (not that it stopped early), and a trial
+    whose fit raised says "failed"."""
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0), pruner=PruneOddTrials())
+
+    def build(trial: optuna.trial.Trial) -> dict:
+        kwargs = trial_kwargs(trial, max_steps=8)
+        kwargs["callbacks"] = [FailAtStep(2)] if trial.number == 2 else []
+        return kwargs
+
+    sweep = MultiModelTrainer(accelerator="cpu", devices=2, checkpoint_dir=str(tmp_path / "ckpt"))
+    outcomes = sweep.optimize(study, build, n_trials=3, monitor="val_loss", max_running=3)
+    assert {o.number: o.state for o in outcomes} == {0: "complete", 1: "pruned", 2: "failed"}
+    shown = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", capsys.readouterr().err)
+    assert re.search(r"pruned: trial 1 \(", shown) and re.search(r"failed: trial 2 \(", shown)
+    assert re.search(r"complete: trial 0 \(", shown) and "stopped early" not in shown
 
 
 def test_a_study_needs_a_checkpoint_folder_and_one_objective(tmp_path):

@@ -30,8 +30,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_varuna import MultiModelTrainer, SpillingStrategy, demos
 from lightning_varuna.multimodel import DeviceScheduler, SweepStopped
 from lightning_varuna.multimodel import scheduler as scheduler_module
+from lightning_varuna.multimodel.devices import staying_models
+from lightning_varuna.multimodel.pruning import next_decision
 from lightning_varuna.multimodel.scheduler import HOLD_S
-from lightning_varuna.multimodel.trainer import staying_models
 
 
 class MLP(demos.MLP):
@@ -192,6 +193,74 @@ def test_the_longest_remaining_model_gets_the_free_device():
     for thread in threads:
         thread.join()
     assert served == ["unmeasured-big", "long", "short", "unmeasured-small"]
+
+
+def queue_of(scheduler: DeviceScheduler, names: list[str]) -> list[str]:
+    """The order in which ``scheduler`` serves ``names``, all waiting while its one device is busy."""
+    served: list[str] = []
+
+    def take_turn(name: str) -> None:
+        with scheduler.turn(name, "forward", 0):
+            served.append(name)
+
+    with scheduler.turn(names[0], "step", 0):
+        threads = [threading.Thread(target=take_turn, args=(n,)) for n in names]
+        for thread in threads:
+            thread.start()
+        while len(scheduler.queue()) < len(names):
+            time.sleep(0.01)
+        queue = scheduler.queue()
+    for thread in threads:
+        thread.join()
+    assert served == queue
+    return queue
+
+
+@pytest.mark.parametrize("ranking", ["expected", "end"])
+def test_a_trial_that_may_be_pruned_soon_counts_its_expected_remaining_time(ranking):
+    """Ranked by "expected" remaining time, a model that a pruner decides on soon counts its time to that decision
+    and, of the rest, the share of models that go on past it; ranked by "end", its whole remaining time. A model no
+    pruner stops counts its remaining time either way."""
+    scheduler = DeviceScheduler(devices=1, ranking=ranking)
+    for name in ("near-rung", "far-rung", "unpruned"):
+        scheduler.add(name, 10)
+        scheduler.clock(name).device_s = 1.0  # 1 s per step over their first step
+    # 100 steps left, its pruner decides at step 11 (10 steps from now); a third go on: 10 + 90 / 3 = 40 s expected.
+    scheduler.stepped("near-rung", steps_done=1, total_steps=101, steps_before=0, decides_at=11, goes_on=1 / 3)
+    # 80 steps left, its next rung at step 61: 60 + 20 / 3 = 66.7 s expected.
+    scheduler.stepped("far-rung", steps_done=1, total_steps=81, steps_before=0, decides_at=61, goes_on=1 / 3)
+    scheduler.stepped("unpruned", steps_done=1, total_steps=51, steps_before=0)  # 50 s left
+    expected = scheduler.remaining_s(scheduler.clock("near-rung"))
+    assert expected == pytest.approx(40.0 if ranking == "expected" else 100.0)
+    if ranking == "expected":
+        assert queue_of(scheduler, ["near-rung", "far-rung", "unpruned"]) == ["far-rung", "unpruned", "near-rung"]
+    else:
+        assert queue_of(scheduler, ["near-rung", "far-rung", "unpruned"]) == ["near-rung", "far-rung", "unpruned"]
+
+
+def test_a_decision_after_a_model_s_end_does_not_count():
+    scheduler = DeviceScheduler(devices=1, ranking="expected")
+    scheduler.add("a", 10)
+    scheduler.clock("a").device_s = 1.0
+    scheduler.stepped("a", steps_done=1, total_steps=5, steps_before=0, decides_at=40, goes_on=0.25)
+    assert scheduler.remaining_s(scheduler.clock("a")) == pytest.approx(4.0)
+
+
+def test_when_a_pruner_decides_next():
+    """The next decision is the first validation at or after the pruner's next deciding step (successive halving: its
+    rungs; median and percentile: from the warm-up on, every interval), with the share of trials that go on."""
+    optuna = pytest.importorskip("optuna")
+    halving = optuna.pruners.SuccessiveHalvingPruner(min_resource=10, reduction_factor=3)
+    # validations every 4 steps, the next at step 4: rung 10 -> validation at 12; rung 30 -> 32; rung 90 -> 92
+    assert next_decision(halving, 0, 4, 4) == (12, pytest.approx(1 / 3))
+    assert next_decision(halving, 12, 16, 4) == (32, pytest.approx(1 / 3))
+    assert next_decision(halving, 40, 44, 4) == (92, pytest.approx(1 / 3))
+    median = optuna.pruners.MedianPruner(n_warmup_steps=20, interval_steps=10)
+    assert next_decision(median, 0, 5, 5) == (20, 0.5)
+    assert next_decision(median, 20, 25, 5) == (30, 0.5)
+    assert next_decision(optuna.pruners.PercentilePruner(25.0), 7, 8, 1) == (8, 0.25)
+    assert next_decision(optuna.pruners.NopPruner(), 0, 4, 4) == (float("inf"), 1.0)
+    assert next_decision(halving, 0, float("inf"), float("inf")) == (float("inf"), 1.0)  # no validation
 
 
 class StoppedClock:

@@ -128,6 +128,8 @@ class StudyDisplay(SweepDisplay):
         bar.update(steps - bar.n)
 
     def ended(self, name: str, status: str) -> None:
+        """``name``'s trial has ended in state ``status`` ("complete", "pruned", "failed", "handed over"): its row
+        says so until the next trial takes it."""
         bar = self._bars.pop(name, None)
         if bar is not None:
             bar.set_postfix_str(f"{status}: {name}")

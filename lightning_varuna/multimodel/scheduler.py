@@ -9,6 +9,13 @@ that has just stopped being among the longest (nor is a model ranked again in th
 has stepped, its remaining time is estimated from its size (the bytes its segments were measured to need) at the rate
 measured on the models that have stepped (or, before any has, models are ranked by size times steps).
 
+A model that may end early (a trial that its study's pruner may stop) says when the next decision on it comes (a
+global step) and what share of models go on past such a decision. Ranked by ``"expected"`` remaining time, such a
+model's remaining time is its time to that decision plus that share of the rest: a trial that a successive-halving
+pruner promotes one in three times counts a third of its time past its next rung. Ranked by ``"end"`` (the default),
+every model counts its time to its end. A model that no pruner stops counts its time to its end either way. Side by
+side in ``benchmarks/model_selection.py``, ``"end"`` kept the devices busier (see ``benchmarks/README.md``).
+
 Between two turns a model runs Lightning's own code for a moment. So that the D models with the longest remaining
 time keep their devices rather than queue behind shorter models' shards each time, a device they just gave back is
 held for them for up to `HOLD_S`, unless they are all waiting already.
@@ -42,12 +49,15 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 
 from lightning_varuna.pipeline.replay import generator_states, states_differ
 
-__all__ = ["HOLD_S", "DeviceScheduler", "DeviceSpan", "ModelClock", "SweepStopped"]
+__all__ = ["HOLD_S", "DeviceScheduler", "DeviceSpan", "ModelClock", "Ranking", "SweepStopped"]
+
+Ranking = Literal["expected", "end"]  # what a model's remaining time counts (see the module)
 
 HOLD_S = 0.01  # how long a device given back by one of the D longest models waits for that model's next turn
 
@@ -84,10 +94,17 @@ class ModelClock:
     turns: int = 0  # turns it holds or waits for now
     released_s: float = -float("inf")  # when its last turn ended
     draws: dict[tuple[int, bool], bool] = field(default_factory=dict)  # (shard, training) -> its forward draws
+    decides_at: float = float("inf")  # the global step of the next decision that may end it early (a pruner's)
+    goes_on: float = 1.0  # the share of models that go on past such a decision
 
     @property
     def remaining_steps(self) -> float:
         return max(self.total_steps - self.steps_before - self.steps_done, 0)
+
+    @property
+    def steps_to_decision(self) -> float:
+        """Steps until the next decision that may end it early, or until its end if that comes first."""
+        return min(max(self.decides_at - self.steps_before - self.steps_done, 0), self.remaining_steps)
 
 
 @dataclass
@@ -109,13 +126,21 @@ class DeviceScheduler:
     """
 
     def __init__(
-        self, devices: int, cores: Sequence[int] | None = None, gpus: Sequence[torch.device] | None = None
+        self,
+        devices: int,
+        cores: Sequence[int] | None = None,
+        gpus: Sequence[torch.device] | None = None,
+        ranking: Ranking = "end",
     ) -> None:
         if cores is not None and len(cores) < devices:
             raise ValueError(f"{devices} devices need as many cores; {list(cores)} were given.")
         if gpus is not None and len(gpus) != devices:
             raise ValueError(f"{devices} devices need as many GPUs; {list(gpus)} were given.")
-        self.devices, self.cores, self.gpus = devices, cores, gpus
+        if ranking not in ("expected", "end"):
+            raise ValueError(
+                f'DeviceScheduler ranks models by "expected" remaining time or time to their "end", not {ranking!r}.'
+            )
+        self.devices, self.cores, self.gpus, self.ranking = devices, cores, gpus, ranking
         self.spans: list[DeviceSpan] = []
         self._gpu_marks: list[tuple[DeviceSpan, torch.cuda.Event, torch.cuda.Event]] = []  # a turn's host span, events
         self._gpu_origins: dict[int, tuple[torch.cuda.Event, float]] = {}  # device -> an event and its host time
@@ -144,24 +169,38 @@ class DeviceScheduler:
 
     # ------------------------------------------------------------------------------------ remaining time
     def remaining_s(self, clock: ModelClock) -> float:
-        """The device time ``clock``'s model still needs: measured, or estimated from its size (see module)."""
+        """The device time ``clock``'s model still needs as the scheduler ranks it (``ranking``): measured, or
+        estimated from its size (see module)."""
         return self._remaining_s(clock, self._per_byte_step())
 
     def _per_byte_step(self) -> float:
         stepped = [c for c in self._clocks.values() if c.steps_done]
         return sum(c.stepped_s for c in stepped) / sum(c.size * c.steps_done for c in stepped) if stepped else 1.0
 
-    @staticmethod
-    def _remaining_s(clock: ModelClock, per_byte_step: float) -> float:
+    def _remaining_s(self, clock: ModelClock, per_byte_step: float) -> float:
         per_step = clock.stepped_s / clock.steps_done if clock.steps_done else clock.size * per_byte_step
         under_way = round((clock.device_s - clock.setup_s - clock.stepped_s) / per_step) if per_step > 0 else 0
-        return max(clock.remaining_steps - under_way, 0) * per_step
+        to_end = max(clock.remaining_steps - under_way, 0)
+        if self.ranking == "end":
+            return to_end * per_step
+        to_decision = max(clock.steps_to_decision - under_way, 0)
+        return (to_decision + clock.goes_on * (to_end - to_decision)) * per_step
 
-    def stepped(self, name: str, steps_done: int, total_steps: float, steps_before: int) -> None:
-        """Record a model's progress (after each optimizer step)."""
+    def stepped(
+        self,
+        name: str,
+        steps_done: int,
+        total_steps: float,
+        steps_before: int,
+        decides_at: float = float("inf"),
+        goes_on: float = 1.0,
+    ) -> None:
+        """Record a model's progress (after each optimizer step), and when the next decision that may end it early
+        comes (``decides_at``, a global step) with the share of models that go on past it (``goes_on``)."""
         with self._lock:
             clock = self._clocks[name]
             clock.steps_done, clock.total_steps, clock.steps_before = steps_done, total_steps, steps_before
+            clock.decides_at, clock.goes_on = decides_at, goes_on
             clock.stepped_s = clock.device_s - clock.setup_s
 
     def finished(self, name: str) -> None:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from queue import Empty, Queue
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning_varuna._optuna_private import frozen_trial, set_user_attr
 from lightning_varuna.checkpoint.layout import IncompleteCheckpointError, open_complete
@@ -33,11 +33,10 @@ from lightning_varuna.multimodel.trial_callback import TrialCallback
 from lightning_varuna.storage import Storage, join
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
     import optuna
 
-    from lightning_varuna.multimodel.trainer import MultiModelTrainer
-
-__all__ = ["CHECKPOINT", "HANDED_OVER", "HEARTBEAT", "RESUMES", "StudyRunner", "TrialOutcome"]
+__all__ = ["CHECKPOINT", "HANDED_OVER", "HEARTBEAT", "RESUMES", "StudyRunner", "Sweep", "TrialOutcome"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +58,34 @@ class TrialOutcome:
     seconds: float
 
 
+class Sweep(Protocol):
+    """What a study's trials train in (`MultiModelTrainer`): a trial is added as a model, launched alongside those
+    training, and forgotten once its fit has ended."""
+
+    storage_options: dict[str, Any] | None
+
+    def add(
+        self,
+        model: pl.LightningModule,
+        *,
+        ckpt_path: str | None,
+        name: str,
+        next_decision: Callable[[pl.Trainer], tuple[float, float]],
+        **kwargs: Any,
+    ) -> pl.Trainer:
+        """Add ``model`` with what `Trainer(...)` and `Trainer.fit` take for it, and when its pruner next decides;
+        return its Trainer."""
+        ...
+
+    def launch(self, trainer: pl.Trainer, ended: Callable[[ModelResult], None]) -> ModelResult:
+        """Start fitting the model of ``trainer``; ``ended(result)`` runs once its fit has ended."""
+        ...
+
+    def forget(self, trainer: pl.Trainer) -> None:
+        """Drop the model of ``trainer`` (its fit has ended)."""
+        ...
+
+
 @dataclass
 class _Running:
     trial: optuna.trial.Trial
@@ -71,7 +98,7 @@ class StudyRunner:
     """Runs ``study``'s trials in ``sweep`` until the study holds ``n_trials`` trials (see the module).
 
     Args:
-        sweep: the `MultiModelTrainer` the trials train in.
+        sweep: what the trials train in (a `MultiModelTrainer`).
         study: the Optuna study (one objective).
         build: ``build(trial)`` returns what `MultiModelTrainer.add` takes (``model`` and the rest, by name).
         n_trials: the study's size: trials are asked while it holds fewer (finished, running or waiting; handed-over
@@ -89,7 +116,7 @@ class StudyRunner:
 
     def __init__(
         self,
-        sweep: MultiModelTrainer,
+        sweep: Sweep,
         study: optuna.Study,
         build: Callable[[optuna.trial.Trial], dict[str, Any]],
         n_trials: int,
@@ -148,7 +175,9 @@ class StudyRunner:
             model = kwargs.pop("model")
             kwargs["callbacks"] = [*(kwargs.pop("callbacks", None) or []), callback]
             name = _row_name(trial)
-            trainer = self.sweep.add(model, ckpt_path=ckpt_path, name=name, **kwargs)
+            trainer = self.sweep.add(
+                model, ckpt_path=ckpt_path, name=name, next_decision=callback.next_decision, **kwargs
+            )
         except self._optuna.TrialPruned:
             self._tell(running, "pruned", 0, 0.0)
             return True
@@ -227,6 +256,7 @@ class StudyRunner:
         self.outcomes.append(TrialOutcome(trial.number, dict(trial.params), state, value, steps, seconds))
         del self._running[trial.number]
         if self.display is not None:
+            self.display.ended(_row_name(trial), state)  # its row says how it ended: "pruned", "failed"...
             self.display.summary(self._progress())
 
     def _progress(self) -> str:

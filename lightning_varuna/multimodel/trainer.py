@@ -6,23 +6,21 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader
-from typing_extensions import override
 
 from lightning_varuna._torch_private import register_cuda_device_guard
+from lightning_varuna.multimodel.devices import check_one_gpu, cores_for, staying_models, torch_threads
+from lightning_varuna.multimodel.member import SweepMember, SweepMemberStrategy
+from lightning_varuna.multimodel.member_callback import SweepMemberCallback
 from lightning_varuna.multimodel.report import (
     ModelResult,
     StudyDisplay,
@@ -30,12 +28,11 @@ from lightning_varuna.multimodel.report import (
     device_timeline_trace,
     summary_table,
 )
-from lightning_varuna.multimodel.scheduler import DeviceScheduler, DeviceSpan, SweepStopped
+from lightning_varuna.multimodel.scheduler import DeviceScheduler, DeviceSpan, Ranking, SweepStopped
+from lightning_varuna.multimodel.signals import preempted_by_signals, stopped_by_signals
 from lightning_varuna.multimodel.study import StudyRunner, TrialOutcome
 from lightning_varuna.pipeline.replay import default_dtype
 from lightning_varuna.spilling.packing import format_bytes
-from lightning_varuna.strategies.launchers import InProcessLauncher
-from lightning_varuna.strategies.spilling import SpillingStrategy
 
 if TYPE_CHECKING:
     import optuna
@@ -72,6 +69,9 @@ class MultiModelTrainer:
             memory is the device's.
         checkpoint_dir: where `optimize` keeps each trial's checkpoint (any fsspec URL; the workers of one study
             share it).
+        ranking: what a model's remaining time counts, which ranks it for the devices: ``"end"``, its time to its
+            end; ``"expected"``, for a model that may end early (a trial a pruner may stop, or one added with
+            ``next_decision``), its time to the next decision plus the share expected to go on of the rest.
     """
 
     def __init__(
@@ -85,6 +85,7 @@ class MultiModelTrainer:
         enable_progress_bar: bool = True,
         keep_on_device: bool | None = None,
         checkpoint_dir: str | Path | None = None,
+        ranking: Ranking = "end",
     ) -> None:
         if accelerator not in ("cpu", "gpu", "cuda"):
             raise ValueError(f"MultiModelTrainer runs on 'cpu' or 'gpu' (CUDA), not accelerator={accelerator!r}.")
@@ -92,18 +93,19 @@ class MultiModelTrainer:
             raise ValueError(f"`devices` must be at least 1, got {devices}.")
         self.on_gpu = accelerator != "cpu"
         if self.on_gpu:
-            _check_one_gpu(devices)
+            check_one_gpu(devices)
         self.devices = devices
         self.memory_budget, self.spill_dir, self.prefetch = memory_budget, spill_dir, prefetch
         self.storage_options = storage_options
         self.enable_progress_bar, self.keep_on_device = enable_progress_bar, keep_on_device
         self.checkpoint_dir = str(checkpoint_dir) if checkpoint_dir is not None else None
         if self.on_gpu:
-            self.scheduler = DeviceScheduler(devices, gpus=[torch.device("cuda", torch.cuda.current_device())])
+            gpus = [torch.device("cuda", torch.cuda.current_device())]
+            self.scheduler = DeviceScheduler(devices, gpus=gpus, ranking=ranking)
         else:
-            self.scheduler = DeviceScheduler(devices, cores=_cores_for(devices))
+            self.scheduler = DeviceScheduler(devices, cores=cores_for(devices), ranking=ranking)
         self.results: list[ModelResult] = []
-        self._members: list[_Member] = []
+        self._members: list[SweepMember] = []
         self._display: SweepDisplay | StudyDisplay | None = None
 
     def add(
@@ -115,10 +117,13 @@ class MultiModelTrainer:
         ckpt_path: str | None = None,
         *,
         name: str | None = None,
+        next_decision: Callable[[pl.Trainer], tuple[float, float]] | None = None,
         **trainer_kwargs: Any,
     ) -> pl.Trainer:
         """Add ``model`` to the sweep, with what `Trainer(...)` (``trainer_kwargs``) and `Trainer.fit` take for it;
-        ``name`` shows it in the progress display and the summary. Returns its Trainer."""
+        ``name`` shows it in the progress display and the summary. ``next_decision(trainer)``, for a model that may
+        end early: the global step of the next decision that may end it and the share of models that go on past
+        such a decision (`optimize` passes its pruner's). Returns its Trainer."""
         set_here = sorted(set(trainer_kwargs) & set(_SET_BY_THE_SWEEP))
         if set_here:
             raise ValueError(
@@ -141,7 +146,7 @@ class MultiModelTrainer:
         spill_dir = None if self.spill_dir is None else Path(self.spill_dir) / f"model{len(self._members)}"
         if spill_dir is not None:
             spill_dir.mkdir(parents=True, exist_ok=True)
-        member = _Member(
+        member = SweepMember(
             name,
             model,
             dict(
@@ -150,8 +155,9 @@ class MultiModelTrainer:
                 val_dataloaders=val_dataloaders,
                 ckpt_path=ckpt_path,
             ),
+            next_decision=next_decision,
         )
-        strategy = _SweepMemberStrategy(
+        strategy = SweepMemberStrategy(
             self.scheduler,
             member,
             memory_budget=self.memory_budget,
@@ -167,7 +173,7 @@ class MultiModelTrainer:
                 accelerator="gpu" if self.on_gpu else "cpu",
                 devices=[self.scheduler.gpus[0].index] if self.scheduler.gpus else 1,
                 strategy=strategy,
-                callbacks=[*callbacks, _SweepMemberCallback(self, member)],
+                callbacks=[*callbacks, SweepMemberCallback(self.scheduler, member, lambda: self._display)],
                 **trainer_kwargs,
             )
         _refuse_another_default_dtype(trainer, [m.trainer for m in self._members])
@@ -204,14 +210,14 @@ class MultiModelTrainer:
         if not torch.cuda.is_available():
             register_cuda_device_guard()  # before the models' threads trace (see the function)
         threads = [
-            threading.Thread(target=self._fit_member, args=(m, r), name=f"sweep {m.name}", daemon=True)
+            threading.Thread(target=self._fit_shown, args=(m, r), name=f"sweep {m.name}", daemon=True)
             for m, r in zip(self._members, self.results)
         ]
         with (
-            _torch_threads(1) if not self.on_gpu else nullcontext(),
+            torch_threads(1) if not self.on_gpu else nullcontext(),
             # The steps' contexts, crossing in the models' threads, then each restore the dtype they all set.
             default_dtype(_step_default_dtype(self._members[0].trainer)),
-            _stopped_by_signals(self.scheduler),
+            stopped_by_signals(self.scheduler),
             self._display.logs_above() if self._display is not None else nullcontext(),
         ):
             for thread in threads:
@@ -277,9 +283,9 @@ class MultiModelTrainer:
         if not torch.cuda.is_available():
             register_cuda_device_guard()
         with (
-            _torch_threads(1) if not self.on_gpu else nullcontext(),
+            torch_threads(1) if not self.on_gpu else nullcontext(),
             default_dtype(torch.get_default_dtype()),  # as it was, after the trials' (`launch`)
-            _preempted_by_signals(preempted, self.scheduler),
+            preempted_by_signals(preempted, self.scheduler),
             self._display.logs_above() if self._display is not None else nullcontext(),
         ):
             outcomes = runner.run()
@@ -343,7 +349,7 @@ class MultiModelTrainer:
         metadata = {"models": [m.name for m in self._members]}
         Path(path).write_text(device_timeline_trace(self.spans, metadata, self.gpu_spans))
 
-    def _fit_member(self, member: _Member, result: ModelResult) -> None:
+    def _fit_member(self, member: SweepMember, result: ModelResult) -> None:
         if not self.on_gpu:
             torch.set_num_threads(1)
         start = time.perf_counter()
@@ -361,180 +367,13 @@ class MultiModelTrainer:
             if member.steps_before is not None:  # training started: the steps of this sweep, a failed one's too
                 result.steps = member.trainer.global_step - member.steps_before
             result.final_loss = member.last_loss
-            if self._display is not None:
-                early = result.status == "finished" and member.trainer.should_stop  # a callback ended it
-                self._display.ended(member.name, "stopped early" if early else result.status)
 
-
-@dataclass
-class _Member:
-    name: str
-    model: pl.LightningModule
-    fit_kwargs: dict[str, Any]
-    trainer: pl.Trainer = field(init=False)
-    stays_on_device: bool = False  # if it fits its budget in one shard (`keep_on_device`, decided by `fit`)
-    last_loss: float | None = None
-    steps_before: int | None = None  # the global step at which this sweep's training started
-
-
-class _SweepMemberStrategy(SpillingStrategy):
-    """`SpillingStrategy` whose shards wait for the sweep's devices; its set-up (which runs the model to measure it)
-    holds a device and torch's global generator, and it traces its forward while the other models wait."""
-
-    def __init__(self, scheduler: DeviceScheduler, member: _Member, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.scheduler, self.sweep_name, self._member = scheduler, member.name, member
-
-    @override
-    def _configure_launcher(self) -> None:
-        self._launcher = _SweepMemberLauncher(self.scheduler)
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        with self.scheduler.turn(self.sweep_name, "set-up", -1, generator=True):
-            super().setup(trainer)
-        clock = self.scheduler.clock(self.sweep_name)
-        clock.size = sum(m.state_bytes + m.activation_bytes for m in self.segment_memory)
-        if not self.forward_draws:  # measured holding the generator: none of its turns needs it, not even its first
-            clock.draws.update({(i, self._module.training): False for i in range(len(self.shards))})
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        """Hold torch's global generator from the start of a fit's run (``"run-stage"``) until training starts:
-        Lightning's sanity check restores the generator's state when it ends, outside any turn, which must not land
-        in the middle of another model's forward."""
-        super().barrier(name)
-        if name == "run-stage" and self._module.trainer.state.fn == TrainerFn.FITTING:
-            self.scheduler.hold_generator(self.sweep_name)
-
-    @override
-    def on_train_start(self) -> None:
-        self.scheduler.release_generator(self.sweep_name)
-        super().on_train_start()
-
-    @override
-    def teardown(self) -> None:
-        self.scheduler.release_generator(self.sweep_name)
-        super().teardown()
-
-    @override
-    def _tracing(self) -> AbstractContextManager[None]:
-        return self.scheduler.alone(self.sweep_name)
-
-    @override
-    def _turn(self, work: str, shard: int) -> AbstractContextManager[bool]:
-        return self.scheduler.turn(self.sweep_name, work, shard, training=self._module.training)
-
-    @override
-    def _keeps_whole_model(self) -> bool:
-        return self._member.stays_on_device
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """Each DataLoader draws its workers' base seed from a generator of its own, not from torch's global one
-        while another model's dropout is using it."""
-        dataloader = super().process_dataloader(dataloader)
-        if isinstance(dataloader, DataLoader) and dataloader.generator is None:
-            dataloader.generator = torch.Generator().manual_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
-        return dataloader
-
-
-class _SweepMemberLauncher(InProcessLauncher):
-    """A KeyboardInterrupt raised in a model's step stops the sweep, as Ctrl-C does; that model's fit ends as on any
-    error (Lightning's own handling of it would ignore SIGINT, which a model's thread may not, and skip the
-    teardown that brings its spilled weights back)."""
-
-    def __init__(self, scheduler: DeviceScheduler) -> None:
-        self.scheduler = scheduler
-
-    @override
-    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-        except KeyboardInterrupt as interrupt:
-            self.scheduler.stop("KeyboardInterrupt")
-            raise SweepStopped("the sweep was stopped (KeyboardInterrupt in this model's step)") from interrupt
-
-
-class _SweepMemberCallback(pl.Callback):
-    """Reports a model's progress to the scheduler (its remaining time) and to the sweep's display."""
-
-    def __init__(self, sweep: MultiModelTrainer, member: _Member) -> None:
-        self.sweep, self.member = sweep, member
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.member.steps_before = trainer.global_step
-        self._report(trainer)
-        if self.sweep._display is not None:
-            self.sweep._display.started(self.member.name, trainer.estimated_stepping_batches, trainer.global_step)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor):
-            # Lightning hands on the loss divided by `accumulate_grad_batches` (what its backward ran on).
-            accumulated = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            self.member.last_loss = float(loss.detach()) * accumulated
-        self._report(trainer)
-        if self.sweep._display is not None:
-            self.sweep._display.stepped(self.member.name, trainer.global_step, self.member.last_loss)
-
-    def _report(self, trainer: pl.Trainer) -> None:
-        steps_before = self.member.steps_before or 0
-        self.sweep.scheduler.stepped(
-            self.member.name,
-            trainer.global_step - steps_before,
-            float(trainer.estimated_stepping_batches),
-            steps_before,
-        )
-
-
-def staying_models(sizes: list[int], steps: list[float], room: int) -> list[bool]:
-    """Whether each model (its state's bytes, its steps: infinite if unknown) stays on the device within ``room``.
-
-    A model that stays saves copying its state out and back every step: its bytes times its steps. Taken by steps,
-    longest first (the larger first among equals, then in the order added), each model stays if it still fits beside
-    those taken before it.
-    """
-    stays = [False] * len(sizes)
-    taken = 0
-    for i in sorted(range(len(sizes)), key=lambda i: (-steps[i], -sizes[i], i)):
-        if taken + sizes[i] <= room:
-            stays[i], taken = True, taken + sizes[i]
-    return stays
-
-
-def _check_one_gpu(devices: int) -> None:
-    if not torch.cuda.is_available():
-        raise ValueError(
-            "MultiModelTrainer(accelerator='gpu') needs a CUDA GPU, and torch sees none. Use accelerator='cpu'."
-        )
-    if devices != 1:
-        raise NotImplementedError(
-            f"MultiModelTrainer trains a sweep on one GPU for now, not devices={devices}: run one sweep per GPU "
-            "(each process seeing its own, `CUDA_VISIBLE_DEVICES=k`), or several on the CPU."
-        )
-
-
-def _cores_for(devices: int) -> list[int] | None:
-    """A core of this process's for each device, if it has that many (and the OS lets threads be pinned)."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    return cores[:devices] if len(cores) >= devices else None
-
-
-@contextmanager
-def _torch_threads(count: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+    def _fit_shown(self, member: SweepMember, result: ModelResult) -> None:
+        """`_fit_member`, then its bar says how it ended (in a study, the runner says it: pruned, failed...)."""
+        self._fit_member(member, result)
+        if self._display is not None:
+            early = result.status == "finished" and member.trainer.should_stop  # a callback ended it
+            self._display.ended(member.name, "stopped early" if early else result.status)
 
 
 def _step_default_dtype(trainer: pl.Trainer) -> torch.dtype:
@@ -555,51 +394,6 @@ def _refuse_another_default_dtype(trainer: pl.Trainer, others: list[pl.Trainer])
             "of a sweep train at once in one process: put models of the 'true' precisions (which set it) in a sweep "
             "of their own."
         )
-
-
-@contextmanager
-def _preempted_by_signals(preempted: threading.Event, scheduler: DeviceScheduler) -> Iterator[None]:
-    """SIGTERM, SIGUSR1 (a preemption notice, as SLURM sends) and Ctrl-C set ``preempted``: every trial checkpoints at
-    its next step boundary and ends. A second Ctrl-C stops the sweep at once (each trial keeps its last checkpoint)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-    previous = {sig: signal.getsignal(sig) for sig in signals}
-
-    def preempt(signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and preempted.is_set():
-            scheduler.stop("KeyboardInterrupt")
-        preempted.set()
-
-    for sig in signals:
-        signal.signal(sig, preempt)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-@contextmanager
-def _stopped_by_signals(scheduler: DeviceScheduler) -> Iterator[None]:
-    """SIGTERM and Ctrl-C stop every model at its next shard boundary (each resumes from its last checkpoint)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signals = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.getsignal(sig) for sig in signals}
-
-    def stop(signum: int, frame: Any) -> None:
-        scheduler.stop(signal.Signals(signum).name)
-
-    for sig in signals:
-        signal.signal(sig, stop)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 @contextmanager

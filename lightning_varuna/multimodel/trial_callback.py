@@ -14,6 +14,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_varuna.multimodel.pruning import next_decision, next_validation
+
 __all__ = ["TrialCallback"]
 
 
@@ -89,6 +91,12 @@ class TrialCallback(pl.Callback):
         """Checkpoint the trial now (its newest complete checkpoint is what a resumed trial continues from)."""
         trainer.save_checkpoint(self.checkpoint_url)
         self._checkpointed_s = time.monotonic()
+
+    def next_decision(self, trainer: pl.Trainer) -> tuple[float, float]:
+        """The global step of the study's pruner's next decision on the trial, and the share of trials that go on
+        past it (`lightning_varuna.multimodel.pruning`)."""
+        validation, every = next_validation(trainer, trainer.global_step)
+        return next_decision(self.trial.study.pruner, trainer.global_step, validation, every)
 
     def value(self, which: str) -> float | None:
         """The trial's value: its ``"last"`` or ``"best"`` reported ``monitor``."""

@@ -1,0 +1,140 @@
+"""A sweep of many small models on D CPU devices: each model's step takes a few milliseconds, so what a sweep costs
+between the turns (handing a device from one model's thread to another's, Lightning's code between steps) weighs as
+much as the work. How close does `MultiModelTrainer.fit` come to the lower bound?
+
+Run from the repository root (about 2 minutes on 2 CPU cores)::
+
+    python benchmarks/small_models.py
+
+The models: ``--models`` (32) GPTs of ``examples/gpt.py`` (6 layers, width 48, 4 heads, block 32, batches of 8,
+a CutPoint after each block, every model one shard), 30 to 90 steps each. Each is trained alone first with
+Lightning's default strategy on one thread: its wall time is its tᵢ, and the lower bound of a sweep on D devices is
+max(Σ tᵢ / D, max tᵢ). Then the sweep, ``MultiModelTrainer(devices=D).fit()``. ``--profile FILE`` writes the
+sweep's cProfile statistics (every model's thread, summed) to FILE instead of the results. Writes
+``benchmarks/results/small_models.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import platform
+import pstats
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_varuna import MultiModelTrainer
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+from gpt import GPT, CharDataset, make_text  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "small_models.json"
+QUIET: dict[str, Any] = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+BLOCK, BATCH = 32, 8
+
+
+def model_and_data(index: int) -> tuple[GPT, DataLoader, int]:
+    data = CharDataset(make_text(400), BLOCK)
+    torch.manual_seed(index)
+    model = GPT(len(data.vocab), block_size=BLOCK, dim=48, layers=6, heads=4, lr=3e-3)
+    return model, DataLoader(data, batch_size=BATCH), 30 + 20 * (index % 4)
+
+
+def train_alone(index: int) -> float:
+    """Model ``index`` trained alone with Lightning's default strategy, one thread: its wall time."""
+    model, loader, steps = model_and_data(index)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, **QUIET)
+    start = time.perf_counter()
+    trainer.fit(model, loader)
+    return time.perf_counter() - start
+
+
+def sweep_fit(models: int, devices: int, profile: Path | None) -> tuple[float, MultiModelTrainer]:
+    sweep = MultiModelTrainer(accelerator="cpu", devices=devices, enable_progress_bar=False)
+    for index in range(models):
+        model, loader, steps = model_and_data(index)
+        sweep.add(model, train_dataloaders=loader, max_steps=steps, name=f"gpt{index}", **QUIET)
+    profiles: list[cProfile.Profile] = []
+    if profile is not None:  # each model's thread under a profiler of its own
+        fit_member = sweep._fit_member
+
+        def profiled(*args: Any) -> None:
+            profiler = cProfile.Profile()
+            profiles.append(profiler)
+            profiler.runcall(fit_member, *args)
+
+        sweep._fit_member = profiled  # type: ignore[method-assign]
+    start = time.perf_counter()
+    sweep.fit()
+    makespan = time.perf_counter() - start
+    if profile is not None:
+        pstats.Stats(*profiles).dump_stats(profile)
+    failed = [r for r in sweep.results if r.status != "finished"]
+    if failed:
+        raise RuntimeError(f"models did not finish: {[(r.name, r.status, r.error) for r in failed]}")
+    return makespan, sweep
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=int, default=32)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--profile", type=Path, default=None, help="write the sweep's cProfile statistics here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for index in range(min(args.models, 2)):  # warm up: the first fit of a process imports and compiles
+        model, loader, _ = model_and_data(index)
+        L.Trainer(accelerator="cpu", devices=1, max_steps=2, **QUIET).fit(model, loader)
+    alone = [train_alone(i) for i in range(args.models)]
+    steps = [model_and_data(i)[2] for i in range(args.models)]
+    per_step_ms = 1e3 * sum(alone) / sum(steps)
+    bound = max(sum(alone) / args.devices, max(alone))
+    print(f"{args.models} models alone: {sum(alone):.1f} s in all, {per_step_ms:.1f} ms a step with its fit's ends")
+    makespan, sweep = sweep_fit(args.models, args.devices, args.profile)
+    busy = sum(s.end_s - s.start_s for s in sweep.spans) / (args.devices * makespan)
+    turns = len(sweep.spans)
+    print(f"lower bound max(sum t / D, max t) = {bound:.2f} s; sweep.fit {makespan:.2f} s = {makespan / bound:.2f}x")
+    print(f"devices busy {busy:.0%}, {turns} turns ({1e3 * makespan * args.devices / turns:.2f} ms of device each)")
+    if args.profile is not None:  # the profiler slows the sweep: its figures are not the sweep's
+        print(f"wrote the profile to {args.profile}")
+        return
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "command": shlex.join(["python", "benchmarks/small_models.py", *sys.argv[1:]]),
+                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+                "devices": args.devices,
+                "models": args.models,
+                "steps": steps,
+                "alone_s": alone,
+                "lower_bound_s": bound,
+                "sweep_s": makespan,
+                "vs_lower_bound": makespan / bound,
+                "device_busy": busy,
+                "turns": turns,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

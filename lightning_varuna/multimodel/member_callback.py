@@ -1,0 +1,59 @@
+"""Inside each model's Trainer: its progress, reported to the sweep's scheduler (its remaining time) and display."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from lightning_varuna.multimodel.member import SweepMember
+from lightning_varuna.multimodel.report import SweepDisplay
+from lightning_varuna.multimodel.scheduler import DeviceScheduler
+
+__all__ = ["SweepMemberCallback"]
+
+
+class SweepMemberCallback(pl.Callback):
+    """Reports ``member``'s progress to ``scheduler`` and to the sweep's display (``display()``: the one shown now,
+    if any; a sweep makes it as it starts, after its models were added)."""
+
+    def __init__(
+        self, scheduler: DeviceScheduler, member: SweepMember, display: Callable[[], SweepDisplay | None]
+    ) -> None:
+        self.scheduler, self.member, self.display = scheduler, member, display
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.member.steps_before = trainer.global_step
+        self._report(trainer)
+        display = self.display()
+        if display is not None:
+            display.started(self.member.name, trainer.estimated_stepping_batches, trainer.global_step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            # Lightning hands on the loss divided by `accumulate_grad_batches` (what its backward ran on).
+            accumulated = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+            self.member.last_loss = float(loss.detach()) * accumulated
+        self._report(trainer)
+        display = self.display()
+        if display is not None:
+            display.stepped(self.member.name, trainer.global_step, self.member.last_loss)
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        steps_before = self.member.steps_before or 0
+        decision = self.member.next_decision(trainer) if self.member.next_decision is not None else ()
+        self.scheduler.stepped(
+            self.member.name,
+            trainer.global_step - steps_before,
+            float(trainer.estimated_stepping_batches),
+            steps_before,
+            *decision,
+        )
