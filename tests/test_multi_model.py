@@ -679,6 +679,42 @@ def test_a_model_holding_the_generator_keeps_other_models_drawing_turns_out():
     assert served == ["holder holds=True", "other holds=True"]
 
 
+def test_building_a_model_waits_for_a_hold_of_the_generator_and_keeps_drawing_turns_out():
+    """The sweep's own thread building a model (a study's trial: seeded initialization) holds the generator: it
+    waits while a model holds it (Lightning's sanity check, which restores its state when it ends), and a model's
+    drawing turn waits while the build runs."""
+    scheduler = DeviceScheduler(devices=2)
+    scheduler.add("setting-up", 10)
+    served: list[str] = []
+    build_may_end = threading.Event()
+
+    def build() -> None:
+        with scheduler.generator_held("building"):
+            served.append("build")
+            build_may_end.wait()
+
+    def drawing_turn() -> None:
+        with scheduler.turn("setting-up", "forward", 0, generator=True):
+            served.append("turn")
+
+    scheduler.hold_generator("setting-up")
+    builder = threading.Thread(target=build)
+    builder.start()
+    time.sleep(5 * HOLD_S)
+    assert served == []  # the build waits for the hold
+    scheduler.release_generator("setting-up")
+    while served != ["build"]:
+        time.sleep(0.001)
+    turn = threading.Thread(target=drawing_turn)
+    turn.start()
+    time.sleep(5 * HOLD_S)
+    assert served == ["build"]  # the drawing turn waits for the build
+    build_may_end.set()
+    for thread in (builder, turn):
+        thread.join(timeout=100 * HOLD_S)
+    assert served == ["build", "turn"]
+
+
 def test_a_hold_of_the_generator_is_served_before_a_longer_models_set_up():
     """A model just set up holds the generator until its training starts; it gets it before the next set-up (which
     would hold it for much longer), even when the model being set up has the longer remaining time."""

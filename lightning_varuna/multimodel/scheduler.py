@@ -344,6 +344,19 @@ class DeviceScheduler:
                 self._release(request)
                 self._dispatch()
 
+    @contextmanager
+    def generator_held(self, holder: str) -> Iterator[None]:
+        """Run the block holding torch's global generator for ``holder``, which is not a model of the sweep (the
+        sweep's own thread building a model while others train: its seeded initialization must not interleave with
+        a model's draws, nor with Lightning restoring the generator's state after a sanity check)."""
+        request = self._wait(ModelClock(holder, 0), needs_generator=True, needs_device=False)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._release(request)
+                self._dispatch()
+
     def _wait(self, clock: ModelClock, needs_generator: bool, needs_device: bool = True) -> _Request:
         with self._lock:
             if self._stopped is not None:

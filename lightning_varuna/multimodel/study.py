@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from queue import Empty, Queue
 from typing import TYPE_CHECKING, Any, Protocol
@@ -83,6 +84,11 @@ class Sweep(Protocol):
 
     def forget(self, trainer: pl.Trainer) -> None:
         """Drop the model of ``trainer`` (its fit has ended)."""
+        ...
+
+    def building(self) -> AbstractContextManager[None]:
+        """While the block builds a model, no model of the sweep draws from torch's global generator or restores
+        its state."""
         ...
 
 
@@ -170,7 +176,8 @@ class StudyRunner:
         callback = TrialCallback(trial, self.monitor, url, self.checkpoint_interval, self.preempted, self.minimize)
         running = self._running[trial.number] = _Running(trial, callback)
         try:
-            kwargs = dict(self.build(trial))
+            with self.sweep.building():  # the build seeds and initializes while other trials train
+                kwargs = dict(self.build(trial))
             ckpt_path = self._resume_point(trial, resumes, callback)
             model = kwargs.pop("model")
             kwargs["callbacks"] = [*(kwargs.pop("callbacks", None) or []), callback]

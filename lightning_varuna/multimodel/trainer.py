@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -310,6 +310,11 @@ class MultiModelTrainer:
 
         threading.Thread(target=fit, name=f"sweep {member.name}", daemon=True).start()
         return result
+
+    def building(self) -> AbstractContextManager[None]:
+        """While the block builds a model (a study's trial, while others train), no model of the sweep draws from
+        torch's global generator or restores its state."""
+        return self.scheduler.generator_held("building a model")
 
     def forget(self, trainer: pl.Trainer) -> None:
         """Drop the model of ``trainer`` from the sweep (its fit has ended), so that it can be freed."""
