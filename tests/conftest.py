@@ -27,6 +27,13 @@ _LOCAL_AZURITE = Path(__file__).resolve().parents[1] / ".ci" / "node" / "node_mo
 _FORKED_RANKS = str(Path(__file__).with_name("forked_ranks.py"))
 
 
+@pytest.fixture(autouse=True)
+def _run_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test runs in its own folder: what Lightning writes by default (``lightning_logs/``, checkpoints) lands
+    there, not in the repository."""
+    monkeypatch.chdir(tmp_path)
+
+
 def clean_env() -> dict[str, str]:
     """The environment for a fresh multi-process job: without the launch variables that in-process
     Lightning runs of this test session left in ``os.environ``."""
