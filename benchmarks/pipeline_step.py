@@ -7,15 +7,17 @@ Run from the repository root (about 2 minutes on 2 CPU cores)::
 Every variant trains the same model (GPT, 8 layers, dim 128, block 64) on the same global batch of 16 windows, in
 fresh processes:
 
-* ``varuna-lightning-{1f1b,gpipe}``: ``Trainer.fit`` with ``VarunaStrategy(pipeline_parallel_size=2,
+* ``varuna-lightning-{1f1b,gpipe,zero-bubble}``: ``Trainer.fit`` with ``VarunaStrategy(pipeline_parallel_size=2,
   micro_batch_size=4, schedule=...)``; 2 processes (gloo), 4 micro-batches.
-* ``varuna-runtime-{1f1b,gpipe}``: lightning-varuna's ``StageRuntime`` driving the traced stage ``GraphModule``
-  (the ``Stage`` the strategy builds) without Lightning; 2 processes (gloo).
-* ``torch-pipelining-{1f1b,gpipe}``: ``torch.distributed.pipelining``'s ``Schedule1F1B`` / ``ScheduleGPipe`` on a
+* ``varuna-runtime-{1f1b,gpipe,zero-bubble}``: lightning-varuna's ``StageRuntime`` driving the traced stage
+  ``GraphModule`` (the ``Stage`` the strategy builds) without Lightning; 2 processes (gloo).
+* ``torch-pipelining-{1f1b,gpipe,zero-bubble}``: ``torch.distributed.pipelining``'s ``Schedule1F1B`` /
+  ``ScheduleGPipe`` / ``ScheduleInterleavedZeroBubble`` (its zero-bubble schedule, at one stage per rank) on a
   ``pipeline()`` cut at the same CutPoint; 2 processes (gloo). Its stage modules step through their graphs with
   ``torch.fx.Interpreter``, as a user of ``pipeline()`` gets them.
-* ``torch-pipelining-1f1b-codegen``: the same with the stage modules built as lightning-varuna builds its own (run
-  as FX generated code, under ``torch.export.unflatten._disable_interpreter()``): the same stages as ours.
+* ``torch-pipelining-{1f1b,zero-bubble}-codegen``: the same with the stage modules built as lightning-varuna builds
+  its own (run as FX generated code, under ``torch.export.unflatten._disable_interpreter()``): the same stages as
+  ours.
 * ``ddp-lightning``: ``Trainer(strategy="ddp", devices=2)``, DataLoader batch 8 per replica.
 * ``single-lightning``: ``Trainer(devices=1)``, DataLoader batch 16; ``single-bare``: the same without Lightning.
 
@@ -111,8 +113,18 @@ class Variant:
 VARIANTS = [
     Variant("varuna-lightning-1f1b", "varuna-lightning", 2, "1f1b", "Trainer.fit + VarunaStrategy, 2 stages, 1F1B"),
     Variant("varuna-lightning-gpipe", "varuna-lightning", 2, "gpipe", "Trainer.fit + VarunaStrategy, 2 stages, GPipe"),
+    Variant(
+        "varuna-lightning-zero-bubble",
+        "varuna-lightning",
+        2,
+        "zero-bubble",
+        "Trainer.fit + VarunaStrategy, 2 stages, zero-bubble (ZB-H1)",
+    ),
     Variant("varuna-runtime-1f1b", "varuna-runtime", 2, "1f1b", "bare StageRuntime, 2 stages, 1F1B"),
     Variant("varuna-runtime-gpipe", "varuna-runtime", 2, "gpipe", "bare StageRuntime, 2 stages, GPipe"),
+    Variant(
+        "varuna-runtime-zero-bubble", "varuna-runtime", 2, "zero-bubble", "bare StageRuntime, 2 stages, zero-bubble"
+    ),
     Variant("torch-pipelining-1f1b", "torch-pipelining", 2, "1f1b", "torch.distributed.pipelining Schedule1F1B"),
     Variant(
         "torch-pipelining-1f1b-codegen",
@@ -123,6 +135,21 @@ VARIANTS = [
         codegen=True,
     ),
     Variant("torch-pipelining-gpipe", "torch-pipelining", 2, "gpipe", "torch.distributed.pipelining ScheduleGPipe"),
+    Variant(
+        "torch-pipelining-zero-bubble",
+        "torch-pipelining",
+        2,
+        "zero-bubble",
+        "torch.distributed.pipelining ScheduleInterleavedZeroBubble, one stage per rank",
+    ),
+    Variant(
+        "torch-pipelining-zero-bubble-codegen",
+        "torch-pipelining",
+        2,
+        "zero-bubble",
+        "torch.distributed.pipelining ScheduleInterleavedZeroBubble on stages run as FX generated code (as ours)",
+        codegen=True,
+    ),
     Variant(
         "varuna-lightning-dp-accumulate",
         "varuna-lightning",
@@ -281,10 +308,12 @@ def time_steps(
 
 
 def run_bare_step(stage: Stage, actions: list[Action], xs: tuple[Tensor, ...], ys: tuple[Tensor, ...]) -> None:
-    """The forwards, recomputes and backwards of one step of ``stage`` under ``actions``, called on its runtime as
-    `MicroBatchedStep` calls them, without a LightningModule around: each micro-batch's LM loss over their number."""
+    """The forwards, recomputes, backwards and weight passes of one step of ``stage`` under ``actions``, called on its
+    runtime as `MicroBatchedStep` calls them, without a LightningModule around: each micro-batch's LM loss over their
+    number."""
     runtime = stage.runtime
     recomputed = microbatches_of(actions, Phase.RECOMPUTE)
+    deferred_weights = microbatches_of(actions, Phase.WEIGHT)
     logits: dict[int, Tensor | None] = {}
     for action in actions:
         m = action.microbatch
@@ -293,8 +322,11 @@ def run_bare_step(stage: Stage, actions: list[Action], xs: tuple[Tensor, ...], y
             logits[m] = runtime.forward(m, graph, stage_module, [xs[m]], True, recompute_later=m in recomputed)
         elif action.phase is Phase.RECOMPUTE:
             runtime.recompute(m)
+        elif action.phase is Phase.BACKWARD:
+            loss = None if logits[m] is None else lm_loss(logits[m], ys[m]) / len(xs)
+            runtime.backward(m, loss, weights_later=m in deferred_weights)
         else:
-            runtime.backward(m, None if logits[m] is None else lm_loss(logits[m], ys[m]) / len(xs))
+            runtime.backward_weights(m)
     runtime.finish()
 
 
@@ -331,7 +363,7 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
 
 def run_torch_pipelining(cfg: Config, variant: Variant) -> dict[str, Any]:
     """torch.distributed.pipelining's schedules on the model cut at the same CutPoint."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, pipeline
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble, pipeline
 
     from lightning_varuna._torch_private import generated_code_modules
 
@@ -344,8 +376,11 @@ def run_torch_pipelining(cfg: Config, variant: Variant) -> dict[str, Any]:
         pipe = pipeline(model, mb_args=(batches[0][0][: cfg.micro_batch_size],))
     stage = pipe.build_stage(rank, torch.device("cpu"))
     del pipe, model
-    schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[variant.schedule]
-    schedule = schedule_cls(stage, n_microbatches=cfg.num_microbatches, loss_fn=lm_loss)  # grads scaled by 1/4
+    if variant.schedule == "zero-bubble":  # a schedule of several stages per rank, here given one
+        schedule: Any = ScheduleInterleavedZeroBubble([stage], n_microbatches=cfg.num_microbatches, loss_fn=lm_loss)
+    else:
+        schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[variant.schedule]
+        schedule = schedule_cls(stage, n_microbatches=cfg.num_microbatches, loss_fn=lm_loss)  # grads scaled by 1/4
     params = list(stage.submod.parameters())
 
     def forward_backward(x: Tensor, y: Tensor) -> None:
@@ -523,6 +558,18 @@ COMPARISONS = [
         "varuna-runtime-1f1b",
     ),
     ("Lightning's cost, GPipe", "varuna-lightning-gpipe", "varuna-runtime-gpipe"),
+    ("zero-bubble over 1F1B, Trainer + VarunaStrategy", "varuna-lightning-zero-bubble", "varuna-lightning-1f1b"),
+    ("zero-bubble over 1F1B, bare runtime", "varuna-runtime-zero-bubble", "varuna-runtime-1f1b"),
+    (
+        "zero-bubble: bare runtime over torch's on the same stage modules",
+        "varuna-runtime-zero-bubble",
+        "torch-pipelining-zero-bubble-codegen",
+    ),
+    (
+        "zero-bubble over 1F1B, torch on the same stage modules",
+        "torch-pipelining-zero-bubble-codegen",
+        "torch-pipelining-1f1b-codegen",
+    ),
     (
         "one all-reduce per optimizer step instead of one per accumulated batch",
         "varuna-lightning-dp-accumulate",

@@ -37,6 +37,19 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 # the others. tests/test_failures.py.
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 
+# torch's backward in two parts, what its zero-bubble schedules run: the gradients of a stage's inputs (keeping the
+# autograd graph, with the gradients reaching each parameter group's intermediate nodes) and, later, the parameters'
+# from those nodes; and the graph walks the first part splits the graph with (`construct_reverse_graph`,
+# `reverse_closure`), with which `pipeline.split_backward` checks that every path to a parameter passes the split.
+# tests/test_split_backward.py, tests/test_parity.py (zero-bubble).
+from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc as grad_node
+from torch.distributed.pipelining._backward import (
+    construct_reverse_graph,
+    reverse_closure,
+    stage_backward_input,
+    stage_backward_weight,
+)
+
 # Makes `torch.export.unflatten` build modules that run FX's generated Python code instead of stepping through
 # their graphs with `torch.fx.Interpreter` (about 1.6x faster stage forwards). tests/test_partition.py.
 from torch.export.unflatten import _disable_interpreter as generated_code_modules
@@ -117,14 +130,19 @@ __all__ = [
     "NormWithRunningStats",
     "FsspecWriter",
     "changes_inputs_in_place",
+    "construct_reverse_graph",
     "default_store",
     "flatten_dense_tensors",
     "foreach_norm",
     "generated_code_modules",
+    "grad_node",
     "has_backward_hooks",
     "narrow_tensor_by_index",
     "register_cuda_device_guard",
     "rename_node",
+    "reverse_closure",
+    "stage_backward_input",
+    "stage_backward_weight",
     "storage_users",
     "take_flat_inputs",
     "transformer_module",

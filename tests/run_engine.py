@@ -80,6 +80,7 @@ def run_runtime(
     benchmark does), each loss scaled by ``weight``."""
     runtime = stage.runtime
     recomputed = microbatches_of(actions, Phase.RECOMPUTE)
+    deferred_weights = microbatches_of(actions, Phase.WEIGHT)
     outputs: dict[int, Tensor | None] = {}
     for action in actions:
         m = action.microbatch
@@ -88,10 +89,12 @@ def run_runtime(
             outputs[m] = runtime.forward(m, graph, stage_module, [xs[m]], training, recompute_later=m in recomputed)
         elif action.phase is Phase.RECOMPUTE:
             runtime.recompute(m)
-        else:
+        elif action.phase is Phase.BACKWARD:
             logits = outputs[m]
             loss = None if logits is None else F.cross_entropy(logits.flatten(0, 1), ys[m].flatten()) * weight
-            runtime.backward(m, loss)
+            runtime.backward(m, loss, weights_later=m in deferred_weights)
+        else:
+            runtime.backward_weights(m)
     runtime.finish()
     return [outputs[m] for m in sorted(outputs)]
 
@@ -124,7 +127,7 @@ def four_stages(out: Path) -> None:
     model, stage = build_stage(topo, groups, xs[0])
     result: dict[str, Any] = {"rank": rank, "pp_rank": topo.pp_rank, "shared": stage.shared.names}
     result["names"] = [name for name, _ in model.named_parameters()]
-    for schedule in ("gpipe", "1f1b", "varuna"):
+    for schedule in ("gpipe", "1f1b", "varuna", "zero-bubble"):
         zero_grads(stage)
         actions = SCHEDULES[schedule](topo.pipeline_parallel_size, len(xs))[topo.pp_rank]
         outputs = run_runtime(stage, actions, xs, ys, 1 / len(xs))

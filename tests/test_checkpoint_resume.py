@@ -28,14 +28,14 @@ RUNNER = os.path.join(os.path.dirname(__file__), "run_pipelined.py")
 GLOBAL_BATCH, ROWS, EPOCHS = 6, 18, 4  # 3 steps per epoch
 
 
-def shape(pp: int, dp: int, **extra) -> dict:
+def shape(pp: int, dp: int, schedule: str = "1f1b", **extra) -> dict:
     """A run at (P, D) with the same global batch: the DataLoader batch is GLOBAL_BATCH / D."""
     return dict(
         pipeline_parallel_size=pp,
         data_parallel_size=dp,
         batch_size=GLOBAL_BATCH // dp,
         micro_batch_size=1 if GLOBAL_BATCH // dp < 4 else 2,
-        schedule="1f1b",
+        schedule=schedule,
         rows=ROWS,
         scheduler=True,
         **extra,
@@ -113,6 +113,19 @@ def test_single_process_checkpoint_resumes_pipelined(tmp_path, uninterrupted):
     run(tmp_path, "first", shape(1, 1, epochs=1, checkpoint_dir=folder))
     result, weights = run(tmp_path, "resumed", shape(2, 1, epochs=EPOCHS, checkpoint_dir=folder, resume="last"))
     assert_continues(result, weights, uninterrupted, from_step=3)
+
+
+def test_zero_bubble_checkpoint_resumes_under_1f1b_at_another_depth_and_back(tmp_path, uninterrupted):
+    """A checkpoint written under zero-bubble at 2 stages resumes under 1F1B at 4, whose checkpoint resumes under
+    zero-bubble at 2 again: each run continues the single-device training."""
+    folder = str(tmp_path / "checkpoints")
+    run(tmp_path, "zero-bubble", shape(2, 1, "zero-bubble", epochs=1, checkpoint_dir=folder))
+    result, weights = run(tmp_path, "1f1b", shape(4, 1, epochs=2, checkpoint_dir=folder, resume="last"))
+    assert result["losses"] == pytest.approx(uninterrupted[0][3:6], rel=1e-5, abs=1e-5)
+    result, weights = run(
+        tmp_path, "back", shape(2, 1, "zero-bubble", epochs=EPOCHS, checkpoint_dir=folder, resume="last")
+    )
+    assert_continues(result, weights, uninterrupted, from_step=6)
 
 
 def test_consolidated_checkpoint_resumes_a_plain_trainer(tmp_path, written_at_2x2, uninterrupted):

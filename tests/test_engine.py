@@ -91,7 +91,7 @@ def test_one_stage_clips_as_torch_does():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "varuna"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "varuna", "zero-bubble"])
 def test_runtime_on_four_stages_computes_the_gradients_of_one_process(job, schedule):
     """StageRuntime at 4 stages x 1 replica, 8 micro-batches each weighted 1/8: each stage's gradients are one
     process's on the whole batch; the tied embedding / head's parts on stages 0 and 3 add up to its gradient, and

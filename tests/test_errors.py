@@ -161,7 +161,10 @@ def test_micro_batch_larger_than_batch():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(schedule="zigzag"), r"schedule='zigzag'\)` is unknown; choose one of \['1f1b', 'gpipe', 'varuna'\]"),
+        (
+            dict(schedule="zigzag"),
+            r"schedule='zigzag'\)` is unknown; choose one of \['1f1b', 'gpipe', 'varuna', 'zero-bubble'\]",
+        ),
         (dict(pipeline_parallel_size=0), r"pipeline_parallel_size=0\)` must be a positive integer"),
         (dict(micro_batch_size=-1), r"micro_batch_size=-1\)` must be a positive integer"),
         (dict(loss_items="labels"), r"loss_items='labels'\)` must be a function of a batch"),

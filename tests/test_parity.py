@@ -68,6 +68,18 @@ SHAPES = {
         schedule="varuna",
         counting=True,
     ),
+    # zero-bubble (the weight passes deferred) with replicas, clipping and accumulation; micro-batches [2, 2, 1]
+    "P2xD2-zero-bubble-clip-accumulate": dict(
+        pipeline_parallel_size=2,
+        data_parallel_size=2,
+        batch_size=5,
+        micro_batch_size=2,
+        schedule="zero-bubble",
+        clip=0.05,
+        accumulate=2,
+    ),
+    # zero-bubble on 4 stages (the tied embedding and head on the first and last); micro-batches [1] * 4
+    "P4xD1-zero-bubble": dict(pipeline_parallel_size=4, data_parallel_size=1, batch_size=4, schedule="zero-bubble"),
     # 5 segments over 3 stages; micro-batches [2, 2, 1]
     "P3xD1-gpipe-uneven": dict(
         pipeline_parallel_size=3, data_parallel_size=1, batch_size=5, micro_batch_size=2, schedule="gpipe"
@@ -193,13 +205,14 @@ def test_varuna_schedule_replays_dropout_on_recompute(tmp_path):
     assert max(abs(a - b) for a, b in zip(losses["losses"], without["losses"])) > 1e-3
 
 
-def test_bf16_autocast_pipeline_tracks_single_device(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_bf16_autocast_pipeline_tracks_single_device(tmp_path, schedule):
     config = dict(
         pipeline_parallel_size=2,
         data_parallel_size=1,
         batch_size=6,
         micro_batch_size=3,
-        schedule="1f1b",
+        schedule=schedule,
         precision="bf16-mixed",
         epochs=1,
         rows=18,
@@ -215,11 +228,12 @@ def test_bf16_autocast_pipeline_tracks_single_device(tmp_path):
 FP16 = dict(batch_size=6, micro_batch_size=3, schedule="1f1b", fp16_init_scale=2.0**20, epochs=2)
 
 
-def test_fp16_loss_scaling_skips_the_same_steps_as_single_device(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_fp16_loss_scaling_skips_the_same_steps_as_single_device(tmp_path, schedule):
     """fp16 autocast with a GradScaler (Lightning's CUDA AMP path, here on CPU): the first scales overflow the
     gradients of the last stage, and every stage skips those steps and backs off the scale together, exactly as one
-    device does on the same batches."""
-    config = dict(FP16, pipeline_parallel_size=2, data_parallel_size=1, rows=36)
+    device does on the same batches (zero-bubble: with the weight passes deferred)."""
+    config = dict(FP16, pipeline_parallel_size=2, data_parallel_size=1, rows=36, schedule=schedule)
     result, shards = run_pipelined(tmp_path, config)
     ref, ref_weights = train_reference(config)
 

@@ -339,8 +339,10 @@ def test_auto_needs_a_profile_and_a_global_batch():
         VarunaStrategy(micro_batch_size="fast")
     with pytest.raises(ValueError, match=r'schedule="auto".*pass `profile=`'):
         VarunaStrategy(schedule="auto")
-    with pytest.raises(ValueError, match=r"unknown; choose one of \['1f1b', 'gpipe', 'varuna'\] or \"auto\""):
-        VarunaStrategy(schedule="zero-bubble")
+    with pytest.raises(
+        ValueError, match=r"unknown; choose one of \['1f1b', 'gpipe', 'varuna', 'zero-bubble'\] or \"auto\""
+    ):
+        VarunaStrategy(schedule="zigzag")
 
 
 def test_choose_configs_keeps_the_sizes_given():

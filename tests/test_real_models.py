@@ -39,6 +39,7 @@ SHAPES = {
     (1, 2, "1f1b"): ["resnet", "causal_encoder"],
     (3, 1, "1f1b"): ["gpt2"],
     (2, 1, "varuna"): ["bn_mlp", "resnet"],
+    (2, 1, "zero-bubble"): ["gpt2"],
 }
 BATCH, MICRO_BATCH = 4, 2  # per replica: micro-batches [2, 2]
 

@@ -9,17 +9,19 @@ from lightning_varuna.pipeline.schedules import (
     Action,
     Phase,
     ScheduleError,
+    dependencies,
     dry_run,
     format_grid,
     forward_only,
     gpipe,
     one_f_one_b,
     varuna,
+    zero_bubble,
 )
 
 SHAPES = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 5), (3, 2), (4, 1), (4, 3), (4, 4), (4, 8), (5, 7)]
-TRAINING = [gpipe, one_f_one_b, varuna]
-ALL = [forward_only, gpipe, one_f_one_b, varuna]
+TRAINING = [gpipe, one_f_one_b, varuna, zero_bubble]
+ALL = [forward_only, gpipe, one_f_one_b, varuna, zero_bubble]
 
 
 def F(m: int) -> Action:  # noqa: N802
@@ -32,6 +34,10 @@ def B(m: int) -> Action:  # noqa: N802
 
 def R(m: int) -> Action:  # noqa: N802
     return Action(Phase.RECOMPUTE, m)
+
+
+def W(m: int) -> Action:  # noqa: N802
+    return Action(Phase.WEIGHT, m)
 
 
 def parse_schedule(*stages: str) -> list[list[Action]]:
@@ -63,6 +69,8 @@ def assert_grid_respects_dependencies(schedule, grid, producers) -> None:
                 assert tick_of[(p, F(m))] < t
         elif action.phase is Phase.RECOMPUTE:
             assert tick_of[(stage, F(m))] < t
+        elif action.phase is Phase.WEIGHT:
+            assert tick_of[(stage, B(m))] < t
         else:
             assert tick_of[(stage, F(m))] < t
             if (stage, R(m)) in tick_of:
@@ -73,12 +81,15 @@ def assert_grid_respects_dependencies(schedule, grid, producers) -> None:
 
 def max_in_flight(actions: list[Action]) -> int:
     """Most micro-batches whose activations are alive at once (forward, or recompute if there is one, ran
-    and backward not yet)."""
+    and backward, or its weight pass if there is one, not yet)."""
     recomputed = {a.microbatch for a in actions if a.phase is Phase.RECOMPUTE}
+    deferred = {a.microbatch for a in actions if a.phase is Phase.WEIGHT}
     alive = peak = 0
     for action in actions:
-        if action.phase is Phase.BACKWARD:
+        if action.phase is Phase.WEIGHT or (action.phase is Phase.BACKWARD and action.microbatch not in deferred):
             alive -= 1
+        elif action.phase is Phase.BACKWARD:
+            pass
         elif (action.phase is Phase.RECOMPUTE) == (action.microbatch in recomputed):
             alive += 1
         peak = max(peak, alive)
@@ -86,10 +97,11 @@ def max_in_flight(actions: list[Action]) -> int:
 
 
 def test_registry_names_the_training_schedules():
-    assert sorted(SCHEDULES) == ["1f1b", "gpipe", "varuna"]
+    assert sorted(SCHEDULES) == ["1f1b", "gpipe", "varuna", "zero-bubble"]
     assert SCHEDULES["1f1b"] is one_f_one_b
     assert SCHEDULES["gpipe"] is gpipe
     assert SCHEDULES["varuna"] is varuna
+    assert SCHEDULES["zero-bubble"] is zero_bubble
 
 
 @pytest.mark.parametrize("generator", ALL, ids=lambda g: g.__name__)
@@ -110,7 +122,7 @@ def test_every_stage_sends_and_receives_each_kind_of_message_in_microbatch_order
     gradients travel in groups of their own, so each stage must post each kind in the order its neighbour does:
     micro-batch order, for forwards and for backwards."""
     for actions in generator(num_stages, num_microbatches):
-        for phase in (Phase.FORWARD, Phase.BACKWARD):
+        for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.WEIGHT):
             order = [a.microbatch for a in actions if a.phase is phase]
             assert order == sorted(order), (phase, [str(a) for a in actions])
 
@@ -122,14 +134,18 @@ def test_training_schedules_run_each_forward_and_backward_once(generator, num_st
         forwards = [a.microbatch for a in actions if a.phase is Phase.FORWARD]
         backwards = [a.microbatch for a in actions if a.phase is Phase.BACKWARD]
         recomputes = [a.microbatch for a in actions if a.phase is Phase.RECOMPUTE]
+        weights = [a.microbatch for a in actions if a.phase is Phase.WEIGHT]
         assert sorted(forwards) == list(range(num_microbatches))
         assert sorted(backwards) == list(range(num_microbatches))
-        assert len(actions) == 2 * num_microbatches + len(recomputes)
-        # A micro-batch's backward never precedes its own forward (or recompute) within the stage's list.
+        assert len(actions) == 2 * num_microbatches + len(recomputes) + len(weights)
+        # A micro-batch's backward never precedes its own forward (or recompute) within the stage's list, nor its
+        # weight pass its backward.
         for m in range(num_microbatches):
             assert actions.index(F(m)) < actions.index(B(m))
             if m in recomputes:
                 assert actions.index(F(m)) < actions.index(R(m)) < actions.index(B(m))
+            if m in weights:
+                assert actions.index(B(m)) < actions.index(W(m))
 
 
 @pytest.mark.parametrize(("num_stages", "num_microbatches"), SHAPES)
@@ -168,6 +184,69 @@ def test_varuna_recomputes_on_every_stage_but_the_last(num_stages, num_microbatc
         assert max_in_flight(actions) == 1
         # Forwards run in micro-batch order, so dropout draws the same random numbers as with 1F1B.
         assert [a.microbatch for a in actions if a.phase is Phase.FORWARD] == list(range(num_microbatches))
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), SHAPES)
+def test_zero_bubble_splits_every_backward_within_one_f_one_b_peak_memory(num_stages, num_microbatches):
+    """ZB-H1: every backward has its weight pass; every stage keeps at most the micro-batches 1F1B's first stage
+    keeps (its peak), and stage ``s`` defers at most ``s`` weight passes beyond its 1F1B in-flight count."""
+    for stage, actions in enumerate(zero_bubble(num_stages, num_microbatches)):
+        assert sorted(a.microbatch for a in actions if a.phase is Phase.WEIGHT) == list(range(num_microbatches))
+        assert max_in_flight(actions) <= min(num_stages, num_microbatches)
+        assert max_in_flight(actions) <= min(num_stages - stage, num_microbatches) + stage
+        # Without the weight passes, the order is 1F1B's.
+        assert [a for a in actions if a.phase is not Phase.WEIGHT] == one_f_one_b(num_stages, num_microbatches)[stage]
+
+
+def test_zero_bubble_shape_for_four_stages():
+    """torch's ScheduleInterleavedZeroBubble at one stage per rank (ZB1P) gives these lists."""
+    schedule = zero_bubble(4, 6)
+    assert " ".join(map(str, schedule[0])) == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5"
+    assert " ".join(map(str, schedule[3])) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5"
+
+
+def test_zero_bubble_leaves_a_third_of_one_f_one_b_bubble():
+    """With a forward, an input-gradient part and a weight part of one tick each (a whole backward: two), the dry
+    run's dependencies give 1F1B a bubble of 3 (P - 1) ticks and ZB-H1 of P - 1, as the paper computes."""
+    durations = {Phase.FORWARD: 1, Phase.BACKWARD: 1, Phase.WEIGHT: 1}
+    for num_stages, num_microbatches in [(2, 4), (4, 8), (4, 16)]:
+        work = 3 * num_microbatches
+        assert makespan(one_f_one_b(num_stages, num_microbatches), durations) == work + 3 * (num_stages - 1)
+        assert makespan(zero_bubble(num_stages, num_microbatches), durations) == work + num_stages - 1
+
+
+def makespan(schedule: list[list[Action]], durations: dict[Phase, int]) -> int:
+    """When the last stage ends, each stage running its list as soon as the dry run's dependencies allow; a backward
+    without a weight pass takes its weight pass's time too."""
+    num_stages = len(schedule)
+    producers = chain(num_stages)
+    consumers = {s: {c for c, ps in producers.items() if s in ps} for s in range(num_stages)}
+    finished: dict[tuple[int, Phase, int], int] = {}
+    free = [0] * num_stages
+    position = [0] * num_stages
+    while any(position[s] < len(schedule[s]) for s in range(num_stages)):
+        ran = False
+        for stage, actions in enumerate(schedule):
+            while position[stage] < len(actions):
+                action = actions[position[stage]]
+                needs = dependencies(stage, action, producers, consumers, recomputes=False)
+                if any(work not in finished for work in needs):
+                    break
+                duration = durations[action.phase]
+                if action.phase is Phase.BACKWARD and W(action.microbatch) not in actions:
+                    duration += durations[Phase.WEIGHT]
+                free[stage] = max([free[stage]] + [finished[work] for work in needs]) + duration
+                finished[(stage, action.phase, action.microbatch)] = free[stage]
+                position[stage] += 1
+                ran = True
+        assert ran
+    return max(free)
+
+
+@pytest.mark.parametrize("schedule", ["F0 W0 B0", "F0 B0 W0 F1 W1"])
+def test_weight_pass_before_or_without_its_backward_deadlocks(schedule):
+    with pytest.raises(ScheduleError, match=r"\['W"):
+        dry_run(parse_schedule(schedule))
 
 
 def test_varuna_recomputes_while_the_next_stage_runs_its_backward():

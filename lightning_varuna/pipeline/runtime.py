@@ -1,6 +1,6 @@
-"""One pipeline stage's work on the micro-batches of a batch: its forwards, recomputes and backwards, talking to the
-other stages with asynchronous point-to-point sends and receives. The step (`pipeline.step`) walks the schedule and
-calls these; nothing here calls back into it."""
+"""One pipeline stage's work on the micro-batches of a batch: its forwards, recomputes, backwards and weight passes,
+talking to the other stages with asynchronous point-to-point sends and receives. The step (`pipeline.step`) walks the
+schedule and calls these; nothing here calls back into it."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_unflatten
 from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.replay import BufferState, RandomState
 from lightning_varuna.pipeline.schedules import Action, Phase
+from lightning_varuna.pipeline.split_backward import SplitBackward, WeightPass
 from lightning_varuna.pipeline.waiting import Waiter
 
 __all__ = ["StageRuntime"]
@@ -33,8 +34,8 @@ def _as_tuple(outputs: Any) -> tuple:
 
 
 class StageRuntime:
-    """Runs the forwards, recomputes and backwards of one stage for the micro-batches of a batch, in the order the
-    caller gives (its schedule's), then `finish` (or `abandon_batch` after a failure).
+    """Runs the forwards, recomputes, backwards and weight passes of one stage for the micro-batches of a batch, in the
+    order the caller gives (its schedule's), then `finish` (or `abandon_batch` after a failure).
 
     The stage module may differ between micro-batches (a smaller last micro-batch is traced on its own);
     all of them share one `PipelineGraph` layout, so the messages between stages are the same.
@@ -64,6 +65,9 @@ class StageRuntime:
         self._received: dict[int, dict[tuple[int, int], Tensor]] = {}
         self._sent: dict[int, dict[int, Tensor]] = {}
         self._graphs: dict[int, PipelineGraph] = {}
+        self._modules: dict[int, nn.Module] = {}
+        self._split = SplitBackward()
+        self._weight_passes: dict[int, WeightPass] = {}
         self._grad_recvs: dict[int, list[tuple[int, int, Tensor, dist.Work]]] = {}
         self._pending_sends: list[tuple[dist.Work, Tensor]] = []
         self.timeline: list[tuple[str, float, float]] | None = None  # when recording: (action, start, end)
@@ -123,6 +127,7 @@ class StageRuntime:
             if not recompute_later:
                 self._sent[microbatch] = sent
             self._graphs[microbatch] = graph
+            self._modules[microbatch] = module
             self._post_grad_receives(microbatch, graph)
         if not self.is_last_stage:
             return None
@@ -137,14 +142,24 @@ class StageRuntime:
             outputs = _as_tuple(module(*args))
         self._sent[microbatch] = self._wire_values(self._graphs[microbatch], outputs)
 
-    def backward(self, microbatch: int, loss: Tensor | None, on_wait: Callable[[], None] | None = None) -> None:
+    def backward(
+        self,
+        microbatch: int,
+        loss: Tensor | None,
+        on_wait: Callable[[], None] | None = None,
+        *,
+        weights_later: bool = False,
+    ) -> None:
         """Back-propagate one micro-batch through this stage and send the input gradients back.
 
         Args:
             loss: on the last stage, the (already weighted) loss of the micro-batch.
             on_wait: as for `forward`.
+            weights_later: compute only the inputs' gradients now and the parameters' at `backward_weights`
+                (zero-bubble; see `SplitBackward`).
         """
         graph = self._graphs.pop(microbatch)
+        module = self._modules.pop(microbatch)
         received = self._received.pop(microbatch)
         sent = self._sent.pop(microbatch)
         tensors, grads = [], []
@@ -160,7 +175,10 @@ class StageRuntime:
             if sent[value].requires_grad:
                 tensors.append(sent[value])
                 grads.append(grad)
-        if tensors:
+        if weights_later:
+            inputs = [tensor for tensor in received.values() if tensor.requires_grad]
+            self._weight_passes[microbatch] = self._split.input_part(module, tensors, grads, inputs)
+        elif tensors:
             torch.autograd.backward(tensors, grads)
         for producer, values in graph.receives(self.stage_index).items():
             for slot, value in enumerate(values):
@@ -168,6 +186,10 @@ class StageRuntime:
                 if graph.stage_outputs[producer][value].needs_grad:
                     grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
                     self._isend(grad, producer, microbatch, slot, Phase.BACKWARD)
+
+    def backward_weights(self, microbatch: int) -> None:
+        """Add the parameters' gradients of a micro-batch whose `backward` computed only its inputs'."""
+        self._weight_passes.pop(microbatch)()
 
     @contextmanager
     def timing(self, action: Action) -> Iterator[None]:
@@ -194,6 +216,8 @@ class StageRuntime:
         self._received.clear()
         self._sent.clear()
         self._graphs.clear()
+        self._modules.clear()
+        self._weight_passes.clear()
         self._grad_recvs.clear()
         self._stashed.clear()
 

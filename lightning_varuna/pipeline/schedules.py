@@ -1,9 +1,12 @@
 """Pipeline schedules as data: per-stage lists of actions, plus a dry run that checks them.
 
-An action is a forward (``F``), recompute (``R``) or backward (``B``) of one micro-batch and prints as ``F3`` /
-``R1`` / ``B0``. A schedule is one action list per stage. Generators produce schedules; one loop (the step's, in
-`pipeline.step`) executes any of them. A stage that recomputes a micro-batch runs its forward without keeping
-activations (only its inputs) and runs it again, keeping them, at the ``R`` action before the backward.
+An action is a forward (``F``), recompute (``R``), backward (``B``) or weight pass (``W``) of one micro-batch and
+prints as ``F3`` / ``R1`` / ``B0`` / ``W0``. A schedule is one action list per stage. Generators produce schedules;
+one loop (the step's, in `pipeline.step`) executes any of them. A stage that recomputes a micro-batch runs its forward
+without keeping activations (only its inputs) and runs it again, keeping them, at the ``R`` action before the backward.
+A stage whose list has a ``W`` for a micro-batch splits that backward in two: the ``B`` computes only the gradients
+of the stage's inputs (which the previous stage waits for), and the ``W`` computes the parameters' gradients later,
+where the stage would otherwise wait (zero-bubble).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ __all__ = [
     "microbatches_of",
     "one_f_one_b",
     "varuna",
+    "zero_bubble",
 ]
 
 
@@ -36,6 +40,7 @@ class Phase(str, Enum):
     FORWARD = "F"
     RECOMPUTE = "R"
     BACKWARD = "B"
+    WEIGHT = "W"  # the parameters' gradients of a backward whose ``B`` computed only its inputs' gradients
 
 
 @dataclass(frozen=True)
@@ -74,13 +79,15 @@ def dependencies(
     A forward needs the same micro-batch's forward on each of its ``producers``; a recompute needs its own forward
     (whose inputs it reruns); a backward needs the stage's activations (its forward, or its recompute when the stage
     ``recomputes`` that micro-batch) and the backwards of the stages it feeds (``consumers``), whose gradients it
-    receives.
+    receives; a weight pass needs the same micro-batch's backward on its stage (the input-gradient part it completes).
     """
     m = action.microbatch
     if action.phase is Phase.FORWARD:
         return [(p, Phase.FORWARD, m) for p in sorted(producers[stage])]
     if action.phase is Phase.RECOMPUTE:
         return [(stage, Phase.FORWARD, m)]
+    if action.phase is Phase.WEIGHT:
+        return [(stage, Phase.BACKWARD, m)]
     activations = (stage, Phase.RECOMPUTE if recomputes else Phase.FORWARD, m)
     return [activations, *((c, Phase.BACKWARD, m) for c in sorted(consumers[stage]))]
 
@@ -126,6 +133,33 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
         for i in range(num_microbatches - warmup):
             actions += [Action(Phase.FORWARD, warmup + i), Action(Phase.BACKWARD, i)]
         actions += [Action(Phase.BACKWARD, m) for m in range(num_microbatches - warmup, num_microbatches)]
+        schedule.append(actions)
+    return schedule
+
+
+def zero_bubble(num_stages: int, num_microbatches: int) -> Schedule:
+    """Zero-bubble ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), one stage per rank: 1F1B whose
+    backwards compute only the inputs' gradients, each followed by a weight pass (``W``) of an earlier micro-batch.
+
+    The gradient that the previous stage waits for leaves after about half a backward, and the weight passes fill the
+    time a stage would wait. Stage ``s`` runs its first ``s`` backwards without a weight pass (the later a stage, the
+    longer the previous ones wait on its first gradients) and catches up on the deferred weight passes at the end,
+    where 1F1B leaves its drain bubble. Every stage keeps at most ``num_stages`` micro-batches' activations alive (a
+    micro-batch's forward ran, its weight pass not yet): 1F1B's peak, which its first stage reaches; the stages after
+    the first keep up to ``s`` more than under 1F1B. The order is torch's ``ScheduleInterleavedZeroBubble`` at one
+    stage per rank.
+    """
+    schedule = []
+    for stage in range(num_stages):
+        warmup = min(num_stages - 1 - stage, num_microbatches)
+        actions = [Action(Phase.FORWARD, m) for m in range(warmup)]
+        for m in range(num_microbatches):
+            if warmup + m < num_microbatches:
+                actions.append(Action(Phase.FORWARD, warmup + m))
+            actions.append(Action(Phase.BACKWARD, m))
+            if m >= stage:  # the weight passes run in micro-batch order, the first ``stage`` of them deferred
+                actions.append(Action(Phase.WEIGHT, m - stage))
+        actions += [Action(Phase.WEIGHT, m) for m in range(max(num_microbatches - stage, 0), num_microbatches)]
         schedule.append(actions)
     return schedule
 
@@ -183,7 +217,12 @@ def varuna(num_stages: int, num_microbatches: int) -> Schedule:
     return schedule
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "gpipe": gpipe, "varuna": varuna}
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+    "1f1b": one_f_one_b,
+    "gpipe": gpipe,
+    "varuna": varuna,
+    "zero-bubble": zero_bubble,
+}
 
 
 def dry_run(schedule: Schedule, producers: Mapping[int, set[int]] | None = None) -> list[list[Action | None]]:
@@ -191,7 +230,7 @@ def dry_run(schedule: Schedule, producers: Mapping[int, set[int]] | None = None)
 
     A forward of stage ``s`` waits for the same micro-batch's forward on each of its ``producers`` (default:
     the previous stage); a recompute waits for its forward; a backward waits for its own forward (or recompute)
-    and for the backwards of the stages it feeds.
+    and for the backwards of the stages it feeds; a weight pass waits for its backward.
 
     Raises:
         ScheduleError: the schedule deadlocks or is incomplete; the message shows the grid so far.

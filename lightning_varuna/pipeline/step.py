@@ -3,7 +3,7 @@ through this rank's pipeline stage.
 
 The step owns the schedule's loop (`MicroBatchedStep._step_microbatches`, as torch's `_step_microbatches`): it walks
 this stage's actions and, per action, runs the user's step on a micro-batch (whose ``self(...)`` runs the stage
-runtime's forward), or the runtime's recompute or backward; the runtime never calls back into the step.
+runtime's forward), or the runtime's recompute, backward or weight pass; the runtime never calls back into the step.
 
 This is the one place that changes the user's module while a step runs, and only for the step's duration:
 
@@ -26,7 +26,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_varuna.data.microbatch import batch_size_of, merge_microbatches, split_microbatches
 from lightning_varuna.pipeline.schedules import Action, Phase, microbatches_of
@@ -100,6 +100,7 @@ class MicroBatchedStep:
         than the last). Any failure abandons the batch: its sends may never be received."""
         runtime = self.stage.runtime
         recomputed = microbatches_of(actions, Phase.RECOMPUTE)
+        deferred_weights = microbatches_of(actions, Phase.WEIGHT)
         step_outputs: dict[int, Any] = {}
         try:
             for action in actions:
@@ -109,8 +110,14 @@ class MicroBatchedStep:
                         step_outputs[m] = self._run_user_step(m, training, m in recomputed, on_wait)
                     elif action.phase is Phase.RECOMPUTE:
                         runtime.recompute(m)
+                    elif action.phase is Phase.BACKWARD:
+                        loss = self._loss_of(m, step_outputs[m])
+                        runtime.backward(m, loss, on_wait, weights_later=m in deferred_weights)
+                        # What merges the outputs reads only values; their graph, kept, would keep what a split
+                        # backward's input part left for no weight pass (the loss's side, freed when unreferenced).
+                        step_outputs[m] = tree_map(_detached, step_outputs[m])
                     else:
-                        runtime.backward(m, self._loss_of(m, step_outputs[m]), on_wait)
+                        runtime.backward_weights(m)
             runtime.finish(on_wait)
         except BaseException:
             runtime.abandon_batch()
@@ -198,6 +205,10 @@ def capture_forward_inputs(module: pl.LightningModule, step_name: str, microbatc
             "per step: a submodule called directly (`self.net(x)`) is not cut, and runs whole."
         )
     return captured[0]
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, Tensor) else value
 
 
 @contextmanager

@@ -201,6 +201,7 @@ def _run_pipeline(
         return transfer(nbytes) + overheads.message_s
 
     recomputed = [microbatches_of(stage, Phase.RECOMPUTE) for stage in actions]
+    split = [microbatches_of(stage, Phase.WEIGHT) for stage in actions]
     producers, consumers = chain(P)
     finished: dict[Work, float] = {}
     position = [0] * P
@@ -218,7 +219,9 @@ def _run_pipeline(
             return forward + overheads.forward(sizes[action.microbatch])
         if action.phase is Phase.RECOMPUTE:
             return cost.forward_s
-        return cost.backward_s + overheads.backward(sizes[action.microbatch])
+        backward = cost.backward_s + overheads.backward(sizes[action.microbatch])
+        # A split backward (zero-bubble): taken as half for the inputs' gradients, half for the parameters'.
+        return backward / 2 if action.microbatch in split[stage] else backward
 
     def ready_at(stage: int, action: Action) -> float | None:
         """When ``stage`` may start ``action``: its dependencies finished and their messages arrived."""
@@ -270,12 +273,15 @@ def _run_pipeline(
 
 def _peak_activations(actions: list[Action], stage: _Stage) -> int:
     recomputed = microbatches_of(actions, Phase.RECOMPUTE)
+    split = microbatches_of(actions, Phase.WEIGHT)  # their activations live until the weight pass
     alive = peak = 0
     for a in actions:
         if a.phase is Phase.FORWARD:
             alive += stage.input_bytes if a.microbatch in recomputed else stage.activation_bytes
         elif a.phase is Phase.RECOMPUTE:
             alive += stage.activation_bytes
+        elif (a.phase is Phase.BACKWARD) == (a.microbatch in split):
+            continue
         else:
             alive -= stage.activation_bytes + (stage.input_bytes if a.microbatch in recomputed else 0)
         peak = max(peak, alive)

@@ -18,7 +18,7 @@ class Span:
     """One piece of work on one stage of one replica during a training step (seconds)."""
 
     stage: int
-    work: Action | str  # a schedule action (F3, R3, B3), or "all-reduce", "optimizer"
+    work: Action | str  # a schedule action (F3, R3, B3, W3), or "all-reduce", "optimizer"
     start_s: float
     end_s: float
     replica: int = 0
@@ -36,7 +36,7 @@ class Span:
 
 def work_of(name: str) -> Action | str:
     """The action a span's name prints (``"B3"``), or the name itself for other work (``"optimizer"``)."""
-    return Action.parse(name) if re.fullmatch(r"[FRB]\d+", name) else name
+    return Action.parse(name) if re.fullmatch(f"[{''.join(phase.value for phase in Phase)}]\\d+", name) else name
 
 
 def chrome_trace(spans: Iterable[Span], title: str, metadata: dict[str, Any] | None = None) -> str:

@@ -69,8 +69,9 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
         micro_batch_size: rows per micro-batch (a last micro-batch may be smaller), or ``"auto"`` (as above).
             Default: the replica's batch in 4 micro-batches per stage (a 1F1B bubble under 20%), the whole batch
             as one micro-batch with one stage; the choice is logged once.
-        schedule: ``"1f1b"``, ``"gpipe"``, ``"varuna"`` (recompute each forward just before its backward), or
-            ``"auto"``: the one the simulator predicts fastest with the other choices (needs ``profile``).
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"varuna"`` (recompute each forward just before its backward),
+            ``"zero-bubble"`` (ZB-H1: the parameters' gradients deferred to fill the bubble), or ``"auto"``: the one
+            the simulator predicts fastest with the other choices (needs ``profile``). See docs/pipelines.md.
         shared_weights: pairs of parameter names that must stay identical (Varuna's ``shared_weights``);
             the second is tied to the first. Parameters already tied (``head.weight = emb.weight``) are found
             on their own.
