@@ -32,8 +32,8 @@ from lightning_varuna.multimodel.report import (
 )
 from lightning_varuna.multimodel.scheduler import DeviceScheduler, DeviceSpan, SweepStopped
 from lightning_varuna.multimodel.study import StudyRunner, TrialOutcome
+from lightning_varuna.partition.packing import format_bytes
 from lightning_varuna.pipeline.replay import default_dtype
-from lightning_varuna.spilling.packing import format_bytes
 from lightning_varuna.strategies.launchers import InProcessLauncher
 from lightning_varuna.strategies.spilling import SpillingStrategy
 

@@ -1,1 +1,2 @@
-"""Partitioning: CutPoint discovery, segment costs, stage assignment and stage modules."""
+"""Partitioning: CutPoint discovery, segment costs, stage assignment and stage modules, and the packing of
+segments into the shards of a spilled model."""
