@@ -156,11 +156,11 @@ def spilled_worker(config: list, out: str, warmup: int, steps: int) -> None:
     Path(out).write_text(json.dumps({"step_s": timer.step_s[warmup:], "shards": strategy.shards}))
 
 
-def measure_spilled(config: tuple, warmup: int, steps: int) -> tuple[float, list[list[int]]]:
+def measure_spilled(config: tuple, warmup: int, steps: int, quiet_wait: float) -> tuple[float, list[list[int]]]:
     """Median step time of a spilled ``config`` and the shards the strategy packed."""
     from pipeline_step import wait_until_quiet
 
-    wait_until_quiet(60.0)
+    wait_until_quiet(quiet_wait)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "steps.json"
         command = [sys.executable, __file__, "--spilled-worker", json.dumps(config), "--out", str(out)]
@@ -172,7 +172,7 @@ def measure_spilled(config: tuple, warmup: int, steps: int) -> tuple[float, list
         return statistics.median(result["step_s"]), result["shards"]
 
 
-def spilled_rows(profile: object, calibrated: object, warmup: int, steps: int) -> list[dict]:
+def spilled_rows(profile: object, calibrated: object, warmup: int, steps: int, quiet_wait: float) -> list[dict]:
     """Measure and predict the configurations of ``SPILLED``; print a row each."""
     from lightning_varuna.partition.packing import smallest_budgets
     from lightning_varuna.profiling.spilled import SpilledConfig, segment_memory, simulate_spilled
@@ -181,7 +181,7 @@ def spilled_rows(profile: object, calibrated: object, warmup: int, steps: int) -
     rows = []
     for tier, factor in SPILLED:
         budget = int(with_prefetch * factor)
-        step_s, shards = measure_spilled((tier, budget), warmup, steps)
+        step_s, shards = measure_spilled((tier, budget), warmup, steps, quiet_wait)
         config = SpilledConfig(GLOBAL_BATCH, budget, tier)
         prediction = simulate_spilled(profile, config)  # type: ignore[arg-type]
         calibrated_prediction = simulate_spilled(calibrated, config, timeline=True)  # type: ignore[arg-type]
@@ -236,6 +236,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reuse-profile", action="store_true", help="keep an existing profile")
     parser.add_argument(
+        "--quiet-wait", type=float, default=60.0, help="seconds to wait at most for idle CPUs before each run"
+    )
+    parser.add_argument(
         "--only", choices=("pipeline", "spilled"), help="run only these rows (spilled: with the profiles written)"
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -249,6 +252,8 @@ def main() -> None:
         spilled_worker(json.loads(args.spilled_worker), args.out, args.warmup, args.steps)
         return
 
+    from pipeline_step import wait_until_quiet
+
     from lightning_varuna.profiling.autoconfig import candidate_configs, rank_configs
     from lightning_varuna.profiling.calibration import calibrate
     from lightning_varuna.profiling.profile import ModelProfile
@@ -258,12 +263,14 @@ def main() -> None:
     header = f"{'config':<24} {'measured ms':>12} {'profile ms':>11} {'error':>7} {'calibrated ms':>14} {'error':>7}"
     if args.only == "spilled":
         if not (args.reuse_profile and SPILLED_PROFILE.exists()):
+            wait_until_quiet(args.quiet_wait)
             _profile(SPILLED_PROFILE, ["8", "16"], devices=1)
         profile = calibrated = ModelProfile.load(str(SPILLED_PROFILE))
         if CALIBRATED_PROFILE.exists() and 1 in (learned := ModelProfile.load(str(CALIBRATED_PROFILE)).overheads):
             calibrated = replace(profile, overheads={1: learned[1]})
         print(header)
-        _write_results({"spilled": _spilled_results(spilled_rows(profile, calibrated, args.warmup, args.steps))})
+        rows = spilled_rows(profile, calibrated, args.warmup, args.steps, args.quiet_wait)
+        _write_results({"spilled": _spilled_results(rows)})
         return
     if not (args.reuse_profile and PROFILE.exists()):
         _profile(PROFILE, ["1", "2", "4", "8", "16"], devices=4)
@@ -303,7 +310,7 @@ def main() -> None:
             f"{row['calibrated_predicted_ms']:>14.1f} {row['calibrated_error']:>+7.1%}",
             flush=True,
         )
-    spilled = [] if args.only == "pipeline" else spilled_rows(profile, calibrated, args.warmup, args.steps)
+    spilled = [] if args.only == "pipeline" else spilled_rows(profile, calibrated, args.warmup, args.steps, 60.0)
     median_error = statistics.median(abs(r["error"]) for r in rows)
     calibrated_median_error = statistics.median(abs(r["calibrated_error"]) for r in rows)
     by_world: dict[int, list[dict]] = {}

@@ -165,3 +165,12 @@ def test_spill_tiers_are_measured_with_the_store(tmp_path):
     assert [n for n, _ in costs["disk"].read.samples] == [1 << 16, 1 << 20]
     assert all(s > 0 for _, s in costs["disk"].read.samples + costs["disk"].write.samples)
     assert not list(tmp_path.iterdir())  # its folder is removed
+
+
+def test_one_stage_needs_no_network_measurement():
+    """A profile of one process (no point-to-point or all-reduce times) still predicts P=1 D=1 and spilled
+    configurations, so that it ranks them together."""
+    profile = profile_of(segments=4)
+    profile.p2p, profile.allreduce = {}, {}
+    ranked = rank_configs(profile, 1, 4, memory_bytes=10**9, micro_batch_sizes=[4])
+    assert {str(p.config) for p in ranked} == {f"P=1 D=1 mb=4 {schedule}" for schedule in ("1f1b", "gpipe", "varuna")}
