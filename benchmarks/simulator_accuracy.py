@@ -19,10 +19,10 @@ Run from the repository root (about 12 minutes on 2 CPU cores)::
 5. Spilled rows, side by side: trains the same GPT on one device with ``SpillingStrategy`` on the host and the disk
    tier at the budgets of ``SPILLED`` (set from the profile's own packing: the smallest budget that fetches every
    shard ahead, and larger ones), one batch of 16 a step, and compares with ``simulate_spilled`` (the spill tiers'
-   times measured by the profile). ``--only spilled`` runs these rows alone: it profiles the segments at 8 and 16
-   rows and the spill tiers into ``benchmarks/results/gpt.spilled.profile.json`` first (kept with
-   ``--reuse-profile``), and its "calibrated" column adds the per-step costs the pipeline rows' calibration learned
-   for one process, if ``gpt.calibrated.profile.json`` has them.
+   times measured by the profile), from the profile alone and with each tier's compute factor calibrated by one
+   held-out configuration (``SPILLED_CALIBRATION``). ``--only spilled`` runs these rows alone: it profiles the
+   segments at 8 and 16 rows and the spill tiers into ``benchmarks/results/gpt.spilled.profile.json`` first (kept
+   with ``--reuse-profile``).
 
 Writes ``benchmarks/results/simulator_accuracy.json`` and, per configuration, the predicted and the measured
 (``PipelineTrace``) timeline of a step to ``benchmarks/results/traces/`` (open them in https://ui.perfetto.dev).
@@ -37,9 +37,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from itertools import zip_longest
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning_varuna.profiling.profile import ModelProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -77,7 +80,9 @@ CALIBRATION = [
 CALIBRATED_PROFILE = RESULTS / "gpt.calibrated.profile.json"
 SPILLED_PROFILE = RESULTS / "gpt.spilled.profile.json"
 # (tier, budget): a budget is a multiple of the smallest that fetches every shard ahead for the profile's packing
-SPILLED = [("host", 1.0), ("disk", 1.0), ("host", 2.0), ("disk", 2.0), ("host", 3.0), ("disk", 3.0)]
+SPILLED = [("host", 1.0), ("disk", 1.0), ("host", 3.0), ("disk", 3.0), ("host", 4.0), ("disk", 4.0)]
+# One held-out spilled configuration per tier: its measured step calibrates the tier's compute factor.
+SPILLED_CALIBRATION = [("host", 2.0), ("disk", 2.0)]
 
 
 def worker(config: list, out: str, warmup: int, steps: int) -> None:
@@ -172,22 +177,31 @@ def measure_spilled(config: tuple, warmup: int, steps: int, quiet_wait: float) -
         return statistics.median(result["step_s"]), result["shards"]
 
 
-def spilled_rows(profile: object, calibrated: object, warmup: int, steps: int, quiet_wait: float) -> list[dict]:
-    """Measure and predict the configurations of ``SPILLED``; print a row each."""
+def spilled_rows(profile: ModelProfile, warmup: int, steps: int, quiet_wait: float) -> list[dict]:
+    """Measure the configurations of ``SPILLED_CALIBRATION`` and calibrate each tier's compute factor with them, then
+    measure and predict those of ``SPILLED``; print a row each."""
     from lightning_varuna.partition.packing import smallest_budgets
+    from lightning_varuna.profiling.calibration import calibrate_spilled
     from lightning_varuna.profiling.spilled import SpilledConfig, segment_memory, simulate_spilled
 
-    _, with_prefetch, _ = smallest_budgets(*segment_memory(profile, GLOBAL_BATCH))  # type: ignore[arg-type]
+    _, with_prefetch, _ = smallest_budgets(*segment_memory(profile, GLOBAL_BATCH))
+    measured = {}
+    for tier, factor in SPILLED_CALIBRATION + SPILLED:
+        config = SpilledConfig(GLOBAL_BATCH, int(with_prefetch * factor), tier)
+        measured[tier, factor] = (config, *measure_spilled((tier, config.memory_budget), warmup, steps, quiet_wait))
+    calibrated = calibrate_spilled(profile, [measured[key][:2] for key in SPILLED_CALIBRATION])
+    print(
+        "calibrated with " + ", ".join(f"{t} {f:g}x" for t, f in SPILLED_CALIBRATION) + ": compute factor "
+        + ", ".join(f"{t} {c.compute_factor:.2f}" for t, c in sorted(calibrated.spill.items()))
+    )  # fmt: skip
     rows = []
     for tier, factor in SPILLED:
-        budget = int(with_prefetch * factor)
-        step_s, shards = measure_spilled((tier, budget), warmup, steps, quiet_wait)
-        config = SpilledConfig(GLOBAL_BATCH, budget, tier)
-        prediction = simulate_spilled(profile, config)  # type: ignore[arg-type]
-        calibrated_prediction = simulate_spilled(calibrated, config, timeline=True)  # type: ignore[arg-type]
+        config, step_s, shards = measured[tier, factor]
+        prediction = simulate_spilled(profile, config)
+        calibrated_prediction = simulate_spilled(calibrated, config, timeline=True)
         name = f"spilled-{tier}-{factor:g}x"
         (TRACES / f"{name}.predicted.json").write_text(calibrated_prediction.chrome_trace())
-        row = dict(config=[tier, budget], measured_ms=step_s * 1e3, measured_shards=shards)
+        row = dict(config=[tier, config.memory_budget], measured_ms=step_s * 1e3, measured_shards=shards)
         row["predicted_shards"] = prediction.shards
         row["recomputed"] = prediction.recomputed
         for key, predicted in (("", prediction.step_s), ("calibrated_", calibrated_prediction.step_s)):
@@ -196,9 +210,9 @@ def spilled_rows(profile: object, calibrated: object, warmup: int, steps: int, q
         rows.append(row)
         same = "same shards" if shards == prediction.shards else f"shards {shards} vs predicted {prediction.shards}"
         print(
-            f"{tier + ' ' + f'{budget / 2**20:.1f} MiB':<24} {step_s * 1e3:>12.1f} {row['predicted_ms']:>11.1f} "
-            f"{row['error']:>+7.1%} {row['calibrated_predicted_ms']:>14.1f} {row['calibrated_error']:>+7.1%}  "
-            f"{len(shards)} shards, {len(prediction.recomputed)} recompute ({same})",
+            f"{tier + ' ' + f'{config.memory_budget / 2**20:.1f} MiB':<24} {step_s * 1e3:>12.1f} "
+            f"{row['predicted_ms']:>11.1f} {row['error']:>+7.1%} {row['calibrated_predicted_ms']:>14.1f} "
+            f"{row['calibrated_error']:>+7.1%}  {len(shards)} shards, {len(prediction.recomputed)} recompute ({same})",
             flush=True,
         )
     return rows
@@ -265,11 +279,8 @@ def main() -> None:
         if not (args.reuse_profile and SPILLED_PROFILE.exists()):
             wait_until_quiet(args.quiet_wait)
             _profile(SPILLED_PROFILE, ["8", "16"], devices=1)
-        profile = calibrated = ModelProfile.load(str(SPILLED_PROFILE))
-        if CALIBRATED_PROFILE.exists() and 1 in (learned := ModelProfile.load(str(CALIBRATED_PROFILE)).overheads):
-            calibrated = replace(profile, overheads={1: learned[1]})
         print(header)
-        rows = spilled_rows(profile, calibrated, args.warmup, args.steps, args.quiet_wait)
+        rows = spilled_rows(ModelProfile.load(str(SPILLED_PROFILE)), args.warmup, args.steps, args.quiet_wait)
         _write_results({"spilled": _spilled_results(rows)})
         return
     if not (args.reuse_profile and PROFILE.exists()):
@@ -310,7 +321,7 @@ def main() -> None:
             f"{row['calibrated_predicted_ms']:>14.1f} {row['calibrated_error']:>+7.1%}",
             flush=True,
         )
-    spilled = [] if args.only == "pipeline" else spilled_rows(profile, calibrated, args.warmup, args.steps, 60.0)
+    spilled = [] if args.only == "pipeline" else spilled_rows(profile, args.warmup, args.steps, args.quiet_wait)
     median_error = statistics.median(abs(r["error"]) for r in rows)
     calibrated_median_error = statistics.median(abs(r["calibrated_error"]) for r in rows)
     by_world: dict[int, list[dict]] = {}

@@ -199,3 +199,21 @@ def test_a_launch_logs_the_choice_and_the_runner_up_with_their_predicted_times(c
     logged = caplog.text
     assert f"AutoConfig chose {best}: predicted " in logged and "; runner-up P=1 D=1 " in logged
     assert logged.count(" ms a step, ") == 2 and "MiB per device" in logged
+
+
+def test_calibration_learns_how_much_longer_a_tier_computes_than_profiled():
+    """The disk tier's compute taking twice the profiled time (on the CPU its freed memory goes back to the system at
+    once, so activations fault their pages in anew) is learned from one measured step and predicts the others."""
+    from dataclasses import replace
+
+    from lightning_varuna.profiling.calibration import calibrate_spilled
+
+    profile = profile_of(segments=6)
+    slower = replace(profile, spill={**profile.spill, "disk": replace(DISK, compute_factor=2.0)})
+    budgets = [SpilledConfig(4, b, "disk") for b in (14000, 30000)]
+    measured = [(c, simulate_spilled(slower, c).step_s) for c in budgets]
+    calibrated = calibrate_spilled(profile, measured[:1])
+    assert calibrated.spill["disk"].compute_factor == pytest.approx(2.0, rel=1e-6)
+    assert calibrated.spill["host"].compute_factor == 1.0  # not measured: as profiled
+    assert simulate_spilled(calibrated, budgets[1]).step_s == pytest.approx(measured[1][1], rel=1e-6)
+    assert ModelProfile.from_json(calibrated.to_json()) == calibrated

@@ -82,6 +82,10 @@ class SpillCosts:
 
     read: LinearCost
     write: LinearCost
+    # How much longer the shards compute than profiled while spilling to this tier, learned from a measured spilled
+    # step (`calibrate_spilled`); e.g. on the CPU the disk tier returns freed memory to the system at once, so each
+    # activation's pages are faulted in anew.
+    compute_factor: float = 1.0
 
 
 @dataclass
@@ -210,7 +214,7 @@ class ModelProfile:
             },
             overheads={int(n): RuntimeOverheads(**v) for n, v in raw.get("overheads", {}).items()},
             spill={
-                tier: SpillCosts(read=_linear(v["read"]), write=_linear(v["write"]))
+                tier: SpillCosts(_linear(v["read"]), _linear(v["write"]), v.get("compute_factor", 1.0))
                 for tier, v in raw.get("spill", {}).items()
             },
             buffer_bytes=raw.get("buffer_bytes", 0),

@@ -14,6 +14,8 @@ bytes on the tier):
 - or, with the optimizer in a pass of its own (clipping by the norm over all shards), backward spills each shard's
   gradients, and the pass fetches parameters, gradients and state of each shard and spills parameters and state.
 
+The compute takes the profiled times, times the tier's calibrated ``compute_factor`` (`calibrate_spilled`).
+
 Memory: what stays on the device throughout (activations at CutPoints with their gradients, buffers, tied
 parameters), the activations the shards that keep them hold, and the two largest neighbours on the device together.
 """
@@ -108,9 +110,10 @@ def simulate_spilled(profile: ModelProfile, config: SpilledConfig, *, timeline: 
     timings = [profile.timing(i, threads, rows) for i in range(len(profile.segments))]
     shared = _shared_parameters(profile)
     shards = packing.shards
-    forward = [sum(timings[s].forward_s for s in shard) for shard in shards]
-    backward = [sum(timings[s].backward_s for s in shard) for shard in shards]
-    optimizer = [sum(profile.optimizer_step_s(s, threads) for s in shard) for shard in shards]
+    factor = profile.spill[config.tier].compute_factor  # calibrated (1 until then)
+    forward = [factor * sum(timings[s].forward_s for s in shard) for shard in shards]
+    backward = [factor * sum(timings[s].backward_s for s in shard) for shard in shards]
+    optimizer = [factor * sum(profile.optimizer_step_s(s, threads) for s in shard) for shard in shards]
     params = [sum(_own_bytes(profile, s, shared) for s in shard) for shard in shards]
     state = [sum(_own_state_bytes(profile, s, shared) for s in shard) for shard in shards]
     part_bytes = {"params": params, "grads": params, "state": state}
