@@ -176,27 +176,36 @@ def test_one_stage_needs_no_network_measurement():
     assert {str(p.config) for p in ranked} == {f"P=1 D=1 mb=4 {schedule}" for schedule in ("1f1b", "gpipe", "varuna")}
 
 
-def test_a_launch_logs_the_choice_and_the_runner_up_with_their_predicted_times(caplog):
-    """What VarunaStrategy logs as it auto-configures (rank 0 decides; here a group of one process)."""
-    import logging
+def test_a_launch_logs_the_choice_and_the_runner_up_with_their_predicted_times(tmp_path):
+    """What VarunaStrategy logs as it auto-configures (rank 0 decides; here a process group of one, in a process of
+    its own so that no other test's group is in the way)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    import torch.distributed as dist
     from ports import free_port
 
-    from lightning_varuna.profiling.model_costs import ModelCosts
-    from lightning_varuna.storage import Storage
-
-    profile_of(segments=4).save("memory://profiles/launch.json")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        with caplog.at_level(logging.INFO):
-            best = ModelCosts("memory://profiles/launch.json", Storage(), 1).choose_config(
-                1, torch.device("cpu"), 1, global_batch_size=4, pipeline_parallel_size=None,
-                data_parallel_size=None, micro_batch_size=None, schedule=None,
-            )  # fmt: skip
-    finally:
-        dist.destroy_process_group()
-    logged = caplog.text
+    path = tmp_path / "launch.json"
+    profile_of(segments=4).save(str(path))
+    code = f"""
+import torch, torch.distributed as dist
+from lightning_varuna.profiling.model_costs import ModelCosts
+from lightning_varuna.storage import Storage
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+best = ModelCosts({str(path)!r}, Storage(), 1).choose_config(
+    1, torch.device("cpu"), 1, global_batch_size=4, pipeline_parallel_size=None, data_parallel_size=None,
+    micro_batch_size=None, schedule=None,
+)
+print("BEST", best)
+dist.destroy_process_group()
+"""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    best = done.stdout.split("BEST ", 1)[1].strip()
+    logged = done.stdout + done.stderr
     assert f"AutoConfig chose {best}: predicted " in logged and "; runner-up P=1 D=1 " in logged
     assert logged.count(" ms a step, ") == 2 and "MiB per device" in logged
 
