@@ -16,6 +16,13 @@ Run from the repository root (about 12 minutes on 2 CPU cores)::
    (``CALIBRATION``, none of them among ``CONFIGS``).
 4. Prints measured against predicted step time per configuration, from the profile alone and calibrated, the median
    absolute errors, and where AutoConfig's pick among the measured configurations ranks.
+5. Spilled rows, side by side: trains the same GPT on one device with ``SpillingStrategy`` on the host and the disk
+   tier at the budgets of ``SPILLED`` (set from the profile's own packing: the smallest budget that fetches every
+   shard ahead, and larger ones), one batch of 16 a step, and compares with ``simulate_spilled`` (the spill tiers'
+   times measured by the profile), from the profile alone and with each tier's compute factor calibrated by one
+   held-out configuration (``SPILLED_CALIBRATION``). ``--only spilled`` runs these rows alone: it profiles the
+   segments at 8 and 16 rows and the spill tiers into ``benchmarks/results/gpt.spilled.profile.json`` first (kept
+   with ``--reuse-profile``).
 
 Writes ``benchmarks/results/simulator_accuracy.json`` and, per configuration, the predicted and the measured
 (``PipelineTrace``) timeline of a step to ``benchmarks/results/traces/`` (open them in https://ui.perfetto.dev).
@@ -32,6 +39,10 @@ import tempfile
 import time
 from itertools import zip_longest
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning_varuna.profiling.profile import ModelProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -67,6 +78,11 @@ CALIBRATION = [
     (2, 2, 8, "1f1b"),
 ]
 CALIBRATED_PROFILE = RESULTS / "gpt.calibrated.profile.json"
+SPILLED_PROFILE = RESULTS / "gpt.spilled.profile.json"
+# (tier, budget): a budget is a multiple of the smallest that fetches every shard ahead for the profile's packing
+SPILLED = [("host", 1.0), ("disk", 1.0), ("host", 3.0), ("disk", 3.0), ("host", 4.0), ("disk", 4.0)]
+# One held-out spilled configuration per tier: its measured step calibrates the tier's compute factor.
+SPILLED_CALIBRATION = [("host", 2.0), ("disk", 2.0)]
 
 
 def worker(config: list, out: str, warmup: int, steps: int) -> None:
@@ -102,6 +118,106 @@ def worker(config: list, out: str, warmup: int, steps: int) -> None:
         Path(out).write_text(json.dumps({"step_s": timer.step_s[warmup:]}))
 
 
+def spilled_worker(config: list, out: str, warmup: int, steps: int) -> None:
+    """One spilled configuration: ``Trainer(devices=1, strategy=SpillingStrategy(...))``, timing each step from its
+    batch's start to its end (a timer without ``on_before_optimizer_step``: each shard steps in its backward)."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, CharDataset, make_text
+
+    from lightning_varuna import SpillingStrategy
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.step_s: list[float] = []
+
+        def on_train_batch_start(self, *args: object) -> None:
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, *args: object) -> None:
+            self.step_s.append(time.perf_counter() - self._start)
+
+    tier, budget = config
+    L.seed_everything(0, verbose=False)
+    data = CharDataset(make_text(), block_size=MODEL["block_size"])
+    timer = Timer()
+    with tempfile.TemporaryDirectory(prefix="spill-") as spill_dir:
+        strategy = SpillingStrategy(memory_budget=budget, spill_dir=spill_dir if tier == "disk" else None)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=strategy,
+            max_steps=warmup + steps,
+            callbacks=[timer],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
+        trainer.fit(GPT(**MODEL), DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=True))
+    Path(out).write_text(json.dumps({"step_s": timer.step_s[warmup:], "shards": strategy.shards}))
+
+
+def measure_spilled(config: tuple, warmup: int, steps: int, quiet_wait: float) -> tuple[float, list[list[int]]]:
+    """Median step time of a spilled ``config`` and the shards the strategy packed."""
+    from pipeline_step import wait_until_quiet
+
+    wait_until_quiet(quiet_wait)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "steps.json"
+        command = [sys.executable, __file__, "--spilled-worker", json.dumps(config), "--out", str(out)]
+        command += ["--warmup", str(warmup), "--steps", str(steps)]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=_env())
+        if done.returncode != 0:
+            raise RuntimeError(f"{config} failed:\n{done.stderr[-3000:]}")
+        result = json.loads(out.read_text())
+        return statistics.median(result["step_s"]), result["shards"]
+
+
+def spilled_rows(profile: ModelProfile, warmup: int, steps: int, quiet_wait: float) -> list[dict]:
+    """Measure the configurations of ``SPILLED_CALIBRATION`` and calibrate each tier's compute factor with them, then
+    measure and predict those of ``SPILLED``; print a row each."""
+    from lightning_varuna.partition.packing import smallest_budgets
+    from lightning_varuna.profiling.calibration import calibrate_spilled
+    from lightning_varuna.profiling.spilled import SpilledConfig, segment_memory, simulate_spilled
+
+    _, with_prefetch, _ = smallest_budgets(*segment_memory(profile, GLOBAL_BATCH))
+    measured = {}
+    for tier, factor in SPILLED_CALIBRATION + SPILLED:
+        config = SpilledConfig(GLOBAL_BATCH, int(with_prefetch * factor), tier)
+        measured[tier, factor] = (config, *measure_spilled((tier, config.memory_budget), warmup, steps, quiet_wait))
+    calibrated = calibrate_spilled(profile, [measured[key][:2] for key in SPILLED_CALIBRATION])
+    print(
+        "calibrated with " + ", ".join(f"{t} {f:g}x" for t, f in SPILLED_CALIBRATION) + ": compute factor "
+        + ", ".join(f"{t} {c.compute_factor:.2f}" for t, c in sorted(calibrated.spill.items()))
+    )  # fmt: skip
+    rows = []
+    for tier, factor in SPILLED:
+        config, step_s, shards = measured[tier, factor]
+        prediction = simulate_spilled(profile, config)
+        calibrated_prediction = simulate_spilled(calibrated, config, timeline=True)
+        name = f"spilled-{tier}-{factor:g}x"
+        (TRACES / f"{name}.predicted.json").write_text(calibrated_prediction.chrome_trace())
+        row = dict(config=[tier, config.memory_budget], measured_ms=step_s * 1e3, measured_shards=shards)
+        row["predicted_shards"] = prediction.shards
+        row["recomputed"] = prediction.recomputed
+        for key, predicted in (("", prediction.step_s), ("calibrated_", calibrated_prediction.step_s)):
+            row[f"{key}predicted_ms"] = predicted * 1e3
+            row[f"{key}error"] = (predicted - step_s) / step_s
+        rows.append(row)
+        same = "same shards" if shards == prediction.shards else f"shards {shards} vs predicted {prediction.shards}"
+        print(
+            f"{tier + ' ' + f'{config.memory_budget / 2**20:.1f} MiB':<24} {step_s * 1e3:>12.1f} "
+            f"{row['predicted_ms']:>11.1f} {row['error']:>+7.1%} {row['calibrated_predicted_ms']:>14.1f} "
+            f"{row['calibrated_error']:>+7.1%}  {len(shards)} shards, {len(prediction.recomputed)} recompute ({same})",
+            flush=True,
+        )
+    return rows
+
+
 def measure(config: tuple, warmup: int, steps: int) -> float:
     """Median step time of ``config``, started once other processes leave the CPUs idle."""
     from pipeline_step import wait_until_quiet
@@ -133,12 +249,24 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reuse-profile", action="store_true", help="keep an existing profile")
+    parser.add_argument(
+        "--quiet-wait", type=float, default=60.0, help="seconds to wait at most for idle CPUs before each run"
+    )
+    parser.add_argument(
+        "--only", choices=("pipeline", "spilled"), help="run only these rows (spilled: with the profiles written)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--spilled-worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(args.worker), args.out, args.warmup, args.steps)
         return
+    if args.spilled_worker:
+        spilled_worker(json.loads(args.spilled_worker), args.out, args.warmup, args.steps)
+        return
+
+    from pipeline_step import wait_until_quiet
 
     from lightning_varuna.profiling.autoconfig import candidate_configs, rank_configs
     from lightning_varuna.profiling.calibration import calibrate
@@ -146,17 +274,19 @@ def main() -> None:
     from lightning_varuna.profiling.simulator import Config, simulate
     from lightning_varuna.profiling.trace import read_chrome_trace
 
+    header = f"{'config':<24} {'measured ms':>12} {'profile ms':>11} {'error':>7} {'calibrated ms':>14} {'error':>7}"
+    if args.only == "spilled":
+        if not (args.reuse_profile and SPILLED_PROFILE.exists()):
+            wait_until_quiet(args.quiet_wait)
+            _profile(SPILLED_PROFILE, ["8", "16"], devices=1)
+        print(header)
+        rows = spilled_rows(ModelProfile.load(str(SPILLED_PROFILE)), args.warmup, args.steps, args.quiet_wait)
+        _write_results({"spilled": _spilled_results(rows)})
+        return
     if not (args.reuse_profile and PROFILE.exists()):
-        subprocess.run(
-            [
-                sys.executable, "-m", "lightning_varuna.cli", "profile", "examples/gpt.py:GPT",
-                "--init-args", json.dumps(MODEL), "--input-shape", f"8x{MODEL['block_size']}", "--input-dtype",
-                "int64", "--micro-batch-sizes", "1", "2", "4", "8", "--devices", "4", "--output", str(PROFILE),
-            ],
-            cwd=ROOT,
-            check=True,
-        )  # fmt: skip
+        _profile(PROFILE, ["1", "2", "4", "8", "16"], devices=4)
     profile = ModelProfile.load(str(PROFILE))
+    _add_spill_times(profile)
     TRACES.mkdir(parents=True, exist_ok=True)
     measure(CONFIGS[0], args.warmup, args.steps)  # discarded: the first run after start is slower on this VM
     step_s = {}
@@ -173,7 +303,7 @@ def main() -> None:
     for processes, overheads in sorted(calibrated.overheads.items()):
         print(f"  {processes} process(es): {overheads}")
     rows = []
-    print(f"{'config':<24} {'measured ms':>12} {'profile ms':>11} {'error':>7} {'calibrated ms':>14} {'error':>7}")
+    print(header)
     for config in CONFIGS:
         P, D, mb, schedule = config
         prediction = simulate(profile, Config(P, D, mb, schedule, GLOBAL_BATCH))
@@ -191,6 +321,7 @@ def main() -> None:
             f"{row['calibrated_predicted_ms']:>14.1f} {row['calibrated_error']:>+7.1%}",
             flush=True,
         )
+    spilled = [] if args.only == "pipeline" else spilled_rows(profile, args.warmup, args.steps, args.quiet_wait)
     median_error = statistics.median(abs(r["error"]) for r in rows)
     calibrated_median_error = statistics.median(abs(r["calibrated_error"]) for r in rows)
     by_world: dict[int, list[dict]] = {}
@@ -229,24 +360,66 @@ def main() -> None:
         simulate(profile, config)
     per_second = len(candidates) / (time.perf_counter() - start)
     print(f"simulator speed: {per_second:.0f} configurations per second ({len(candidates)} candidates for 4 devices)")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "simulator_accuracy.json").write_text(
-        json.dumps(
-            {
-                "global_batch": GLOBAL_BATCH,
-                "model": MODEL,
-                "rows": rows,
-                "median_abs_error": median_error,
-                "calibration": [list(c) for c in CALIBRATION],
-                "calibrated_median_abs_error": calibrated_median_error,
-                "autoconfig": picks,
-                "simulated_configs_per_s": per_second,
-            },
-            indent=2,
-        )
-        + "\n"  # fmt: skip
+    results = {
+        "global_batch": GLOBAL_BATCH,
+        "model": MODEL,
+        "rows": rows,
+        "median_abs_error": median_error,
+        "calibration": [list(c) for c in CALIBRATION],
+        "calibrated_median_abs_error": calibrated_median_error,
+        "autoconfig": picks,
+        "simulated_configs_per_s": per_second,
+    }
+    _write_results({**results, "spilled": _spilled_results(spilled)} if spilled else results)
+
+
+def _profile(path: Path, micro_batch_sizes: list[str], devices: int) -> None:
+    subprocess.run(
+        [
+            sys.executable, "-m", "lightning_varuna.cli", "profile", "examples/gpt.py:GPT", "--init-args",
+            json.dumps(MODEL), "--input-shape", f"8x{MODEL['block_size']}", "--input-dtype", "int64",
+            "--micro-batch-sizes", *micro_batch_sizes, "--devices", str(devices), "--output", str(path),
+        ],
+        cwd=ROOT,
+        check=True,
+    )  # fmt: skip
+
+
+def _add_spill_times(profile: object) -> None:
+    """Time the spill tiers into a profile written before the profiler measured them (``--reuse-profile``)."""
+    import torch
+
+    from lightning_varuna.spilling.bandwidth import measure_spill_tiers
+
+    if not profile.spill:  # type: ignore[attr-defined]
+        profile.spill = measure_spill_tiers(torch.device("cpu"))  # type: ignore[attr-defined]
+        profile.save(str(PROFILE))  # type: ignore[attr-defined]
+
+
+def _spilled_results(rows: list[dict]) -> dict:
+    """The spilled rows and their median absolute errors (printed)."""
+    median_error = statistics.median(abs(r["error"]) for r in rows)
+    calibrated_median_error = statistics.median(abs(r["calibrated_error"]) for r in rows)
+    by_tier = {
+        tier: statistics.median(abs(r["calibrated_error"]) for r in rows if r["config"][0] == tier)
+        for tier in sorted({r["config"][0] for r in rows})
+    }
+    print(
+        f"spilled: median absolute error over {len(rows)} configurations: {median_error:.1%} from the profile alone, "
+        f"{calibrated_median_error:.1%} calibrated ("
+        + ", ".join(f"{tier} {error:.1%}" for tier, error in by_tier.items())
+        + ")"
     )
-    print(f"wrote {(RESULTS / 'simulator_accuracy.json').relative_to(ROOT)}")
+    return dict(rows=rows, median_abs_error=median_error, calibrated_median_abs_error=calibrated_median_error)
+
+
+def _write_results(results: dict) -> None:
+    """Update ``simulator_accuracy.json`` with ``results`` (the rows a run did not measure are kept)."""
+    path = RESULTS / "simulator_accuracy.json"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**previous, **results}, indent=2) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

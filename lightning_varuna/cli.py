@@ -58,6 +58,7 @@ def _profile(args: argparse.Namespace) -> None:
     from lightning_varuna.profiling.network import profile_network
     from lightning_varuna.profiling.profile import ModelProfile
     from lightning_varuna.profiling.profiler import default_thread_counts, profile_model
+    from lightning_varuna.spilling.bandwidth import measure_spill_tiers
 
     storage = _storage(args)
     model = load_model(args.model, args.init_args)
@@ -84,28 +85,46 @@ def _profile(args: argparse.Namespace) -> None:
         previous=previous,
     )
     profile_network(profile, list(range(2, args.devices + 1)))
+    profile.spill = measure_spill_tiers(next(model.parameters()).device, args.spill_dir)
     profile.save(args.output, storage)
     print(f"Wrote {args.output}: {len(profile.segments)} segments, micro-batch sizes {profile.micro_batch_sizes}.")
 
 
 def _autoconfig(args: argparse.Namespace) -> None:
-    from lightning_varuna.profiling.autoconfig import format_ranking, rank_configs
+    from lightning_varuna.partition.packing import parse_bytes
+    from lightning_varuna.profiling.autoconfig import describe_choice, format_ranking, rank_configs
     from lightning_varuna.profiling.profile import ModelProfile
-    from lightning_varuna.profiling.simulator import simulate
+    from lightning_varuna.profiling.simulator import Config, simulate
+    from lightning_varuna.profiling.spilled import simulate_spilled
 
     storage = _storage(args)
     profile = ModelProfile.load(args.profile, storage)
     memory = int(args.memory_gb * 2**30) if args.memory_gb else None
+    if args.memory_budget:
+        budget = parse_bytes(args.memory_budget)
+        if isinstance(budget, float):
+            raise SystemExit("`--memory-budget` is bytes or a size such as 2GiB here, not a share of a device.")
+        memory = budget
     ranked = rank_configs(profile, args.devices, args.batch_size, memory_bytes=memory, nodes=args.nodes)
     print(format_ranking(ranked, args.top))
+    print(f"\nAutoConfig {describe_choice(ranked)}")
     best = ranked[0].config
-    print(
-        f"\nBest: VarunaStrategy(pipeline_parallel_size={best.pipeline_parallel_size}, "
-        f"micro_batch_size={best.micro_batch_size}, schedule={best.schedule!r}) on {args.devices} devices, "
-        f"DataLoader batch {best.replica_batch_size} per replica."
-    )
+    if isinstance(best, Config):
+        print(
+            f"Best: VarunaStrategy(pipeline_parallel_size={best.pipeline_parallel_size}, "
+            f"micro_batch_size={best.micro_batch_size}, schedule={best.schedule!r}) on {args.devices} devices, "
+            f"DataLoader batch {best.replica_batch_size} per replica."
+        )
+        timeline = simulate(profile, best, timeline=True).chrome_trace() if args.trace else ""
+    else:
+        spill_dir = "None" if best.tier == "host" else "'/path/to/spill'"
+        print(
+            f"Best: SpillingStrategy(memory_budget={best.memory_budget}, spill_dir={spill_dir}) on 1 device, "
+            f"DataLoader batch {best.global_batch_size}."
+        )
+        timeline = simulate_spilled(profile, best, timeline=True).chrome_trace() if args.trace else ""
     if args.trace:
-        Path(args.trace).write_text(simulate(profile, best, timeline=True).chrome_trace())
+        Path(args.trace).write_text(timeline)
         print(f"Predicted timeline of the best: {args.trace} (open in https://ui.perfetto.dev)")
 
 
@@ -174,19 +193,30 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--devices", type=int, default=1, help="processes per node to measure communication with")
     profile.add_argument("--output", required=True, help="where to write the profile (any fsspec URL)")
     profile.add_argument("--update", action="store_true", help="keep what the profile at --output already has")
+    profile.add_argument(
+        "--spill-dir",
+        help="a folder on the disk SpillingStrategy will spill to, where the disk tier is timed (default: the system's "
+        "temporary folder)",
+    )
     profile.add_argument("--storage-options", help="fsspec options as JSON")
     profile.set_defaults(run=_profile)
     auto = commands.add_parser(
         "autoconfig",
-        help="rank every pipeline configuration by simulated step time",
-        description="Simulate every (stages, replicas, micro-batch size, schedule) for the devices and rank them by "
-        "predicted step time; print the table and the VarunaStrategy(...) to use.",
+        help="rank every pipeline configuration (and, given a memory budget, spilled training) by simulated step time",
+        description="Simulate every (stages, replicas, micro-batch size, schedule) for the devices and, given a memory "
+        "budget per device, training spilled on one device; rank them by predicted step time; print the table, the "
+        "choice and the runner-up, and the strategy to use.",
     )
     auto.add_argument("--profile", required=True, help="a profile written by `lightning-varuna profile`")
     auto.add_argument("--devices", type=int, required=True, help="devices (processes) in all")
     auto.add_argument("--batch-size", type=int, required=True, help="the global batch size")
     auto.add_argument("--nodes", type=int, default=1, help="machines the devices are spread over (default: 1)")
     auto.add_argument("--memory-gb", type=float, help="memory per device; configurations needing more are dropped")
+    auto.add_argument(
+        "--memory-budget",
+        help="memory per device as a size (e.g. 32MiB, 2GB); configurations needing more are dropped, and training "
+        "spilled on one device is ranked too",
+    )
     auto.add_argument("--top", type=int, default=20, help="rows of the table")
     auto.add_argument("--trace", help="write the best configuration's predicted timeline here (Chrome trace JSON)")
     auto.add_argument("--storage-options", help="fsspec options as JSON")

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_varuna import SpillingStrategy, cut_after
 from lightning_varuna.demos import MLP
-from lightning_varuna.spilling.packing import SegmentMemory, pack_shards, parse_bytes
+from lightning_varuna.partition.packing import SegmentMemory, pack_shards, parse_bytes
 
 
 def segments(*needs: tuple[int, int]) -> list[SegmentMemory]:

@@ -31,8 +31,8 @@ from lightning_varuna.multimodel.report import (
 from lightning_varuna.multimodel.scheduler import DeviceScheduler, DeviceSpan, Ranking, SweepStopped
 from lightning_varuna.multimodel.signals import preempted_by_signals, stopped_by_signals
 from lightning_varuna.multimodel.study import StudyRunner, TrialOutcome
+from lightning_varuna.partition.packing import format_bytes
 from lightning_varuna.pipeline.replay import default_dtype
-from lightning_varuna.spilling.packing import format_bytes
 
 if TYPE_CHECKING:
     import optuna

@@ -1,2 +1,3 @@
-"""Partitioning (layer 2): CutPoint discovery, tracing, segment costs, stage balancing and the stage modules cut from a
-model; what runs them is `pipeline`'s."""
+"""Partitioning (layer 2): CutPoint discovery, tracing, segment costs, stage balancing, the stage modules cut from a
+model, and the packing of segments into the shards of a spilled model; what runs them is `pipeline`'s and
+`spilling`'s."""

@@ -1,4 +1,5 @@
-"""Pick the fastest pipeline configuration that fits memory, by simulating every feasible one."""
+"""Pick the fastest configuration that fits memory, by simulating every feasible one: pipeline x data-parallel
+shapes of the devices and, given a memory budget per device, training spilled on one of them."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from collections.abc import Sequence
 from lightning_varuna.pipeline.schedules import SCHEDULES
 from lightning_varuna.profiling.profile import ModelProfile
 from lightning_varuna.profiling.simulator import Config, MissingMeasurement, Prediction, simulate
+from lightning_varuna.profiling.spilled import TIERS, SpilledConfig, SpilledPrediction, simulate_spilled
 
-__all__ = ["candidate_configs", "choose_configs", "format_ranking", "rank_configs"]
+__all__ = ["candidate_configs", "choose_configs", "describe_choice", "format_ranking", "rank_configs"]
+
+Ranked = Prediction | SpilledPrediction
 
 
 def candidate_configs(
@@ -48,10 +52,14 @@ def rank_configs(
     nodes: int = 1,
     schedules: Sequence[str] | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
-) -> list[Prediction]:
+    spilled: bool = True,
+) -> list[Ranked]:
     """Simulate every candidate and return those that fit ``memory_bytes`` per device, fastest first.
 
-    Candidates that need a network measurement the profile lacks are left out with a warning.
+    With a budget (and ``spilled``), training spilled on one device (`SpillingStrategy`, its shards packed for the
+    budget, on each tier the profile measured) is ranked with the pipeline shapes; a model whose shards would be one
+    (it fits the budget whole) is not spilled, so that candidate is left out. Candidates that need a measurement the
+    profile lacks are left out with a warning; those that do not fit the budget are left out (not ranked).
 
     Raises:
         ValueError: no configuration is feasible (says why).
@@ -59,13 +67,27 @@ def rank_configs(
     configs = candidate_configs(
         profile, devices, global_batch_size, nodes=nodes, schedules=schedules, micro_batch_sizes=micro_batch_sizes
     )
-    if not configs:
+    predictions: list[Ranked] = []
+    skipped: list[str] = []
+    spilling_refused = None
+    if spilled and memory_bytes is not None:
+        for tier in TIERS:
+            if tier not in profile.spill:
+                skipped.append(f"spilled to {tier}: the profile has no spill times (`lightning-varuna profile`)")
+                continue
+            try:
+                spilled_prediction = simulate_spilled(profile, SpilledConfig(global_batch_size, memory_bytes, tier))
+            except ValueError as refused:  # the budget cannot train it spilled
+                spilling_refused = str(refused)
+                continue
+            if len(spilled_prediction.shards) > 1:
+                predictions.append(spilled_prediction)
+    if not configs and not predictions:
         raise ValueError(
             f"No pipeline x data-parallel layout of {devices} devices splits a global batch of {global_batch_size} "
             f"over the profiled micro-batch sizes {profile.micro_batch_sizes} with at most {len(profile.segments)} "
             "stages; change the batch size or the device count, or profile more micro-batch sizes."
         )
-    predictions, skipped = [], []
     for config in configs:
         try:
             predictions.append(simulate(profile, config))
@@ -80,9 +102,10 @@ def rank_configs(
     if not fitting:
         assert memory_bytes is not None
         least = min(predictions, key=lambda p: max(p.memory_bytes))
+        spilling = f" Spilled on one device: {spilling_refused}" if spilling_refused else ""
         raise ValueError(
             f"No configuration fits {memory_bytes / 2**30:.2f} GiB per device; the smallest, {least.config}, needs "
-            f"{max(least.memory_bytes) / 2**30:.2f} GiB. Use more devices or smaller micro-batches."
+            f"{max(least.memory_bytes) / 2**30:.2f} GiB. Use more devices or smaller micro-batches.{spilling}"
         )
     return sorted(fitting, key=lambda p: (p.step_s, max(p.memory_bytes)))
 
@@ -105,7 +128,7 @@ def choose_configs(
     Raises:
         ValueError: none is feasible (says why and what to change).
     """
-    ranked = rank_configs(
+    everything = rank_configs(
         profile,
         world_size,
         global_batch_size,
@@ -113,11 +136,13 @@ def choose_configs(
         nodes=nodes,
         schedules=None if schedule is None else [schedule],
         micro_batch_sizes=None if micro_batch_size is None else [micro_batch_size],
+        spilled=False,
     )
     ranked = [
         p
-        for p in ranked
-        if pipeline_parallel_size in (None, p.config.pipeline_parallel_size)
+        for p in everything
+        if isinstance(p, Prediction)
+        and pipeline_parallel_size in (None, p.config.pipeline_parallel_size)
         and data_parallel_size in (None, p.config.data_parallel_size)
     ]
     if not ranked:
@@ -128,18 +153,38 @@ def choose_configs(
     return ranked
 
 
-def format_ranking(predictions: Sequence[Prediction], limit: int | None = 20) -> str:
-    """The ranked configurations as a table: predicted step time, memory and bubble."""
-    lines = [
-        f"{'rank':>4}  {'P':>2} {'D':>2} {'mb':>3} {'schedule':<8} {'step ms':>9} {'vs best':>8} "
-        f"{'max memory MB':>14} {'bubble':>7}  cut at CutPoints"
-    ]
+def format_ranking(predictions: Sequence[Ranked], limit: int | None = 20) -> str:
+    """The ranked configurations as a table: predicted step time, memory per device, and what the time is made of
+    (a pipeline's bubble and cut; a spilled step's shards, recomputes, transfers and waits)."""
+    header = f"{'rank':>4}  {'configuration':<42} {'step ms':>9} {'vs best':>8} {'MiB per device':>14}"
+    lines = [f"{header}  details (pipeline: bubble, cut; spilled: shards)"]
     best = predictions[0].step_s if predictions else 1.0
     for i, p in enumerate(predictions[:limit], 1):
-        c = p.config
         lines.append(
-            f"{i:>4}  {c.pipeline_parallel_size:>2} {c.data_parallel_size:>2} {c.micro_batch_size:>3} "
-            f"{c.schedule:<8} {p.step_s * 1e3:>9.1f} {p.step_s / best:>7.2f}x {max(p.memory_bytes) / 2**20:>14.1f} "
-            f"{p.bubble:>7.0%}  {p.cut_at or '-'}"
+            f"{i:>4}  {str(p.config):<42} {p.step_s * 1e3:>9.1f} {p.step_s / best:>7.2f}x "
+            f"{max(p.memory_bytes) / 2**20:>14.1f}  {_details(p)}"
         )
     return "\n".join(lines)
+
+
+def describe_choice(ranked: Sequence[Ranked]) -> str:
+    """The configuration chosen and the runner-up, with their predicted step times and memory per device."""
+    best = ranked[0]
+    text = f"chose {best.config}: predicted {_predicted(best)}"
+    if len(ranked) > 1:
+        second = ranked[1]
+        text += f"; runner-up {second.config}: predicted {_predicted(second)} ({second.step_s / best.step_s - 1:+.1%})"
+    return text + "."
+
+
+def _predicted(p: Ranked) -> str:
+    return f"{p.step_s * 1e3:.1f} ms a step, {max(p.memory_bytes) / 2**20:.1f} MiB per device"
+
+
+def _details(p: Ranked) -> str:
+    if isinstance(p, SpilledPrediction):
+        return (
+            f"{len(p.shards)} shards, {len(p.recomputed)} recompute, {p.bytes_read / 2**20:.1f} MiB read + "
+            f"{p.bytes_written / 2**20:.1f} written, waits {p.wait_s * 1e3:.1f} ms"
+        )
+    return f"bubble {p.bubble:.0%}, cut at {p.cut_at or '-'}"

@@ -19,9 +19,10 @@ from dataclasses import replace
 from lightning_varuna.pipeline.schedules import Phase
 from lightning_varuna.profiling.profile import ModelProfile, RuntimeOverheads
 from lightning_varuna.profiling.simulator import Config, Prediction, simulate
+from lightning_varuna.profiling.spilled import SpilledConfig, simulate_spilled
 from lightning_varuna.profiling.trace import Span
 
-__all__ = ["calibrate", "measured_step_s"]
+__all__ = ["calibrate", "calibrate_spilled", "measured_step_s"]
 
 _ROUNDS = 3  # the costs of one configuration depend on each other a little: fit them in turn, a few times
 
@@ -43,6 +44,27 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
             overheads.replica_lag = statistics.mean(_replica_lag(with_overheads, c, spans) for c, spans in replicated)
         combined[processes] = overheads
     return replace(profile, overheads={**profile.overheads, **combined})
+
+
+def calibrate_spilled(profile: ModelProfile, measured: Sequence[tuple[SpilledConfig, float]]) -> ModelProfile:
+    """A copy of ``profile`` whose spill tiers' ``compute_factor`` makes the simulated step of each measured spilled
+    configuration (config, measured seconds a step) as long as measured; of several on a tier, the mean factor."""
+    spill = dict(profile.spill)
+    for tier in sorted({config.tier for config, _ in measured}):
+        factors = [_compute_factor(profile, config, step_s) for config, step_s in measured if config.tier == tier]
+        spill[tier] = replace(spill[tier], compute_factor=statistics.mean(factors))
+    return replace(profile, spill=spill)
+
+
+def _compute_factor(profile: ModelProfile, config: SpilledConfig, step_s: float, steps: int = 40) -> float:
+    """The compute factor (0.1 to 16, bisected) with which the simulated step of ``config`` takes ``step_s``."""
+    low, high = 0.1, 16.0
+    for _ in range(steps):
+        middle = (low + high) / 2
+        costs = replace(profile.spill[config.tier], compute_factor=middle)
+        predicted = simulate_spilled(replace(profile, spill={**profile.spill, config.tier: costs}), config).step_s
+        low, high = (low, middle) if predicted >= step_s else (middle, high)
+    return high
 
 
 def measured_step_s(measured: Sequence[Span]) -> float:

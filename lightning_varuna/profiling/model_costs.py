@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_varuna.profiling.autoconfig import choose_configs, format_ranking
+from lightning_varuna.profiling.autoconfig import choose_configs, describe_choice, format_ranking
 from lightning_varuna.profiling.profile import ModelProfile, segment_costs
 from lightning_varuna.profiling.segments import measure_segments
 from lightning_varuna.profiling.simulator import Config
@@ -54,7 +54,8 @@ class ModelCosts:
     ) -> Config:
         """The fastest configuration of ``world_size`` processes on ``nodes`` that the simulator predicts for
         ``global_batch_size``, keeping the sizes given (``None``: free to choose) and fitting the smallest device of
-        the job (``device`` is this process's); logged. Collective.
+        the job (``device`` is this process's); logged with the runner-up, their predicted step times and the top of
+        the ranking. Collective.
 
         Raises:
             ValueError: on every rank, when none is feasible (says why).
@@ -75,14 +76,14 @@ class ModelCosts:
                     memory_bytes=memory,
                     nodes=nodes,
                 )
-                choice = ranked[0].config, format_ranking(ranked, 5)
+                choice = ranked[0].config, describe_choice(ranked), format_ranking(ranked, 5)
             except ValueError as error:  # every rank raises it, none waits for a choice
                 choice = str(error)
         choice = _from_rank_zero(choice)
         if isinstance(choice, str):
             raise ValueError(choice)
-        best, table = choice
-        rank_zero_info(f"VarunaStrategy chose {best} for {world_size} processes:\n{table}")
+        best, why, table = choice
+        rank_zero_info(f"VarunaStrategy, {world_size} processes: AutoConfig {why}\n{table}")
         return best
 
     def segment_costs(

@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning_varuna.storage import Storage
 
-__all__ = ["LinearCost", "ModelProfile", "ProfiledSegment", "RuntimeOverheads", "SegmentTiming"]
+__all__ = ["LinearCost", "ModelProfile", "ProfiledSegment", "RuntimeOverheads", "SegmentTiming", "SpillCosts"]
 
 
 def segment_costs(timings: list[SegmentTiming]) -> list[float]:
@@ -75,6 +75,20 @@ class LinearCost:
 
 
 @dataclass
+class SpillCosts:
+    """Seconds to spill a part of a shard (its parameters, gradients or optimizer state: one file on the disk tier)
+    and to fetch it back, by its bytes, measured with SpillingStrategy's own store in its pattern (a part rewritten
+    in place and dropped from the page cache, then read into a buffer used again)."""
+
+    read: LinearCost
+    write: LinearCost
+    # How much longer the shards compute than profiled while spilling to this tier, learned from a measured spilled
+    # step (`calibrate_spilled`); e.g. on the CPU the disk tier returns freed memory to the system at once, so each
+    # activation's pages are faulted in anew.
+    compute_factor: float = 1.0
+
+
+@dataclass
 class RuntimeOverheads:
     """What a real pipelined step costs beyond the profiled segments, learned from measured steps (`calibrate`):
     the user's step and the runtime's bookkeeping around each forward and backward (a constant and a part that
@@ -122,6 +136,10 @@ class ModelProfile:
     object_broadcast: dict[int, dict[int, float]] = field(default_factory=dict)
     # Learned from measured steps, by processes per node (see `calibrate`); none: the simulator adds nothing.
     overheads: dict[int, RuntimeOverheads] = field(default_factory=dict)
+    # Spilling's tiers ("host", "disk"), measured with its store (`lightning-varuna profile`); none: no spilled
+    # configuration can be predicted.
+    spill: dict[str, SpillCosts] = field(default_factory=dict)
+    buffer_bytes: int = 0  # the model's buffers: they stay on the device of a spilled model throughout
     version: int = 1
 
     def threads_per_process(self, processes_per_node: int) -> int:
@@ -195,6 +213,11 @@ class ModelProfile:
                 int(n): {int(d): v for d, v in by_d.items()} for n, by_d in raw.get("object_broadcast", {}).items()
             },
             overheads={int(n): RuntimeOverheads(**v) for n, v in raw.get("overheads", {}).items()},
+            spill={
+                tier: SpillCosts(_linear(v["read"]), _linear(v["write"]), v.get("compute_factor", 1.0))
+                for tier, v in raw.get("spill", {}).items()
+            },
+            buffer_bytes=raw.get("buffer_bytes", 0),
         )
 
     def save(self, url: str, storage: Storage | None = None) -> None:

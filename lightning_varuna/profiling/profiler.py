@@ -120,10 +120,12 @@ def profile_model(
         device=str(next(iter(module.parameters())).device),
         cores_per_node=os.cpu_count() or 1,
         segments=segments,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
     )
-    if previous is not None:  # the network did not change with the model
+    if previous is not None:  # the network and the spill tiers did not change with the model
         profile.p2p, profile.allreduce = dict(previous.p2p), dict(previous.allreduce)
         profile.object_broadcast = dict(previous.object_broadcast)
+        profile.spill = dict(previous.spill)
         if same_model:  # what calibration learned about this model's step
             profile.overheads = dict(previous.overheads)
     return profile
@@ -154,8 +156,9 @@ def _describe_segments(
     canonical = {p: name for name, p in module.named_parameters()}
     params: list[dict[str, Tensor]] = [{} for _ in range(num_segments)]
     kinds: list[list[str]] = [[] for _ in range(num_segments)]
+    parents = {child: parent for parent in module.modules() for child in parent.children()}
     for sub in module.modules():
-        for segment in sorted(calls.get(sub, {0})):
+        for segment in sorted(_segments_of(sub, calls, parents)):
             kinds[segment].append(type(sub).__name__)
             for p in sub.parameters(recurse=False):
                 params[segment][canonical[p]] = p  # a tied or reused weight counts in every segment using it
@@ -172,6 +175,17 @@ def _describe_segments(
             )
         )
     return result, [list(named.values()) for named in params]
+
+
+def _segments_of(sub: nn.Module, calls: dict[nn.Module, set[int]], parents: dict[nn.Module, nn.Module]) -> set[int]:
+    """The segments that call ``sub``; for a module never called itself, whose parent uses its parameters directly
+    (``nn.MultiheadAttention``'s ``out_proj``), those of the nearest ancestor that is called (segment 0 if none)."""
+    if sub in calls:
+        return calls[sub]
+    ancestor = parents.get(sub)
+    while ancestor is not None and ancestor not in calls:
+        ancestor = parents.get(ancestor)
+    return calls[ancestor] if ancestor is not None else {0}
 
 
 # ------------------------------------------------------------------------------------------------ timings

@@ -195,7 +195,7 @@ def _run_pipeline(
     early); an activation one transfer after both it was sent and its consumer started the forward."""
     P = len(actions)
     microbatches = [stages_by_size[size] for size in sizes]
-    transfer = _p2p(profile, processes_per_node)
+    transfer = _p2p(profile, processes_per_node) if P > 1 else _no_transfer  # one stage sends nothing
 
     def send(nbytes: float) -> float:
         return transfer(nbytes) + overheads.message_s
@@ -301,6 +301,10 @@ def _p2p(profile: ModelProfile, processes: int) -> Callable[[float], float]:
             "the profile has no point-to-point times between stages; profile with `--devices` 2 or more."
         )
     return profile.p2p.get(processes) or profile.p2p[min(profile.p2p, key=lambda n: abs(n - processes))]
+
+
+def _no_transfer(nbytes: float) -> float:
+    return 0.0
 
 
 def _allreduce(profile: ModelProfile, processes: int, width: int) -> LinearCost:

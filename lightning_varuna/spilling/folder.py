@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_varuna.spilling.packing import format_bytes
+from lightning_varuna.partition.packing import format_bytes
 
 __all__ = ["SpillFolder"]
 

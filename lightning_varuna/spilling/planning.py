@@ -16,12 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_varuna.data.microbatch import batch_size_of, first_rows
 from lightning_varuna.partition.discovery import buffers_kept, discover_cutpoints, observe_cutpoints
-from lightning_varuna.partition.split import PipelineGraph, Source
-from lightning_varuna.pipeline.replay import generator_states, states_differ
-from lightning_varuna.profiling.memory import SavedTensorMeter
-from lightning_varuna.spilling.folder import SpillFolder
-from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
-from lightning_varuna.spilling.packing import (
+from lightning_varuna.partition.packing import (
     Packing,
     SegmentMemory,
     format_bytes,
@@ -29,6 +24,11 @@ from lightning_varuna.spilling.packing import (
     shard_share,
     smallest_budgets,
 )
+from lightning_varuna.partition.split import PipelineGraph, Source
+from lightning_varuna.pipeline.replay import generator_states, states_differ
+from lightning_varuna.profiling.memory import SavedTensorMeter
+from lightning_varuna.spilling.folder import SpillFolder
+from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
 from lightning_varuna.spilling.segments import Segments, WholeModel
 from lightning_varuna.spilling.shards import ShardedModel, Turn, any_time
 from lightning_varuna.spilling.store import SpillStore

@@ -23,10 +23,10 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from lightning_varuna._torch_private import foreach_norm
+from lightning_varuna.partition.packing import Packing
 from lightning_varuna.partition.split import PipelineGraph, Source
 from lightning_varuna.pipeline.replay import BufferState, DtypeState, RandomState, generator_states, states_differ
 from lightning_varuna.spilling.outside_calls import refuse_calls_while_spilled
-from lightning_varuna.spilling.packing import Packing
 from lightning_varuna.spilling.saved_parameters import parameters_saved_by_reference
 from lightning_varuna.spilling.segments import Segments, WholeModel
 from lightning_varuna.spilling.store import SpillStore

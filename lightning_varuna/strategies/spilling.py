@@ -25,6 +25,7 @@ from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.data.microbatch import batch_size_of
 from lightning_varuna.data.one_device import resumable_on_one_device
 from lightning_varuna.partition.discovery import buffers_kept
+from lightning_varuna.partition.packing import SegmentMemory, parse_bytes
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
 from lightning_varuna.spilling.checkpoints import SpilledCheckpoints
@@ -32,7 +33,6 @@ from lightning_varuna.spilling.folder import SpillFolder
 from lightning_varuna.spilling.grad_scaler import ShardwiseGradScaler, shardwise
 from lightning_varuna.spilling.materialize import MetaModel, ParkedSegments
 from lightning_varuna.spilling.optimizer_step import ShardwiseStep
-from lightning_varuna.spilling.packing import SegmentMemory, parse_bytes
 from lightning_varuna.spilling.planning import plan_shards
 from lightning_varuna.spilling.shards import ShardedModel, any_time
 from lightning_varuna.strategies.clipping import route_gradient_clipping

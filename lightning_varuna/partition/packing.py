@@ -1,4 +1,7 @@
-"""Pack a model's segments (the pieces between its CutPoints) into shards that fit a device memory budget."""
+"""Pack a model's segments (the pieces between its CutPoints) into shards that fit a device memory budget.
+
+Pure planning over measured sizes: `SpillingStrategy` packs by it at set-up, and the simulator predicts a spilled
+step from the very same packing."""
 
 from __future__ import annotations
 
