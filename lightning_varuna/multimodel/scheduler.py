@@ -131,7 +131,8 @@ class _Request:
 
 class DeviceScheduler:
     """``devices`` device slots shared by the models of a sweep, handed out longest remaining time first; on the CPU,
-    device k is the core ``cores[k]`` (None: the OS places the threads), on CUDA the GPU ``gpus[k]``.
+    device k is the core ``cores[k]`` (None, or ``pin=False``: the OS places the threads), on CUDA the GPU
+    ``gpus[k]``.
 
     Whenever a device comes free (or a model starts waiting), the dispatcher gives the free devices to the waiting
     models in order of remaining time and wakes only those.
