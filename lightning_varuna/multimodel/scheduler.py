@@ -253,7 +253,8 @@ class DeviceScheduler:
 
         Forward and backward turns of a model whose forward draws random numbers (or may: its first) hold the
         generator, as do turns asking for it (``generator``); other threads draw nothing from it meanwhile, except
-        from outside their turns.
+        from outside their turns. A turn that a model takes inside one of its own, in the same thread, runs at once
+        within it (and must not need the generator if that turn does not hold it).
         """
         clock = self._clocks[name]
         draws = clock.draws.get((shard, training)) if work in ("forward", "backward") else False
