@@ -42,6 +42,8 @@ class SweepMemberStrategy(SpillingStrategy):
     """`SpillingStrategy` whose shards wait for the sweep's devices; its set-up (which runs the model to measure it)
     holds a device and torch's global generator, and it traces its forward while the other models wait."""
 
+    step_in_one_turn = True  # a model that stays on the device steps in one turn (`optimizer_step`)
+
     def __init__(self, scheduler: DeviceScheduler, member: SweepMember, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.scheduler, self.sweep_name, self._member = scheduler, member.name, member
@@ -85,6 +87,17 @@ class SweepMemberStrategy(SpillingStrategy):
     @override
     def _turn(self, work: str, shard: int) -> AbstractContextManager[bool]:
         return self.scheduler.turn(self.sweep_name, work, shard, training=self._module.training)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """A model that stays on the device (in one shard) takes its whole step, training step, backward and
+        optimizer step, in one turn rather than a turn each for its forward and its backward: a small model's step
+        takes a few milliseconds, as long as handing a device over."""
+        if not (self.step_in_one_turn and self._sharded_model().stays):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        draws = self.scheduler.clock(self.sweep_name).draws.get((0, True)) is not False
+        with self.scheduler.turn(self.sweep_name, "step", 0, training=True, generator=draws):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
     def _keeps_whole_model(self) -> bool:

@@ -18,7 +18,13 @@ side in ``benchmarks/model_selection.py``, ``"end"`` kept the devices busier (se
 
 Between two turns a model runs Lightning's own code for a moment. So that the D models with the longest remaining
 time keep their devices rather than queue behind shorter models' shards each time, a device they just gave back is
-held for them for up to `HOLD_S`, unless they are all waiting already.
+held for them for up to `HOLD_S`, unless they are all waiting already. One thread of the scheduler's dispatches again
+as such holds end; it lives while holds keep coming (a thread started for each hold cost a small model's sweep 25 s
+of its threads' time over 3,872 turns).
+
+A turn taken by a model inside a turn of its own (in the same thread) runs in that turn: a model whose whole step
+is one turn (`SweepMemberStrategy.optimizer_step`) runs its forward and backward inside it, and the turn holds the
+generator if they need it.
 
 Models whose forward draws random numbers (dropout) take turns one at a time on torch's global generator, so that
 each shard's recompute replays the same numbers. Whether a forward draws is found out at set-up, which runs the
@@ -30,10 +36,15 @@ first, so that a model just set up starts training before the next set-up takes 
 
 On the CPU a device is a core: a turn on device k runs with its thread pinned to the k-th of ``cores``, so that two
 turns never share a core while another core idles, and a computing thread is not moved between cores (measured: a
-sweep's makespan 2-3% shorter at batches of 256 rows). On CUDA a device is a GPU: a turn on device k runs with
-``gpus[k]`` as the current device. A GPU works asynchronously: a turn ends when its work is issued, so its time (what
-the ranking counts, and `spans`) is the host's time issuing that work. When the GPU ran it is measured apart, by a
-pair of CUDA events around each turn on the stream it issued to (`gpu_spans`, read once the sweep is over).
+sweep's makespan 2-3% shorter at batches of 256 rows). A thread is pinned when it first runs on a core and stays
+pinned there between its turns, until a turn on another device (a model is given the device of its last turn when
+it is free): pinning it for each turn and back after took 7 ms a call on a loaded machine, longer than a small
+model's turn. ``pin=False`` leaves the threads where the OS puts them.
+
+On CUDA a device is a GPU: a turn on device k runs with ``gpus[k]`` as the current device. A GPU works
+asynchronously: a turn ends when its work is issued, so its time (what the ranking counts, and `spans`) is the host's
+time issuing that work. When the GPU ran it is measured apart, by a pair of CUDA events around each turn on the
+stream it issued to (`gpu_spans`, read once the sweep is over).
 
 A model traces its forward (at set-up, and for inputs of a new shape) `alone`: while no other model is in a turn.
 torch.export marks the whole process as compiling while it traces (`torch.compiler.is_compiling()`), and optimizers
@@ -96,6 +107,7 @@ class ModelClock:
     draws: dict[tuple[int, bool], bool] = field(default_factory=dict)  # (shard, training) -> its forward draws
     decides_at: float = float("inf")  # the global step of the next decision that may end it early (a pruner's)
     goes_on: float = 1.0  # the share of models that go on past such a decision
+    device: int | None = None  # the device of its last turn
 
     @property
     def remaining_steps(self) -> float:
@@ -119,7 +131,8 @@ class _Request:
 
 class DeviceScheduler:
     """``devices`` device slots shared by the models of a sweep, handed out longest remaining time first; on the CPU,
-    device k is the core ``cores[k]`` (None: the OS places the threads), on CUDA the GPU ``gpus[k]``.
+    device k is the core ``cores[k]`` (None, or ``pin=False``: the OS places the threads), on CUDA the GPU
+    ``gpus[k]``.
 
     Whenever a device comes free (or a model starts waiting), the dispatcher gives the free devices to the waiting
     models in order of remaining time and wakes only those.
@@ -131,6 +144,7 @@ class DeviceScheduler:
         cores: Sequence[int] | None = None,
         gpus: Sequence[torch.device] | None = None,
         ranking: Ranking = "end",
+        pin: bool = True,
     ) -> None:
         if cores is not None and len(cores) < devices:
             raise ValueError(f"{devices} devices need as many cores; {list(cores)} were given.")
@@ -140,7 +154,7 @@ class DeviceScheduler:
             raise ValueError(
                 f'DeviceScheduler ranks models by "expected" remaining time or time to their "end", not {ranking!r}.'
             )
-        self.devices, self.cores, self.gpus, self.ranking = devices, cores, gpus, ranking
+        self.devices, self.cores, self.gpus, self.ranking, self.pin = devices, cores, gpus, ranking, pin
         self.spans: list[DeviceSpan] = []
         self._gpu_marks: list[tuple[DeviceSpan, torch.cuda.Event, torch.cuda.Event]] = []  # a turn's host span, events
         self._gpu_origins: dict[int, tuple[torch.cuda.Event, float]] = {}  # device -> an event and its host time
@@ -153,7 +167,12 @@ class DeviceScheduler:
         self._lock = threading.Lock()
         self._arrivals = 0
         self._stopped: str | None = None
-        self._hold_timer: threading.Timer | None = None  # to dispatch again when held devices are held no longer
+        self._hold_due: float | None = None  # when the devices held now are held no longer (`_dispatch_later`)
+        self._hold_thread: threading.Thread | None = None  # which dispatches again then
+        self._hold_changed = threading.Condition(self._lock)
+        # Of each thread: ``.core``, the core it is pinned to (see `_on_device`); ``.turns``, model -> the turn it
+        # holds a device for in this thread.
+        self._thread = threading.local()
         self._holders: dict[int, str] = {}  # device -> the model whose turn it runs
         self._alone: str | None = None  # the model running alone (`alone`): no other model starts a turn
         self._waiting_alone: set[str] = set()  # models waiting to run alone (they compute nothing meanwhile)
@@ -234,18 +253,29 @@ class DeviceScheduler:
 
         Forward and backward turns of a model whose forward draws random numbers (or may: its first) hold the
         generator, as do turns asking for it (``generator``); other threads draw nothing from it meanwhile, except
-        from outside their turns.
+        from outside their turns. A turn that a model takes inside one of its own, in the same thread, runs at once
+        within it (and must not need the generator if that turn does not hold it).
         """
         clock = self._clocks[name]
         draws = clock.draws.get((shard, training)) if work in ("forward", "backward") else False
+        in_turn: dict[str, _Request] = self._thread.__dict__.setdefault("turns", {})
+        outer = in_turn.get(name)
+        if outer is not None:  # within the model's own turn (a whole step's: see module)
+            with self._draws_measured(clock, work, shard, training, outer.device):
+                if (generator or draws is not False) and not outer.needs_generator:
+                    raise RuntimeError(
+                        f"{name}'s {work} of shard {shard} needs torch's global generator, which the turn it runs "
+                        "in does not hold: ask for it (`generator=True`) when taking the outer turn."
+                    )
+                yield outer.needs_generator
+            return
         request = self._wait(clock, needs_generator=generator or draws is not False)
         assert request.device is not None
-        device = self.gpus[request.device] if self.gpus is not None else torch.device("cpu")
-        before = generator_states(device) if draws is None and work == "forward" else None
+        in_turn[name] = request
         start = time.perf_counter()
         events = None
         try:
-            with self._on_device(request.device):
+            with self._on_device(request.device), self._draws_measured(clock, work, shard, training, request.device):
                 if self.gpus is not None:
                     events = self._gpu_event(request.device), torch.cuda.Event(enable_timing=True)
                 try:
@@ -255,8 +285,7 @@ class DeviceScheduler:
                         events[1].record()
         finally:
             end = time.perf_counter()
-            if before is not None:
-                clock.draws[(shard, training)] = states_differ(before, generator_states(device))
+            del in_turn[name]
             with self._lock:
                 clock.device_s += end - start
                 clock.setup_s += end - start if work == "set-up" else 0.0
@@ -269,6 +298,21 @@ class DeviceScheduler:
                 self._release(request)
                 self._changed.notify_all()
                 self._dispatch()
+
+    @contextmanager
+    def _draws_measured(
+        self, clock: ModelClock, work: str, shard: int, training: bool, device: int | None
+    ) -> Iterator[None]:
+        """Find out in the block whether ``shard``'s forward draws random numbers, if not known yet."""
+        if work != "forward" or clock.draws.get((shard, training), None) is not None:
+            yield
+            return
+        on = self.gpus[device] if self.gpus is not None and device is not None else torch.device("cpu")
+        before = generator_states(on)
+        try:
+            yield
+        finally:
+            clock.draws[(shard, training)] = states_differ(before, generator_states(on))
 
     def _gpu_event(self, device: int) -> torch.cuda.Event:
         """An event recorded now on the current stream of GPU ``device`` (its first turn's also gives the device's
@@ -299,15 +343,14 @@ class DeviceScheduler:
             with torch.cuda.device(self.gpus[device]):
                 yield
             return
-        if self.cores is None:
+        if self.cores is None or not self.pin:
             yield
             return
-        previous = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {self.cores[device]})
-        try:
-            yield
-        finally:
-            os.sched_setaffinity(0, previous)
+        core = self.cores[device]
+        if getattr(self._thread, "core", None) != core:
+            os.sched_setaffinity(0, {core})
+            self._thread.core = core
+        yield
 
     @contextmanager
     def alone(self, name: str) -> Iterator[None]:
@@ -379,16 +422,33 @@ class DeviceScheduler:
         raise SweepStopped(f"the sweep was stopped ({self._stopped})")
 
     def _dispatch_later(self) -> None:
-        """Dispatch again once the devices held now are held no longer (if their models have not come back)."""
-        if self._hold_timer is None:
-            self._hold_timer = threading.Timer(HOLD_S, self._dispatch_after_hold)
-            self._hold_timer.daemon = True
-            self._hold_timer.start()
+        """Dispatch again once the devices held now are held no longer (if their models have not come back), on one
+        thread that lives as long as holds keep coming (a thread started for each hold cost more than a short turn)."""
+        if self._hold_due is not None:
+            return
+        self._hold_due = time.perf_counter() + HOLD_S
+        if self._hold_thread is None:
+            self._hold_thread = threading.Thread(target=self._end_holds, name="sweep holds", daemon=True)
+            self._hold_thread.start()
+        else:
+            self._hold_changed.notify()
 
-    def _dispatch_after_hold(self) -> None:
+    def _end_holds(self) -> None:
+        """Dispatch as each hold ends; stop after a second without holds."""
         with self._lock:
-            self._hold_timer = None
-            self._dispatch()
+            while True:
+                if self._hold_due is None:
+                    self._hold_changed.wait(timeout=1.0)
+                    if self._hold_due is None:
+                        self._hold_thread = None
+                        return
+                    continue
+                delay = self._hold_due - time.perf_counter()
+                if delay > 0:
+                    self._hold_changed.wait(timeout=delay)
+                    continue
+                self._hold_due = None
+                self._dispatch()
 
     def _release(self, request: _Request) -> None:
         if request.device is not None:
@@ -418,7 +478,11 @@ class DeviceScheduler:
                 if len(self._free) <= held and not any(request.clock is c for c in longest):
                     self._dispatch_later()
                     continue
-                request.device = self._free.pop(0)
+                # The device of its last turn if free: its thread is pinned there already (see `_on_device`).
+                last = request.clock.device
+                request.device = last if last in self._free else self._free[0]
+                self._free.remove(request.device)
+                request.clock.device = request.device
                 self._holders[request.device] = request.clock.name
             if request.needs_generator:
                 self._generator_holder = request.clock.name

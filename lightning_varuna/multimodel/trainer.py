@@ -65,8 +65,8 @@ class MultiModelTrainer:
         keep_on_device: keep each model that fits its budget in one shard on the device between its turns, instead
             of spilling it after each. ``None``: on a GPU, the models that save the most copies (the longest, by
             ``max_steps``, then the largest) while their parameters, gradients and optimizer state (four times
-            their parameters) fit in half of what the GPU has free as `fit` starts; never on the CPU, where host
-            memory is the device's.
+            their parameters) fit in half of what the GPU has free as `fit` starts; on the CPU, every such model
+            unless ``spill_dir`` is set (host memory is the device's: spilling a model there would free nothing).
         checkpoint_dir: where `optimize` keeps each trial's checkpoint (any fsspec URL; the workers of one study
             share it).
         ranking: what a model's remaining time counts, which ranks it for the devices: ``"end"``, its time to its
@@ -297,7 +297,7 @@ class MultiModelTrainer:
         """Start fitting the model added with ``trainer`` (alongside those training); ``ended(result)`` runs in its
         thread once its fit has ended."""
         member = next(m for m in self._members if m.trainer is trainer)
-        member.stays_on_device = bool(self.keep_on_device)
+        member.stays_on_device = self.keep_on_device if self.keep_on_device is not None else self._host_is_device()
         result = ModelResult(member.name, trainer)
 
         def fit() -> None:
@@ -323,9 +323,9 @@ class MultiModelTrainer:
     def _staying_on_the_gpu(self) -> list[bool]:
         """Which models stay on the GPU between their turns: those that save the most copies (`staying_models`),
         their parameters, gradients and optimizer state within half of what the GPU has free (the rest for a turn's
-        activations). None on the CPU."""
+        activations). On the CPU, every model if they wait in host memory (spilling them there frees nothing)."""
         if self.scheduler.gpus is None:
-            return [False] * len(self._members)
+            return [self._host_is_device()] * len(self._members)
         free = torch.cuda.mem_get_info(self.scheduler.gpus[0])[0]
         sizes = [sum(4 * p.numel() * p.element_size() for p in m.model.parameters()) for m in self._members]
         steps = [m.trainer.max_steps if m.trainer.max_steps > 0 else float("inf") for m in self._members]
@@ -336,6 +336,10 @@ class MultiModelTrainer:
             f"{format_bytes(free)} free)."
         )
         return stays
+
+    def _host_is_device(self) -> bool:
+        """Whether spilling a model saves no device memory: on the CPU, in host memory (no ``spill_dir``)."""
+        return self.scheduler.gpus is None and self.spill_dir is None
 
     @property
     def spans(self) -> list[DeviceSpan]:
