@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -254,8 +255,9 @@ def test_calibration_recovers_the_costs_a_measured_step_adds(schedule):
 @pytest.mark.slow  # the CLI measures collectives between 2 processes
 def test_cli_profiles_and_autoconfigures(tmp_path, capsys):
     out = tmp_path / "tiny.json"
+    model = f"{os.path.dirname(__file__)}/models.py:TinyLM"
     cli(
-        ["profile", "tests/models.py:TinyLM", "--input-shape", f"4x{SEQ}", "--input-dtype", "int64"]
+        ["profile", model, "--input-shape", f"4x{SEQ}", "--input-dtype", "int64"]
         + ["--micro-batch-sizes", "1", "2", "--devices", "2", "--output", str(out)]
     )
     profile = ModelProfile.load(str(out))
