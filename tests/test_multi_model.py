@@ -762,6 +762,27 @@ def test_building_a_model_waits_for_a_hold_of_the_generator_and_keeps_drawing_tu
     assert served == ["build", "turn"]
 
 
+def test_a_build_waiting_for_the_generator_when_the_sweep_stops_runs_on():
+    """A build that waits for the generator when the sweep is stopped (a second Ctrl-C) still runs: its trial is
+    then stopped at its first turn and handed over like the others, not failed by the stop."""
+    scheduler = DeviceScheduler(devices=1)
+    scheduler.add("setting-up", 10)
+    scheduler.hold_generator("setting-up")
+    built = threading.Event()
+
+    def build() -> None:
+        with scheduler.generator_held("building"):
+            built.set()
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    time.sleep(5 * HOLD_S)
+    assert not built.is_set()
+    scheduler.stop("KeyboardInterrupt")
+    builder.join(timeout=100 * HOLD_S)
+    assert built.is_set()
+
+
 def test_a_hold_of_the_generator_is_served_before_a_longer_models_set_up():
     """A model just set up holds the generator until its training starts; it gets it before the next set-up (which
     would hold it for much longer), even when the model being set up has the longer remaining time."""

@@ -391,8 +391,14 @@ class DeviceScheduler:
     def generator_held(self, holder: str) -> Iterator[None]:
         """Run the block holding torch's global generator for ``holder``, which is not a model of the sweep (the
         sweep's own thread building a model while others train: its seeded initialization must not interleave with
-        a model's draws, nor with Lightning restoring the generator's state after a sanity check)."""
-        request = self._wait(ModelClock(holder, 0), needs_generator=True, needs_device=False)
+        a model's draws, nor with Lightning restoring the generator's state after a sanity check). Once the sweep
+        is stopped the block runs without the hold: no model draws any more, and the model built then learns of the
+        stop at its first turn, as the others do."""
+        try:
+            request = self._wait(ModelClock(holder, 0), needs_generator=True, needs_device=False)
+        except SweepStopped:
+            yield
+            return
         try:
             yield
         finally:
