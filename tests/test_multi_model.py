@@ -448,8 +448,15 @@ def test_sigterm_stops_every_model_at_a_shard_boundary_and_each_resumes(tmp_path
     references = [copy.deepcopy(m) for m in models]
 
     class SigtermAtStep(L.Callback):
+        """SIGTERM once this model has stepped 3 times and the other has checkpointed (on a busy machine the other
+        may not have stepped yet at this one's step 3)."""
+
+        sent = False
+
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-            if trainer.global_step == 3:
+            other_saved = (tmp_path / "m1").is_dir() and any((tmp_path / "m1").iterdir())
+            if trainer.global_step >= 3 and other_saved and not self.sent:
+                self.sent = True
                 os.kill(os.getpid(), signal.SIGTERM)
 
     def add_all(sweep: MultiModelTrainer, ckpt_paths: list[str | None]) -> None:
