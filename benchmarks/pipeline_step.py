@@ -71,8 +71,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, CharDataset, make_text  # noqa: E402
 
 from lightning_varuna import VarunaStrategy  # noqa: E402
-from lightning_varuna.pipeline.schedules import Action, Phase, microbatches_of  # noqa: E402
+from lightning_varuna.pipeline.schedules import Action  # noqa: E402
 from lightning_varuna.pipeline.stage import Stage  # noqa: E402
+from lightning_varuna.pipeline.step import run_schedule  # noqa: E402
 from lightning_varuna.profiling.processes import wait_all  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline_step.json"
@@ -308,26 +309,17 @@ def time_steps(
 
 
 def run_bare_step(stage: Stage, actions: list[Action], xs: tuple[Tensor, ...], ys: tuple[Tensor, ...]) -> None:
-    """The forwards, recomputes, backwards and weight passes of one step of ``stage`` under ``actions``, called on its
-    runtime as `MicroBatchedStep` calls them, without a LightningModule around: each micro-batch's LM loss over their
-    number."""
-    runtime = stage.runtime
-    recomputed = microbatches_of(actions, Phase.RECOMPUTE)
-    deferred_weights = microbatches_of(actions, Phase.WEIGHT)
-    logits: dict[int, Tensor | None] = {}
-    for action in actions:
-        m = action.microbatch
-        if action.phase is Phase.FORWARD:
-            graph, stage_module = stage.stage_for((xs[m],), {})
-            logits[m] = runtime.forward(m, graph, stage_module, [xs[m]], True, recompute_later=m in recomputed)
-        elif action.phase is Phase.RECOMPUTE:
-            runtime.recompute(m)
-        elif action.phase is Phase.BACKWARD:
-            loss = None if logits[m] is None else lm_loss(logits[m], ys[m]) / len(xs)
-            runtime.backward(m, loss, weights_later=m in deferred_weights)
-        else:
-            runtime.backward_weights(m)
-    runtime.finish()
+    """One step of ``stage`` under ``actions``, walked by the loop `MicroBatchedStep` uses (`run_schedule`) on the
+    bare runtime, without a LightningModule around: each micro-batch's LM loss over their number."""
+
+    def forward(m: int, recompute_later: bool) -> Tensor | None:
+        graph, stage_module = stage.stage_for((xs[m],), {})
+        return stage.runtime.forward(m, graph, stage_module, [xs[m]], True, recompute_later=recompute_later)
+
+    def loss_of(m: int, logits: Tensor | None) -> Tensor | None:
+        return None if logits is None else lm_loss(logits, ys[m]) / len(xs)
+
+    run_schedule(stage.runtime, actions, forward, loss_of)
 
 
 def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:

@@ -38,10 +38,10 @@ from lightning_varuna.pipeline.gradients import (  # noqa: E402
     clip_grad_norm_across_stages,
     reduce_gradients,
 )
-from lightning_varuna.pipeline.schedules import SCHEDULES, Action, Phase, forward_only, microbatches_of  # noqa: E402
+from lightning_varuna.pipeline.schedules import SCHEDULES, Action, forward_only  # noqa: E402
 from lightning_varuna.pipeline.shared_params import SharedParameters  # noqa: E402
 from lightning_varuna.pipeline.stage import Stage  # noqa: E402
-from lightning_varuna.pipeline.step import MicroBatchedStep  # noqa: E402
+from lightning_varuna.pipeline.step import MicroBatchedStep, run_schedule  # noqa: E402
 from lightning_varuna.pipeline.topology import PipelineGroups, Topology  # noqa: E402
 
 BATCH, MICRO_BATCH = 16, 2
@@ -76,27 +76,17 @@ def run_runtime(
     weight: float,
     training: bool = True,
 ) -> list[Any]:
-    """The bare runtime under ``actions`` on the micro-batches ``xs``, called as the step calls it (and as the
-    benchmark does), each loss scaled by ``weight``."""
-    runtime = stage.runtime
-    recomputed = microbatches_of(actions, Phase.RECOMPUTE)
-    deferred_weights = microbatches_of(actions, Phase.WEIGHT)
-    outputs: dict[int, Tensor | None] = {}
-    for action in actions:
-        m = action.microbatch
-        if action.phase is Phase.FORWARD:
-            graph, stage_module = stage.stage_for((xs[m],), {})
-            outputs[m] = runtime.forward(m, graph, stage_module, [xs[m]], training, recompute_later=m in recomputed)
-        elif action.phase is Phase.RECOMPUTE:
-            runtime.recompute(m)
-        elif action.phase is Phase.BACKWARD:
-            logits = outputs[m]
-            loss = None if logits is None else F.cross_entropy(logits.flatten(0, 1), ys[m].flatten()) * weight
-            runtime.backward(m, loss, weights_later=m in deferred_weights)
-        else:
-            runtime.backward_weights(m)
-    runtime.finish()
-    return [outputs[m] for m in sorted(outputs)]
+    """The bare runtime under ``actions`` on the micro-batches ``xs``, walked by the step's loop (`run_schedule`, as
+    the benchmark does), each loss scaled by ``weight``."""
+
+    def forward(m: int, recompute_later: bool) -> Tensor | None:
+        graph, stage_module = stage.stage_for((xs[m],), {})
+        return stage.runtime.forward(m, graph, stage_module, [xs[m]], training, recompute_later=recompute_later)
+
+    def loss_of(m: int, logits: Tensor | None) -> Tensor | None:
+        return None if logits is None else F.cross_entropy(logits.flatten(0, 1), ys[m].flatten()) * weight
+
+    return run_schedule(stage.runtime, actions, forward, loss_of)
 
 
 def zero_grads(stage: Stage) -> None:

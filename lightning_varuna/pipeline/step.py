@@ -1,8 +1,8 @@
 """Run one step of a LightningModule (``training_step``, ``validation_step``, ...) over the micro-batches of a batch
 through this rank's pipeline stage.
 
-The step owns the schedule's loop (`MicroBatchedStep._step_microbatches`, as torch's `_step_microbatches`): it walks
-this stage's actions and, per action, runs the user's step on a micro-batch (whose ``self(...)`` runs the stage
+The step owns the schedule's loop (`run_schedule`, as torch's `_step_microbatches`; `MicroBatchedStep` runs it): it
+walks this stage's actions and, per action, runs the user's step on a micro-batch (whose ``self(...)`` runs the stage
 runtime's forward), or the runtime's recompute, backward or weight pass; the runtime never calls back into the step.
 
 This is the one place that changes the user's module while a step runs, and only for the step's duration:
@@ -29,12 +29,13 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_varuna.data.microbatch import batch_size_of, merge_microbatches, split_microbatches
+from lightning_varuna.pipeline.runtime import StageRuntime
 from lightning_varuna.pipeline.schedules import Action, Phase, microbatches_of
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step_logging import LogRecorder
 from lightning_varuna.random_states import global_random_states_kept
 
-__all__ = ["MicroBatchedStep", "StageForwardDone", "capture_forward_inputs", "patched_forward"]
+__all__ = ["MicroBatchedStep", "StageForwardDone", "capture_forward_inputs", "patched_forward", "run_schedule"]
 
 
 class StageForwardDone(BaseException):
@@ -96,33 +97,15 @@ class MicroBatchedStep:
         return merge_microbatches(step_outputs, self._weights) if self.stage.runtime.is_last_stage else None
 
     def _step_microbatches(self, actions: list[Action], training: bool, on_wait: Callable[[], None]) -> list[Any]:
-        """Execute this stage's ``actions`` in order; return each micro-batch's step output (None on stages other
-        than the last). Any failure abandons the batch: its sends may never be received."""
-        runtime = self.stage.runtime
-        recomputed = microbatches_of(actions, Phase.RECOMPUTE)
-        deferred_weights = microbatches_of(actions, Phase.WEIGHT)
-        step_outputs: dict[int, Any] = {}
-        try:
-            for action in actions:
-                m = action.microbatch
-                with runtime.timing(action):
-                    if action.phase is Phase.FORWARD:
-                        step_outputs[m] = self._run_user_step(m, training, m in recomputed, on_wait)
-                    elif action.phase is Phase.RECOMPUTE:
-                        runtime.recompute(m)
-                    elif action.phase is Phase.BACKWARD:
-                        loss = self._loss_of(m, step_outputs[m])
-                        runtime.backward(m, loss, on_wait, weights_later=m in deferred_weights)
-                        # What merges the outputs reads only values; their graph, kept, would keep what a split
-                        # backward's input part left for no weight pass (the loss's side, freed when unreferenced).
-                        step_outputs[m] = tree_map(_detached, step_outputs[m])
-                    else:
-                        runtime.backward_weights(m)
-            runtime.finish(on_wait)
-        except BaseException:
-            runtime.abandon_batch()
-            raise
-        return [step_outputs[m] for m in sorted(step_outputs)]
+        """Execute this stage's ``actions``, each forward running the user's step on its micro-batch; return each
+        micro-batch's step output (None on stages other than the last)."""
+        return run_schedule(
+            self.stage.runtime,
+            actions,
+            lambda m, recompute_later: self._run_user_step(m, training, recompute_later, on_wait),
+            self._loss_of,
+            on_wait,
+        )
 
     def _run_user_step(self, m: int, training: bool, recompute_later: bool, on_wait: Callable[[], None]) -> Any:
         """The user's step on micro-batch ``m``, its ``self(...)`` running this stage's forward of ``m``: its output,
@@ -179,6 +162,43 @@ class MicroBatchedStep:
             f"`{type(self.module).__name__}.{self.step_name}` {what}{batch}. VarunaStrategy pipelines the forward of "
             "each step: the other stages send and wait for the messages of exactly one `self(...)` per step. "
         )
+
+
+def run_schedule(
+    runtime: StageRuntime,
+    actions: list[Action],
+    forward: Callable[[int, bool], Any],
+    loss_of: Callable[[int, Any], Tensor | None],
+    on_wait: Callable[[], None] | None = None,
+) -> list[Any]:
+    """Execute one stage's ``actions`` in order (as torch's ``_step_microbatches``): a forward is
+    ``forward(m, recompute_later)``, whose output ``loss_of(m, output)`` turns into the loss the backward of ``m``
+    starts from (None off the last stage); recomputes, backwards and deferred weight passes go to ``runtime``. Returns
+    each micro-batch's forward output, in micro-batch order. Any failure abandons the batch: its sends may never be
+    received."""
+    recomputed = microbatches_of(actions, Phase.RECOMPUTE)
+    deferred_weights = microbatches_of(actions, Phase.WEIGHT)
+    outputs: dict[int, Any] = {}
+    try:
+        for action in actions:
+            m = action.microbatch
+            with runtime.timing(action):
+                if action.phase is Phase.FORWARD:
+                    outputs[m] = forward(m, m in recomputed)
+                elif action.phase is Phase.RECOMPUTE:
+                    runtime.recompute(m)
+                elif action.phase is Phase.BACKWARD:
+                    runtime.backward(m, loss_of(m, outputs[m]), on_wait, weights_later=m in deferred_weights)
+                    # What merges the outputs reads only values; their graph, kept, would keep what a split
+                    # backward's input part left for no weight pass (the loss's side, freed when unreferenced).
+                    outputs[m] = tree_map(_detached, outputs[m])
+                else:
+                    runtime.backward_weights(m)
+        runtime.finish(on_wait)
+    except BaseException:
+        runtime.abandon_batch()
+        raise
+    return [outputs[m] for m in sorted(outputs)]
 
 
 def capture_forward_inputs(module: pl.LightningModule, step_name: str, microbatch: Any) -> tuple[tuple, dict]:
