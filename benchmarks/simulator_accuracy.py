@@ -163,18 +163,8 @@ def spilled_worker(config: list, out: str, warmup: int, steps: int) -> None:
 
 def measure_spilled(config: tuple, warmup: int, steps: int, quiet_wait: float) -> tuple[float, list[list[int]]]:
     """Median step time of a spilled ``config`` and the shards the strategy packed."""
-    from pipeline_step import wait_until_quiet
-
-    wait_until_quiet(quiet_wait)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "steps.json"
-        command = [sys.executable, __file__, "--spilled-worker", json.dumps(config), "--out", str(out)]
-        command += ["--warmup", str(warmup), "--steps", str(steps)]
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=_env())
-        if done.returncode != 0:
-            raise RuntimeError(f"{config} failed:\n{done.stderr[-3000:]}")
-        result = json.loads(out.read_text())
-        return statistics.median(result["step_s"]), result["shards"]
+    result = _run_worker("--spilled-worker", config, warmup, steps, quiet_wait)
+    return statistics.median(result["step_s"]), result["shards"]
 
 
 def spilled_rows(profile: ModelProfile, warmup: int, steps: int, quiet_wait: float) -> list[dict]:
@@ -220,17 +210,23 @@ def spilled_rows(profile: ModelProfile, warmup: int, steps: int, quiet_wait: flo
 
 def measure(config: tuple, warmup: int, steps: int) -> float:
     """Median step time of ``config``, started once other processes leave the CPUs idle."""
+    return statistics.median(_run_worker("--worker", config, warmup, steps, 60.0)["step_s"])
+
+
+def _run_worker(flag: str, config: tuple, warmup: int, steps: int, quiet_wait: float) -> dict:
+    """What this script run as the worker ``flag`` wrote for ``config``, started once other processes leave the CPUs
+    idle (waiting at most ``quiet_wait`` seconds)."""
     from pipeline_step import wait_until_quiet
 
-    wait_until_quiet(60.0)
+    wait_until_quiet(quiet_wait)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "steps.json"
-        command = [sys.executable, __file__, "--worker", json.dumps(config), "--out", str(out)]
+        command = [sys.executable, __file__, flag, json.dumps(config), "--out", str(out)]
         command += ["--warmup", str(warmup), "--steps", str(steps)]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=_env())
         if done.returncode != 0:
             raise RuntimeError(f"{config} failed:\n{done.stderr[-3000:]}")
-        return statistics.median(json.loads(out.read_text())["step_s"])
+        return json.loads(out.read_text())
 
 
 def _name(config: tuple | list) -> str:
