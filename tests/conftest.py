@@ -1,11 +1,14 @@
 import contextlib
+import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -80,10 +83,75 @@ def run_ranks(
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run the script ``args`` as a job of ``processes`` ranks, each a process forked from one Python that imported
-    the libraries once (`forked_ranks`): Lightning runs them as processes another launcher started, without each
-    paying for the imports. For the tests where how the processes start is not the point."""
-    launch = [_FORKED_RANKS, str(processes), str(devices_per_node or processes)]
-    return run_job([*launch, *args], cwd, timeout=timeout, env=env)
+    the libraries once (`forked_ranks`, itself forked from this session's `preloaded_jobs` server): Lightning runs
+    them as processes another launcher started, without each paying for the imports. For the tests where how the
+    processes start is not the point. A job with an ``env`` of its own starts from a fresh Python, since some
+    libraries read the environment as they are imported (fsspec's ``FSSPEC_*`` options)."""
+    launch = [str(processes), str(devices_per_node or processes), *args]
+    if env:
+        return run_job([_FORKED_RANKS, *launch], cwd, timeout=timeout, env=env)
+    return _PRELOADED_JOBS.run(launch, cwd, timeout)
+
+
+class _PreloadedJobs:
+    """This session's `preloaded_jobs` server, started at its first job and restarted if it died."""
+
+    def __init__(self) -> None:
+        self._server: subprocess.Popen | None = None
+
+    def run(self, args: list[str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+        """Run ``forked_ranks ARGS`` in ``cwd`` as `run_job` does: in a process group of its own, stopped when the
+        job ends, times out (`subprocess.TimeoutExpired`) or the test is interrupted; its output as text."""
+        server = self._running()
+        command = [_FORKED_RANKS, *args]
+        with tempfile.TemporaryDirectory() as outputs:
+            stdout, stderr = Path(outputs, "stdout"), Path(outputs, "stderr")
+            request = {"args": args, "cwd": str(cwd), "env": clean_env(), "stdout": str(stdout), "stderr": str(stderr)}
+            print(json.dumps(request), file=server.stdin, flush=True)
+            job = int(self._reply(server, 60) or "0")
+            assert job, "the job server did not start the job within 60 s"
+            status = None
+            try:
+                status = self._reply(server, timeout)
+                if status is None:
+                    raise subprocess.TimeoutExpired(command, timeout, stdout.read_text(), stderr.read_text())
+            finally:
+                self._stop(server, job, ended=status is not None)
+            return subprocess.CompletedProcess(command, int(status), stdout.read_text(), stderr.read_text())
+
+    def _running(self) -> subprocess.Popen:
+        if self._server is None or self._server.poll() is not None:
+            server = str(Path(__file__).with_name("preloaded_jobs.py"))
+            self._server = subprocess.Popen(
+                [sys.executable, server], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env()
+            )
+        return self._server
+
+    @staticmethod
+    def _reply(server: subprocess.Popen, timeout: float) -> str | None:
+        """The server's next reply, or None after ``timeout`` seconds."""
+        assert server.stdout is not None
+        if not select.select([server.stdout], [], [], timeout)[0]:
+            return None
+        reply = server.stdout.readline()
+        assert reply, f"the job server ended (exit status {server.wait()})"
+        return reply
+
+    def _stop(self, server: subprocess.Popen, job: int, ended: bool) -> None:
+        """SIGTERM to the job's process group (what an ended job left running, or the job), 5 s for a job that runs
+        to end, then SIGKILL; a server that does not report the end of the job is stopped too."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job, signal.SIGTERM)
+        if ended:
+            return
+        if self._reply(server, 5) is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job, signal.SIGKILL)
+            if self._reply(server, 10) is None:
+                server.kill()
+
+
+_PRELOADED_JOBS = _PreloadedJobs()
 
 
 @pytest.fixture(scope="session")
