@@ -71,13 +71,16 @@ def auto(profile: str, budget: int | str | None, **kwargs) -> VarunaStrategy:  #
     )  # fmt: skip
 
 
-def test_one_process_trains_spilled_within_the_budget_and_pipelined_without_it(profile_path):
+def test_one_process_trains_spilled_within_the_budget_and_pipelined_without_it(profile_path, tmp_path, monkeypatch):
     """The same script: at a budget the model does not fit whole, spilled (several shards), otherwise as one
     pipeline stage; both train exactly as one device does on the same batches."""
+    monkeypatch.chdir(tmp_path)
     reference, weights = train_reference(
-        dict(pipeline_parallel_size=1, data_parallel_size=1, batch_size=GLOBAL_BATCH, rows=ROWS, epochs=2, dim=DIM)
-    )
-    trainer, losses, trained = fit(auto(profile_path, BUDGET), epochs=2)
+        dict(pipeline_parallel_size=1, data_parallel_size=1, batch_size=GLOBAL_BATCH, rows=ROWS, epochs=2, dim=DIM,
+             evaluate=True)
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"checkpoint_tempdir='local'\) is not used while the job trains spilled"):
+        trainer, losses, trained = fit(auto(profile_path, BUDGET, checkpoint_tempdir="local"), epochs=2)
     strategy = trainer.strategy
     assert isinstance(strategy, SpillingStrategy) and len(strategy.shards) > 1
     assert isinstance(strategy.chosen, SpilledConfig) and strategy.chosen.tier == "host"
@@ -85,6 +88,9 @@ def test_one_process_trains_spilled_within_the_budget_and_pipelined_without_it(p
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-6)
     for name, value in trained.items():
         torch.testing.assert_close(value, weights[name], rtol=1e-4, atol=1e-6, msg=name)
+    # The Trainer's later runs are spilled too: the model, whole again after fit, validates as on one device.
+    [validated] = trainer.validate(trainer.lightning_module, DataLoader(token_dataset(ROWS, seed=2), batch_size=6))
+    assert validated["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
 
     # A budget the model fits whole: spilling is not a candidate (it would be one shard).
     trainer, losses, trained = fit(auto(profile_path, "64MB"), epochs=2)

@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -76,6 +77,11 @@ def train_spilled(strategy: ResumableTraining, config: SpilledConfig, asked: Var
     """From ``strategy``'s ``setup_environment`` on, its Trainer trains spilled as ``config`` says, on ``strategy``'s
     device, with what VarunaStrategy was ``asked`` for: Lightning calls every later hook of this run, and of the
     Trainer's later runs, on the `ChosenSpilling` returned (``trainer.strategy``)."""
+    if asked.checkpoint_tempdir is not None:
+        rank_zero_warn(
+            f"VarunaStrategy(checkpoint_tempdir={asked.checkpoint_tempdir!r}) is not used while the job trains "
+            "spilled: SpillingStrategy writes each checkpoint to its URL directly, a shard at a time."
+        )
     spilled = ChosenSpilling(
         config,
         spill_dir=asked.spill_dir,

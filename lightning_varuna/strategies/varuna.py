@@ -155,6 +155,7 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
             loss_items=loss_items,
             memory_budget=memory_budget,
             spill_dir=spill_dir,
+            checkpoint_tempdir=checkpoint_tempdir,
         )
         self.chosen: Config | SpilledConfig | None = None  # what the auto-configuration chose, at set-up
         # 0 until chosen: by the auto-configuration ("auto") or from the first batch (None, see `setup`).

@@ -49,6 +49,8 @@ class VarunaConfig:
     """What a device may hold, for ``pipeline_parallel_size="auto"``: bytes, a size (``"2GiB"``) or a share."""
     spill_dir: str | None = None
     """A folder to spill to disk in, if the auto-configuration trains spilled; None: host memory only."""
+    checkpoint_tempdir: str | None = None
+    """A local folder checkpoints are written to before their upload (pipelined training only)."""
 
     def __post_init__(self) -> None:
         sizes = {"pipeline_parallel_size": self.pipeline_parallel_size, "micro_batch_size": self.micro_batch_size}
