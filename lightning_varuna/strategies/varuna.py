@@ -93,7 +93,7 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
         checkpoint_tempdir: a fast local folder: a checkpoint save writes there and training continues while a
             background thread uploads it to its URL (Varuna's ``tempdir``). Default: write to the URL directly.
         storage_options: fsspec options (credentials, ``endpoint_url``...) for every checkpoint URL.
-        memory_budget: what one device may hold (bytes, a size such as ``"2GiB"``, or ``"50%"`` of a GPU's memory),
+        memory_budget: what one device may hold (bytes, a size such as ``"2GiB"``, or ``"50%"`` of its memory),
             with ``pipeline_parallel_size="auto"``: configurations that do not fit it are not chosen, and on one
             process the model may train spilled within it (`SpillingStrategy`), where the simulator predicts that
             fastest or nothing else fits (``trainer.strategy`` is then a `SpillingStrategy`; see docs/autoconfig.md).
