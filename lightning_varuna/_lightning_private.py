@@ -52,6 +52,9 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerE
 #   SpillingStrategy refuses: strategies/spilling_requirements.py.
 #   tests/test_spilling_refusals.py::test_a_model_compiled_whole_is_refused.
 # - `trainer._checkpoint_connector` (its class is swapped for the extended connector): strategies/launchers.py.
+# - `trainer._accelerator_connector.strategy` (what `Trainer.strategy` returns), set to the `SpillingStrategy` that
+#   trains where VarunaStrategy's auto-configuration chose to spill: strategies/spilled_choice.py.
+#   tests/test_auto_spilling.py, tests/test_morph.py.
 # - `loop._data_source.dataloader()`: the first batch of the running loop, to trace the model at start-up, and
 #   `LightningModule._on_before_batch_transfer`, through which the loop passes each batch: strategies/first_batch.py.
 #   tests/test_spilling_precision.py::test_true_precisions_train_cut_like_one_device.

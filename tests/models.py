@@ -33,12 +33,14 @@ class TinyLM(L.LightningModule):
     """Token model with 4 CutPoints (5 segments), a head tied to the embedding and a mask that every block
     reads (a value that crosses several stages besides the activation)."""
 
-    def __init__(self, blocks: int = 5, lr: float = 0.05, scheduler: bool = False, dropout: float = 0.0) -> None:
+    def __init__(
+        self, blocks: int = 5, lr: float = 0.05, scheduler: bool = False, dropout: float = 0.0, dim: int = DIM
+    ) -> None:
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block(DIM, dropout) for _ in range(blocks))
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(Block(dim, dropout) for _ in range(blocks))
         self.cuts = nn.ModuleList(CutPoint() for _ in range(blocks - 1))
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
         self.head.weight = self.emb.weight
         self.acc = torchmetrics.classification.MulticlassAccuracy(VOCAB, average="micro")
         # Not a mean over rows: its epoch value is computed from all batches' counts (pipelined: gathered).
@@ -100,10 +102,12 @@ class CountingLM(TinyLM):
 
 
 def model_for(config: dict) -> TinyLM:
-    """The TinyLM a runner config describes (``scheduler``, ``dropout``, ``counting``: a `CountingLM`; ``frozen``:
-    the names of submodules to freeze)."""
+    """The TinyLM a runner config describes (``scheduler``, ``dropout``, ``dim``, ``counting``: a `CountingLM`;
+    ``frozen``: the names of submodules to freeze)."""
     model_class = CountingLM if config.get("counting") else TinyLM
-    model = model_class(scheduler=config.get("scheduler", False), dropout=config.get("dropout", 0.0))
+    model = model_class(
+        scheduler=config.get("scheduler", False), dropout=config.get("dropout", 0.0), dim=config.get("dim", DIM)
+    )
     for name in config.get("frozen", ()):
         model.get_submodule(name).requires_grad_(False)
     return model

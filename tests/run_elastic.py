@@ -21,7 +21,10 @@ validation batch. ``"signals"`` names the signals MorphCallback handles (default
 rank 0 writes its ``MASTER_ADDR`` to ``OUT_DIR/training-attempt{restart}-world{size}`` (``validating-...`` after
 its first validation batch). With ``"validate_only": true`` the script validates instead of training and rank 0
 writes the loss to ``OUT_DIR/validated-attempt{restart}``. ``"tempdir"`` is the strategy's
-``checkpoint_tempdir``; ``"slow_uploads": seconds`` delays each file its background uploads write.
+``checkpoint_tempdir``; ``"slow_uploads": seconds`` delays each file its background uploads write. With
+``"pipeline_parallel_size": "auto"``, ``"profile"`` and ``"memory_budget"`` go to the strategy, which may train
+spilled on one process (``run.json``'s ``"shape"`` is then ``"spilled"``, and ``"shards"`` says in how many);
+``"dim"`` widens the model.
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ class RecordSamples(L.Callback):
         self.batches: list[list[int]] = []
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:  # noqa: ANN001
-        if trainer.strategy.topology.pp_rank == 0:
+        topology = getattr(trainer.strategy, "topology", None)  # None: trained spilled, one device
+        if topology is None or topology.pp_rank == 0:
             self.batches.append([self.index[tuple(row.tolist())] for row in batch[0]])
 
 
@@ -151,6 +155,8 @@ def main(out_dir: str, config: dict) -> None:
             micro_batch_size=config["micro_batch_size"],
             global_batch_size=config["global_batch_size"],
             checkpoint_tempdir=config.get("tempdir"),
+            profile=config.get("profile"),
+            memory_budget=config.get("memory_budget"),
         ),
         max_epochs=config["epochs"],
         callbacks=callbacks,
@@ -174,14 +180,16 @@ def main(out_dir: str, config: dict) -> None:
     (out / f"samples_rank{rank}.json").write_text(json.dumps(samples.batches))
     if trainer.is_global_zero:
         (out / "losses.json").write_text(json.dumps(record.losses))
-        topology = trainer.strategy.topology
+        topology = getattr(trainer.strategy, "topology", None)
         morph = next(cb for cb in trainer.callbacks if isinstance(cb, MorphCallback))
         run = {
             "morphed": morph.morphed,
             "reasons": morph.reasons,
             "global_step": trainer.global_step,
-            "shape": [topology.pipeline_parallel_size, topology.data_parallel_size],
+            "shape": "spilled" if topology is None else [topology.pipeline_parallel_size, topology.data_parallel_size],
         }
+        if topology is None:
+            run["shards"] = len(trainer.strategy.shards)
         (out / "run.json").write_text(json.dumps(run))
 
 

@@ -85,7 +85,13 @@ def global_batches(attempt: dict) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def uninterrupted() -> dict:
     """Single-device training on the same global batches for all epochs, and those batches."""
-    cfg = dict(pipeline_parallel_size=1, data_parallel_size=1, batch_size=GLOBAL_BATCH, rows=ROWS)
+    return uninterrupted_training()
+
+
+def uninterrupted_training(**model: object) -> dict:
+    """Single-device training of the model ``model`` describes (`model_for`), on the same global batches for all
+    epochs, and those batches."""
+    cfg = dict(pipeline_parallel_size=1, data_parallel_size=1, batch_size=GLOBAL_BATCH, rows=ROWS, **model)
     result, weights = train_reference({**cfg, "epochs": EPOCHS, "scheduler": True})
     sampler = DistributedSampler(range(ROWS), num_replicas=1, rank=0, shuffle=True, seed=0)
     batches = []
@@ -204,6 +210,36 @@ def test_sigterm_morphs_when_morph_callback_handles_it(tmp_path):
     assert open_complete(Storage(), str(tmp_path / "morph" / "morph-step=5.ckpt")).global_step == 5
     # torchrun shares its TCPStore (the default), with which a joining machine hangs: the job says so.
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in proc.stderr
+
+
+def test_a_job_shrunk_to_one_process_trains_spilled_and_grows_back_into_a_pipeline(tmp_path):
+    """4 -> 1 -> 2 processes under torchrun, one script and config: ``pipeline_parallel_size="auto"`` with a memory
+    budget that the whole model does not fit. At 4 and 2 processes AutoConfig picks pipeline shapes that fit it; at 1,
+    none does and the job trains spilled. Each launch resumes from the checkpoint the last one wrote at SIGUSR1, and
+    the three together train exactly as one uninterrupted device does."""
+    from test_auto_spilling import BUDGET, DIM, profile_with_spill_times
+
+    profile = str(tmp_path / "profile.json")
+    profile_with_spill_times(tmp_path).save(profile)
+    cfg = config(tmp_path, pipeline_parallel_size="auto", profile=profile, memory_budget=BUDGET, dim=DIM)
+    del cfg["checkpoint_dir"]
+    reference = uninterrupted_training(dim=DIM)
+    attempts = []
+    for nproc, signal_at, resumed_from in ((4, 2, None), (1, 5, "morph-step=3.ckpt"), (2, None, "morph-step=6.ckpt")):
+        launch = {**cfg, "signal_at": {"rank": nproc - 1, "step": signal_at}} if signal_at is not None else cfg
+        proc, [attempt] = torchrun(tmp_path, f"at-{nproc}", nproc, launch)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        assert resumed_from is None or f"resuming from {tmp_path / 'morph' / resumed_from}" in proc.stderr
+        attempts.append(attempt)
+    first, spilled, grown = attempts
+    assert first["run"]["shape"] in ([4, 1], [2, 2]) and first["run"]["morphed"]
+    assert spilled["run"]["shape"] == "spilled" and spilled["run"]["shards"] > 1 and spilled["run"]["morphed"]
+    assert grown["run"]["shape"] == [2, 1] and not grown["run"]["morphed"]
+    assert [a["run"]["global_step"] for a in attempts] == [3, 6, EPOCHS * ROWS // GLOBAL_BATCH]
+    losses = first["losses"] + spilled["losses"] + grown["losses"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-5)
+    assert global_batches(first) + global_batches(spilled) + global_batches(grown) == reference["batches"]
+    assert_same_training(attempts, reference, from_step=6)
 
 
 @pytest.mark.parametrize(

@@ -53,13 +53,14 @@ def rank_configs(
     schedules: Sequence[str] | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
     spilled: bool = True,
+    tiers: Sequence[str] = TIERS,
 ) -> list[Ranked]:
     """Simulate every candidate and return those that fit ``memory_bytes`` per device, fastest first.
 
     With a budget (and ``spilled``), training spilled on one device (`SpillingStrategy`, its shards packed for the
-    budget, on each tier the profile measured) is ranked with the pipeline shapes; a model whose shards would be one
-    (it fits the budget whole) is not spilled, so that candidate is left out. Candidates that need a measurement the
-    profile lacks are left out with a warning; those that do not fit the budget are left out (not ranked).
+    budget, on each of ``tiers`` the profile measured) is ranked with the pipeline shapes; a model whose shards would
+    be one (it fits the budget whole) is not spilled, so that candidate is left out. Candidates that need a measurement
+    the profile lacks are left out with a warning; those that do not fit the budget are left out (not ranked).
 
     Raises:
         ValueError: no configuration is feasible (says why).
@@ -71,9 +72,13 @@ def rank_configs(
     skipped: list[str] = []
     spilling_refused = None
     if spilled and memory_bytes is not None:
-        for tier in TIERS:
+        for tier in tiers:
             if tier not in profile.spill:
-                skipped.append(f"spilled to {tier}: the profile has no spill times (`lightning-varuna profile`)")
+                spilling_refused = (
+                    f"the profile has no spill times of the {tier} tier: profile the model again "
+                    "(`lightning-varuna profile` measures them)"
+                )
+                skipped.append(f"spilled to {tier}: {spilling_refused}")
                 continue
             try:
                 spilled_prediction = simulate_spilled(profile, SpilledConfig(global_batch_size, memory_bytes, tier))
@@ -121,29 +126,47 @@ def choose_configs(
     schedule: str | None = None,
     memory_bytes: int | None = None,
     nodes: int = 1,
-) -> list[Prediction]:
+    spill_tiers: Sequence[str] = (),
+) -> list[Ranked]:
     """The configurations of ``world_size`` processes that keep every size given (``None``: free to choose) and fit
     ``memory_bytes``, fastest first: what ``VarunaStrategy`` runs when some of its sizes are ``"auto"``.
+
+    Training spilled on one device, to one of ``spill_tiers``, is ranked with them when there is one process, a
+    budget and no pipeline or data-parallel size above 1 was asked for (``micro_batch_size`` and ``schedule`` only
+    bind the pipelined candidates). With more processes it is not: it would leave all but one of them idle.
 
     Raises:
         ValueError: none is feasible (says why and what to change).
     """
-    everything = rank_configs(
-        profile,
-        world_size,
-        global_batch_size,
-        memory_bytes=memory_bytes,
-        nodes=nodes,
-        schedules=None if schedule is None else [schedule],
-        micro_batch_sizes=None if micro_batch_size is None else [micro_batch_size],
-        spilled=False,
-    )
+    spilled = world_size == 1 and memory_bytes is not None and pipeline_parallel_size in (None, 1)
+    spilled = spilled and data_parallel_size in (None, 1) and bool(spill_tiers)
+    try:
+        everything = rank_configs(
+            profile,
+            world_size,
+            global_batch_size,
+            memory_bytes=memory_bytes,
+            nodes=nodes,
+            schedules=None if schedule is None else [schedule],
+            micro_batch_sizes=None if micro_batch_size is None else [micro_batch_size],
+            spilled=spilled,
+            tiers=spill_tiers,
+        )
+    except ValueError as refused:
+        if world_size == 1 or memory_bytes is None or not spill_tiers:
+            raise
+        raise ValueError(
+            f"{refused} Training spilled is chosen on one process only: start the job on one process to train "
+            "it spilled within this budget."
+        ) from None
     ranked = [
         p
         for p in everything
-        if isinstance(p, Prediction)
-        and pipeline_parallel_size in (None, p.config.pipeline_parallel_size)
-        and data_parallel_size in (None, p.config.data_parallel_size)
+        if isinstance(p, SpilledPrediction)
+        or (
+            pipeline_parallel_size in (None, p.config.pipeline_parallel_size)
+            and data_parallel_size in (None, p.config.data_parallel_size)
+        )
     ]
     if not ranked:
         raise ValueError(

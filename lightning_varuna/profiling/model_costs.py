@@ -1,10 +1,11 @@
 """What `VarunaStrategy` plans by as it starts: the fastest configuration for the job's processes (the sizes it was
-asked to choose) and the seconds of each segment that the stages are balanced by. Both come from a profile written by
-``lightning-varuna profile``; without one the segments are timed at start-up. Rank 0 decides, every rank gets its
-answer."""
+asked to choose, or training spilled on one device) and the seconds of each segment that the stages are balanced by.
+Both come from a profile written by ``lightning-varuna profile``; without one the segments are timed at start-up. Rank
+0 decides, every rank gets its answer."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -17,6 +18,7 @@ from lightning_varuna.profiling.autoconfig import choose_configs, describe_choic
 from lightning_varuna.profiling.profile import ModelProfile, segment_costs
 from lightning_varuna.profiling.segments import measure_segments
 from lightning_varuna.profiling.simulator import Config
+from lightning_varuna.profiling.spilled import SpilledConfig
 from lightning_varuna.storage import Storage
 
 __all__ = ["ModelCosts"]
@@ -51,17 +53,22 @@ class ModelCosts:
         data_parallel_size: int | None,
         micro_batch_size: int | None,
         schedule: str | None,
-    ) -> Config:
+        memory_budget: int | None = None,
+        spill_tiers: Sequence[str] = (),
+    ) -> Config | SpilledConfig:
         """The fastest configuration of ``world_size`` processes on ``nodes`` that the simulator predicts for
         ``global_batch_size``, keeping the sizes given (``None``: free to choose) and fitting the smallest device of
-        the job (``device`` is this process's); logged with the runner-up, their predicted step times and the top of
-        the ranking. Collective.
+        the job (``device`` is this process's) and ``memory_budget`` bytes per device; with a budget, on one process,
+        training spilled to one of ``spill_tiers`` is a candidate too (`choose_configs`). Logged with the runner-up,
+        their predicted step times and the top of the ranking. Collective.
 
         Raises:
             ValueError: on every rank, when none is feasible (says why).
         """
         assert global_batch_size is not None, "the auto-configuration keeps a global batch"
         memory = _smallest_device_memory(device, world_size)
+        if memory_budget is not None:
+            memory = memory_budget if memory is None else min(memory, memory_budget)
         choice: Any = None
         if dist.get_rank() == 0:
             try:
@@ -75,6 +82,7 @@ class ModelCosts:
                     schedule=schedule,
                     memory_bytes=memory,
                     nodes=nodes,
+                    spill_tiers=spill_tiers,
                 )
                 choice = ranked[0].config, describe_choice(ranked), format_ranking(ranked, 5)
             except ValueError as error:  # every rank raises it, none waits for a choice

@@ -199,7 +199,7 @@ class SpillingStrategy(ResumableTraining, SingleDeviceStrategy):
             buffers_kept(module),
             self.precision_plugin.tensor_init_context(),
         ):
-            batch = self.batch_to_device(first_batch(trainer))
+            batch = self.batch_to_device(self._first_batch(trainer))
             args, kwargs = capture_forward_inputs(module, STEP_OF_FN[trainer.state.fn], batch)
             plan = plan_shards(
                 module,
@@ -221,6 +221,10 @@ class SpillingStrategy(ResumableTraining, SingleDeviceStrategy):
         self._parked, self._folder = plan.parked, plan.folder
         self.forward_draws = plan.forward_draws
         return plan.model
+
+    def _first_batch(self, trainer: pl.Trainer) -> Any:
+        """The batch the shards are planned for: the first of the loop about to run."""
+        return first_batch(trainer)
 
     # ----------------------------------------------------------------------------------------------- steps
     @override

@@ -34,6 +34,8 @@ from lightning_varuna.pipeline.stage_steps import StageSteps
 from lightning_varuna.pipeline.topology import PipelineGroups, Topology
 from lightning_varuna.pipeline.user_collectives import UserCollectives
 from lightning_varuna.profiling.model_costs import ModelCosts
+from lightning_varuna.profiling.simulator import Config
+from lightning_varuna.profiling.spilled import SpilledConfig
 from lightning_varuna.spilling.grad_scaler import shardwise
 from lightning_varuna.strategies.callback_hooks import run_hook_inside
 from lightning_varuna.strategies.clipping import route_gradient_clipping
@@ -45,6 +47,7 @@ from lightning_varuna.strategies.processes import MultiProcessStrategy
 from lightning_varuna.strategies.requirements import require_pipelined_training
 from lightning_varuna.strategies.resumable_training import ResumableTraining
 from lightning_varuna.strategies.sigterm import stop_on_sigterm_without_broadcasts
+from lightning_varuna.strategies.spilled_choice import train_spilled
 from lightning_varuna.strategies.training_batches import TrainingBatches
 from lightning_varuna.strategies.varuna_config import VarunaConfig
 
@@ -90,6 +93,12 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
         checkpoint_tempdir: a fast local folder: a checkpoint save writes there and training continues while a
             background thread uploads it to its URL (Varuna's ``tempdir``). Default: write to the URL directly.
         storage_options: fsspec options (credentials, ``endpoint_url``...) for every checkpoint URL.
+        memory_budget: what one device may hold (bytes, a size such as ``"2GiB"``, or ``"50%"`` of its memory),
+            with ``pipeline_parallel_size="auto"``: configurations that do not fit it are not chosen, and on one
+            process the model may train spilled within it (`SpillingStrategy`), where the simulator predicts that
+            fastest or nothing else fits (``trainer.strategy`` is then a `SpillingStrategy`; see docs/autoconfig.md).
+        spill_dir: a folder to spill to if the choice is spilled (the disk tier becomes a candidate); default: host
+            memory only.
 
     Under ``torchrun`` the number of processes per node and of nodes come from torchrun, whatever the Trainer's
     ``devices`` and ``num_nodes`` say, so one script runs at every size of an elastic job; the data-parallel
@@ -112,6 +121,8 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
         loss_items: Callable[[Any], int | Tensor] | None = None,
         checkpoint_tempdir: str | None = None,
         storage_options: dict[str, Any] | None = None,
+        memory_budget: int | float | str | None = None,
+        spill_dir: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -142,7 +153,11 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
             profile=profile,
             global_batch_size=global_batch_size,
             loss_items=loss_items,
+            memory_budget=memory_budget,
+            spill_dir=spill_dir,
+            checkpoint_tempdir=checkpoint_tempdir,
         )
+        self.chosen: Config | SpilledConfig | None = None  # what the auto-configuration chose, at set-up
         # 0 until chosen: by the auto-configuration ("auto") or from the first batch (None, see `setup`).
         self.pipeline_parallel_size: int = pipeline_parallel_size if isinstance(pipeline_parallel_size, int) else 0
         self.micro_batch_size: int = micro_batch_size if isinstance(micro_batch_size, int) else 0
@@ -172,11 +187,16 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Start the processes' default process group (`MultiProcessStrategy`), then lay out the job's pipelines."""
+        """Start the processes' default process group (`MultiProcessStrategy`), then lay out the job's pipelines; or,
+        where the auto-configuration chose to spill, hand the Trainer to a `ChosenSpilling` (`train_spilled`)."""
         super().setup_environment()
         if self._config.auto:  # what was left "auto", chosen for this world size
-            keep = self._config.sizes_to_keep(self.pipeline_parallel_size, self.micro_batch_size, self.schedule)
-            best = self._costs.choose_config(self.world_size, self.root_device, self.num_nodes, **keep)
+            sizes = (self.pipeline_parallel_size, self.micro_batch_size, self.schedule, self.root_device)
+            keep = self._config.sizes_to_keep(*sizes)
+            best = self.chosen = self._costs.choose_config(self.world_size, self.root_device, self.num_nodes, **keep)
+            if isinstance(best, SpilledConfig):  # the Trainer trains spilled from here on
+                train_spilled(self, best, self._config)
+                return
             self.pipeline_parallel_size, self.micro_batch_size = best.pipeline_parallel_size, best.micro_batch_size
             self.schedule = best.schedule
         self.topology = Topology.from_world(

@@ -6,9 +6,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+import torch
 from torch import Tensor
 
+from lightning_varuna.partition.packing import parse_bytes
 from lightning_varuna.pipeline.schedules import SCHEDULES
+from lightning_varuna.spilling.planning import resolve_budget
 
 __all__ = ["VarunaConfig"]
 
@@ -42,6 +45,12 @@ class VarunaConfig:
     """Rows per optimizer step over all replicas; None: DataLoader batch x data_parallel_size."""
     loss_items: Callable[[Any], int | Tensor] | None = None
     """The number of items a batch's loss is the mean of, as a function of the batch; None: its rows."""
+    memory_budget: int | float | str | None = None
+    """What a device may hold, for ``pipeline_parallel_size="auto"``: bytes, a size (``"2GiB"``) or a share."""
+    spill_dir: str | None = None
+    """A folder to spill to disk in, if the auto-configuration trains spilled; None: host memory only."""
+    checkpoint_tempdir: str | None = None
+    """A local folder checkpoints are written to before their upload (pipelined training only)."""
 
     def __post_init__(self) -> None:
         sizes = {"pipeline_parallel_size": self.pipeline_parallel_size, "micro_batch_size": self.micro_batch_size}
@@ -67,6 +76,19 @@ class VarunaConfig:
                 f"`VarunaStrategy(loss_items={self.loss_items!r})` must be a function of a batch that returns how many "
                 'items its loss is the mean of, e.g. `lambda batch: (batch["labels"] != -100).sum()`.'
             )
+        if self.memory_budget is not None:
+            if "pipeline_parallel_size" not in self.auto:
+                raise ValueError(
+                    f"`VarunaStrategy(memory_budget={self.memory_budget!r})` is the budget the auto-configuration "
+                    'chooses within: pass `pipeline_parallel_size="auto"` with it (and a `profile=`), or use '
+                    "`SpillingStrategy(memory_budget=...)` to train spilled on one device whatever the world size."
+                )
+            self.memory_budget = parse_bytes(self.memory_budget)
+        elif self.spill_dir is not None:
+            raise ValueError(
+                f"`VarunaStrategy(spill_dir={self.spill_dir!r})` is where a spilled choice spills to: it needs a "
+                '`memory_budget=` (and `pipeline_parallel_size="auto"`).'
+            )
         self.shared_weights = cast(list[tuple[str, str]], [tuple(pair) for pair in self.shared_weights or []])
 
     @property
@@ -74,16 +96,30 @@ class VarunaConfig:
         """The names of the arguments given as ``"auto"``."""
         return frozenset(name for name in _AUTO_CHOICES if getattr(self, name) == "auto")
 
-    def sizes_to_keep(self, pipeline_parallel_size: int, micro_batch_size: int, schedule: str) -> dict[str, Any]:
-        """What the auto-configuration keeps (`ModelCosts.choose_config`): the global batch, and of the sizes in use
-        those not given as ``"auto"`` (None: chosen, as a micro-batch size not chosen yet)."""
+    def sizes_to_keep(
+        self, pipeline_parallel_size: int, micro_batch_size: int, schedule: str, device: torch.device
+    ) -> dict[str, Any]:
+        """What the auto-configuration keeps (`ModelCosts.choose_config`): the global batch, of the sizes in use
+        those not given as ``"auto"`` (None: chosen, as a micro-batch size not chosen yet), and the memory budget on
+        ``device`` in bytes with the tiers it may spill to."""
+        budget = None if self.memory_budget is None else resolve_budget(cast(int | float, self.memory_budget), device)
         return {
+            "memory_budget": budget,
+            "spill_tiers": self.spill_tiers,
             "global_batch_size": self.global_batch_size,
             "pipeline_parallel_size": None if "pipeline_parallel_size" in self.auto else pipeline_parallel_size,
             "data_parallel_size": self.data_parallel_size,
             "micro_batch_size": None if "micro_batch_size" in self.auto else micro_batch_size or None,
             "schedule": None if "schedule" in self.auto else schedule,
         }
+
+    @property
+    def spill_tiers(self) -> tuple[str, ...]:
+        """Where the auto-configuration may spill to: none without a budget; host memory, and with ``spill_dir`` the
+        disk."""
+        if self.memory_budget is None:
+            return ()
+        return ("host", "disk") if self.spill_dir is not None else ("host",)
 
     def check_global_batch_splits(self, data_parallel_size: int, world_size: int, pipeline_parallel_size: int) -> None:
         """Raise if ``global_batch_size`` does not split evenly over ``data_parallel_size`` replicas."""
