@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch.nn.functional as F
-from conftest import clean_env, run_job
+from conftest import clean_env, run_job, run_ranks
 from models import TinyLM, token_dataset
 from torch.utils.data import DataLoader
 
@@ -219,7 +219,8 @@ finally:
 
 def run_on_exception_job(tmp_path: Path, name: str, fail: str | None, ckpt_path: str | None) -> list[list[float]]:
     """Run `ON_EXCEPTION` in ``tmp_path / name`` (failing in ``fail``, resuming from ``ckpt_path``); each rank's
-    losses."""
+    losses. A failing job runs under Lightning's launcher (how its processes end is the point), the others as
+    forked ranks."""
     folder = tmp_path / name
     folder.mkdir()
     script = tmp_path / f"{name}.py"
@@ -227,7 +228,7 @@ def run_on_exception_job(tmp_path: Path, name: str, fail: str | None, ckpt_path:
         tests=os.path.dirname(__file__), fail=fail, rank0_fails=False, folder=str(folder), ckpt_path=ckpt_path
     )
     script.write_text(text)
-    proc = run_job([str(script)], tmp_path, timeout=300)
+    proc = run_job([str(script)], tmp_path, timeout=300) if fail else run_ranks([str(script)], 2, tmp_path, timeout=300)
     assert (proc.returncode != 0) == bool(fail), proc.stderr[-3000:]
     if fail:
         assert "RuntimeError: a bad batch" in proc.stderr.rstrip().splitlines()[-1], proc.stderr[-3000:]
