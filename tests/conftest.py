@@ -49,7 +49,11 @@ def run_job(
     """Run ``python *args`` as a fresh multi-process job (with ``env`` added); its output is captured as text. The
     job runs in a process group of its own, stopped when the job ends, times out or the test is interrupted, so
     that a hung rank does not hold a core and a port for the rest of the suite (torchrun, stopped by SIGTERM,
-    stops its workers, which run in groups of their own)."""
+    stops its workers, which run in groups of their own). A script without an ``env`` of its own runs in a fork of
+    this session's `preloaded_jobs` server, which has imported torch and Lightning; the processes it starts (as
+    Lightning's launcher does) are fresh Pythons."""
+    if not env and args[0].endswith(".py"):  # a script, forked from the server that has imported the libraries
+        return _PRELOADED_JOBS.run(args, cwd, timeout, ranks=False)
     command = [sys.executable, *args]
     env = {**clean_env(), **(env or {})}
     job = subprocess.Popen(
@@ -90,7 +94,7 @@ def run_ranks(
     launch = [str(processes), str(devices_per_node or processes), *args]
     if env:
         return run_job([_FORKED_RANKS, *launch], cwd, timeout=timeout, env=env)
-    return _PRELOADED_JOBS.run(launch, cwd, timeout)
+    return _PRELOADED_JOBS.run(launch, cwd, timeout, ranks=True)
 
 
 class _PreloadedJobs:
@@ -99,14 +103,16 @@ class _PreloadedJobs:
     def __init__(self) -> None:
         self._server: subprocess.Popen | None = None
 
-    def run(self, args: list[str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
-        """Run ``forked_ranks ARGS`` in ``cwd`` as `run_job` does: in a process group of its own, stopped when the
-        job ends, times out (`subprocess.TimeoutExpired`) or the test is interrupted; its output as text."""
+    def run(self, args: list[str], cwd: Path, timeout: int, ranks: bool) -> subprocess.CompletedProcess:
+        """Run ``python forked_ranks.py ARGS`` (``ranks``) or ``python ARGS`` in ``cwd`` as `run_job` does: in a
+        process group of its own, stopped when the job ends, times out (`subprocess.TimeoutExpired`) or the test is
+        interrupted; its output as text."""
         server = self._running()
-        command = [_FORKED_RANKS, *args]
+        command = [_FORKED_RANKS, *args] if ranks else args
         with tempfile.TemporaryDirectory() as outputs:
             stdout, stderr = Path(outputs, "stdout"), Path(outputs, "stderr")
-            request = {"args": args, "cwd": str(cwd), "env": clean_env(), "stdout": str(stdout), "stderr": str(stderr)}
+            output = {"stdout": str(stdout), "stderr": str(stderr)}
+            request = {"ranks": ranks, "args": args, "cwd": str(cwd), "env": clean_env(), **output}
             print(json.dumps(request), file=server.stdin, flush=True)
             job = int(self._reply(server, 60) or "0")
             assert job, "the job server did not start the job within 60 s"

@@ -19,7 +19,6 @@ import runpy
 import signal
 import sys
 import threading
-import traceback
 
 import lightning.pytorch  # noqa: F401 - imported once, before the fork, for every rank
 import torch
@@ -37,6 +36,11 @@ def run_rank(rank: int, processes: int, devices: int, script: str, args: list[st
         RANK=str(rank), LOCAL_RANK=str(rank % devices), NODE_RANK=str(rank // devices), WORLD_SIZE=str(processes)
     )
     rank_zero_only.rank = rank  # what a fresh process reads from the launch variables as it imports Lightning
+    return run_script(script, args)
+
+
+def run_script(script: str, args: list[str]) -> int:
+    """Run ``script`` with ``args`` as `python SCRIPT ARGS` runs it, in this process; its exit status."""
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` has it
     try:
@@ -45,8 +49,8 @@ def run_rank(rank: int, processes: int, devices: int, script: str, args: list[st
         if exit_.code is None or exit_.code == 0:
             return 0
         return exit_.code if isinstance(exit_.code, int) and 0 < exit_.code < 256 else 1
-    except BaseException:  # noqa: BLE001 - the rank's failure is its exit status, as for a fresh process
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - the script's failure is its exit status, as for a fresh process
+        sys.excepthook(*sys.exc_info())  # as Python reports it (torch.distributed's hook names the rank)
         return 1
     return 0
 
