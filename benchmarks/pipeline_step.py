@@ -312,9 +312,11 @@ def run_bare_step(stage: Stage, actions: list[Action], xs: tuple[Tensor, ...], y
     """One step of ``stage`` under ``actions``, walked by the loop `MicroBatchedStep` uses (`run_schedule`) on the
     bare runtime, without a LightningModule around: each micro-batch's LM loss over their number."""
 
-    def forward(m: int, recompute_later: bool) -> Tensor | None:
-        graph, stage_module = stage.stage_for((xs[m],), {})
-        return stage.runtime.forward(m, graph, stage_module, [xs[m]], True, recompute_later=recompute_later)
+    def forward(index: int, m: int, recompute_later: bool) -> Tensor | None:
+        graph, stage_module = stage.stage_for((xs[m],), {}, index)
+        return stage.runtime.forward(
+            m, graph, stage_module, [xs[m]], True, stage=index, recompute_later=recompute_later
+        )
 
     def loss_of(m: int, logits: Tensor | None) -> Tensor | None:
         return None if logits is None else lm_loss(logits, ys[m]) / len(xs)

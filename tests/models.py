@@ -100,10 +100,11 @@ class CountingLM(TinyLM):
 
 
 def model_for(config: dict) -> TinyLM:
-    """The TinyLM a runner config describes (``scheduler``, ``dropout``, ``counting``: a `CountingLM`; ``frozen``:
-    the names of submodules to freeze)."""
+    """The TinyLM a runner config describes (``scheduler``, ``dropout``, ``blocks``, ``counting``: a `CountingLM`;
+    ``frozen``: the names of submodules to freeze)."""
     model_class = CountingLM if config.get("counting") else TinyLM
-    model = model_class(scheduler=config.get("scheduler", False), dropout=config.get("dropout", 0.0))
+    options = {"blocks": config["blocks"]} if "blocks" in config else {}
+    model = model_class(scheduler=config.get("scheduler", False), dropout=config.get("dropout", 0.0), **options)
     for name in config.get("frozen", ()):
         model.get_submodule(name).requires_grad_(False)
     return model
