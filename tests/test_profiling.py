@@ -342,7 +342,8 @@ def test_auto_needs_a_profile_and_a_global_batch():
     with pytest.raises(ValueError, match=r'schedule="auto".*pass `profile=`'):
         VarunaStrategy(schedule="auto")
     with pytest.raises(
-        ValueError, match=r"unknown; choose one of \['1f1b', 'gpipe', 'varuna', 'zero-bubble'\] or \"auto\""
+        ValueError,
+        match=r"unknown; choose one of \['1f1b', 'gpipe', 'interleaved-1f1b', 'varuna', 'zero-bubble'\] or \"auto\"",
     ):
         VarunaStrategy(schedule="zigzag")
 

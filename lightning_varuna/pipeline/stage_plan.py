@@ -32,11 +32,14 @@ def plan_stage(
     cutpoints = discover_cutpoints(module, args, kwargs)
     num_stages = topology.num_stages
     if num_stages > len(cutpoints) + 1:
-        asked = f"pipeline_parallel_size={topology.pipeline_parallel_size}"
+        asked = f"`VarunaStrategy(pipeline_parallel_size={topology.pipeline_parallel_size})`"
         if topology.stages_per_rank > 1:
-            asked += f", stages_per_rank={topology.stages_per_rank}` ({num_stages} stages"
+            asked = (
+                f"`VarunaStrategy(pipeline_parallel_size={topology.pipeline_parallel_size}, "
+                f"stages_per_rank={topology.stages_per_rank})` cuts {num_stages} stages and"
+            )
         raise ValueError(
-            f"`VarunaStrategy({asked})` needs at least {num_stages - 1} CutPoints in "
+            f"{asked} needs at least {num_stages - 1} CutPoints in "
             f"the forward, but `{type(module).__name__}` calls {len(cutpoints)}: {cutpoints} (one whose output is the "
             f"forward's output has no work after it and does not count). Use at most {len(cutpoints) + 1} stages or "
             "add CutPoints between the model's layers."
