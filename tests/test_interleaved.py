@@ -3,21 +3,31 @@ processes, gloo), and what it cannot run is refused before training."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from test_parity import assert_matches_single_device, run_pipelined
 
 from lightning_varuna import VarunaStrategy
+from lightning_varuna.pipeline.schedules import interleaved_one_f_one_b
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
 INTERLEAVED = dict(schedule="interleaved-1f1b", epochs=2)
 
 SHAPES = {
-    # 4 stages on 2 ranks (the tied embedding on rank 1's stage 0, the head on rank 0's stage 3, and the mask stage 0
-    # makes read by every stage, so stage 0 sends it to stage 2 on its own rank); micro-batches [2, 2, 2], clipping by
-    # the global norm, validation and predictions (forwards only, every stage of a rank in turn)
+    # 4 stages on 2 ranks (the tied embedding on stage 0, global rank 1, the head on stage 3, global rank 0; and the
+    # mask stage 0 makes is read by every stage, so stage 0 sends it to stage 2 on its own rank); micro-batches
+    # [2, 2, 2], clipping by the global norm, validation and predictions (forwards only, every stage of a rank in
+    # turn), and a PipelineTrace of steps 1 and 2
     "P2xD1-V2-clip": dict(
-        pipeline_parallel_size=2, data_parallel_size=1, batch_size=6, micro_batch_size=2, clip=0.05, evaluate=True
+        pipeline_parallel_size=2,
+        data_parallel_size=1,
+        batch_size=6,
+        micro_batch_size=2,
+        clip=0.05,
+        evaluate=True,
+        trace="step1.json",
     ),
     # replicas and gradient accumulation; micro-batches [1] * 4 in torch's rounds of 2
     "P2xD2-V2-accumulate": dict(
@@ -34,9 +44,28 @@ SHAPES = {
 def test_interleaved_training_matches_single_device(tmp_path, name):
     config = {**INTERLEAVED, **SHAPES[name]}
     config["rows"] = config["batch_size"] * config["data_parallel_size"] * 3
+    if "trace" in config:
+        config["trace"] = str(tmp_path / config["trace"])
     result, shards = run_pipelined(tmp_path, config)
     assert result["schedule"] == "interleaved-1f1b"
     assert_matches_single_device(result, shards, config)
+    if "trace" in config:
+        assert_trace_shows_virtual_stages(json.loads((tmp_path / "step1.json").read_text()), config)
+
+
+def assert_trace_shows_virtual_stages(trace: dict, config: dict) -> None:
+    """A thread per pipeline rank named with its stages; each of its actions in the schedule's order, named and
+    tagged with its stage, then the all-reduce and the optimizer step."""
+    P, V = config["pipeline_parallel_size"], config.get("stages_per_rank", 2)
+    threads = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert threads == {0: "stages 0, 2", 1: "stages 1, 3"}
+    assert "P=2 V=2 D=1" in trace["traceEvents"][0]["args"]["name"]
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["args"]["step"] == 1]
+    schedule = interleaved_one_f_one_b(P, config["batch_size"] // config["micro_batch_size"], V)
+    for rank, actions in enumerate(schedule):
+        mine = sorted((e for e in events if e["tid"] == rank), key=lambda e: e["ts"])
+        assert [e["name"] for e in mine] == [*map(str, actions), "all-reduce", "optimizer"]
+        assert [e["args"].get("stage") for e in mine[: len(actions)]] == [a.stage for a in actions]
 
 
 @pytest.mark.parametrize(
