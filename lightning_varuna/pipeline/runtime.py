@@ -26,10 +26,12 @@ __all__ = ["StageRuntime"]
 _MAX_VALUES_PER_EDGE = 1024
 
 
-def _tag(producer: int, consumer: int, num_stages: int, microbatch: int, slot: int, phase: Phase) -> int:
-    """One message's tag: the same on both sides, and distinct for each edge between two stages (two ranks may hold
-    several pairs of stages that talk, and a stage may send one value to several stages of one rank)."""
-    edge = (microbatch * num_stages + producer) * num_stages + consumer
+def _tag(producer_round: int, consumer_round: int, per_rank: int, microbatch: int, slot: int, phase: Phase) -> int:
+    """One message's tag: the same on both sides, and distinct for each edge between the stages of two ranks. With
+    several stages per rank (round-robin), two ranks may hold several pairs of stages that talk, and a stage may send a
+    value to several stages of one rank: the edge is told apart by which of its rank's stages (``*_round``, of
+    ``per_rank``) each end is. With one stage per rank the tag is the micro-batch's, slot's and direction's alone."""
+    edge = (microbatch * per_rank + producer_round) * per_rank + consumer_round
     return (edge * _MAX_VALUES_PER_EDGE + slot) * 2 + (phase is Phase.BACKWARD)
 
 
@@ -336,11 +338,15 @@ class StageRuntime:
         if works:
             self.waiter.call(lambda: [work.wait() for work in works], on_wait)
 
+    def _tag(self, producer: int, consumer: int, microbatch: int, slot: int, phase: Phase) -> int:
+        positions = len(set(self._ranks))  # stage s runs on position s % positions
+        return _tag(producer // positions, consumer // positions, self.num_stages // positions, microbatch, slot, phase)
+
     def _isend(self, tensor: Tensor, producer: int, consumer: int, microbatch: int, slot: int, phase: Phase) -> None:
         """Send a value of the edge ``producer`` -> ``consumer``: forward (an activation) to the consumer, backward (its
         gradient) to the producer."""
         tensor = tensor.detach().contiguous()
-        tag = _tag(producer, consumer, self.num_stages, microbatch, slot, phase)
+        tag = self._tag(producer, consumer, microbatch, slot, phase)
         peer = self._ranks[producer if phase is Phase.BACKWARD else consumer]
         if peer == self._ranks[self.stage_index]:
             self._local[tag] = tensor
@@ -354,7 +360,7 @@ class StageRuntime:
         self, buffer: Tensor, producer: int, consumer: int, microbatch: int, slot: int, phase: Phase
     ) -> dist.Work | _LocalReceive:
         """Receive into ``buffer`` a value of the edge ``producer`` -> ``consumer`` (see `_isend`)."""
-        tag = _tag(producer, consumer, self.num_stages, microbatch, slot, phase)
+        tag = self._tag(producer, consumer, microbatch, slot, phase)
         peer = self._ranks[consumer if phase is Phase.BACKWARD else producer]
         if peer == self._ranks[self.stage_index]:
             return _LocalReceive(self._local, tag, buffer)
