@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: per-stage lists of actions, plus a dry run that checks them.
+"""Pipeline schedules as data: per-rank lists of actions, plus a dry run that checks them.
 
 An action is a forward (``F``), recompute (``R``), backward (``B``) or weight pass (``W``) of one micro-batch and
 prints as ``F3`` / ``R1`` / ``B0`` / ``W0``. A schedule is one action list per rank of the pipeline; with one stage per
