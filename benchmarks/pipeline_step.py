@@ -18,6 +18,10 @@ fresh processes:
 * ``torch-pipelining-{1f1b,zero-bubble}-codegen``: the same with the stage modules built as lightning-varuna builds
   its own (run as FX generated code, under ``torch.export.unflatten._disable_interpreter()``): the same stages as
   ours.
+* ``*-interleaved-mb{4,8}`` and ``*-1f1b-mb8``: interleaved 1F1B with 2 stages per rank (the model cut into 4 stages
+  of 2 blocks, at ``cuts.1``, ``cuts.3``, ``cuts.5``; stages 0 and 2 on rank 0), at 4 and 8 micro-batches, through
+  ``Trainer.fit`` + ``VarunaStrategy(schedule="interleaved-1f1b")``, our bare runtime, and torch's
+  ``ScheduleInterleaved1F1B`` on the same stage modules (``-codegen``); 1F1B at 8 micro-batches beside them.
 * ``ddp-lightning``: ``Trainer(strategy="ddp", devices=2)``, DataLoader batch 8 per replica.
 * ``single-lightning``: ``Trainer(devices=1)``, DataLoader batch 16; ``single-bare``: the same without Lightning.
 
@@ -107,6 +111,8 @@ class Variant:
     description: str = ""
     codegen: bool = False  # torch-pipelining: build the stages to run as FX generated code, as VarunaStrategy does
     stages: int = 2  # varuna-lightning: pipeline_parallel_size (the rest of the processes are replicas)
+    stages_per_rank: int = 1  # interleaved: stages per rank (the model cut into stages x this many)
+    microbatches: int = 0  # micro-batches per step (0: the config's)
     accumulate: int = 1  # varuna-lightning: accumulate_grad_batches; a step is then one optimizer step
     reduce_every_batch: bool = False  # varuna-lightning: all-reduce after every accumulated batch (timing only)
 
@@ -170,6 +176,58 @@ VARIANTS = [
         accumulate=4,
         reduce_every_batch=True,
     ),
+    *(
+        variant
+        for mb in (4, 8)
+        for variant in (
+            Variant(
+                f"varuna-lightning-interleaved-mb{mb}",
+                "varuna-lightning",
+                2,
+                "interleaved-1f1b",
+                f"Trainer.fit + VarunaStrategy, 2 ranks x 2 stages, interleaved 1F1B, {mb} micro-batches",
+                stages_per_rank=2,
+                microbatches=mb,
+            ),
+            Variant(
+                f"varuna-runtime-interleaved-mb{mb}",
+                "varuna-runtime",
+                2,
+                "interleaved-1f1b",
+                f"bare StageRuntime, 2 ranks x 2 stages, interleaved 1F1B, {mb} micro-batches",
+                stages_per_rank=2,
+                microbatches=mb,
+            ),
+            Variant(
+                f"torch-pipelining-interleaved-codegen-mb{mb}",
+                "torch-pipelining",
+                2,
+                "interleaved-1f1b",
+                f"torch.distributed.pipelining ScheduleInterleaved1F1B, 2 ranks x 2 stages, {mb} micro-batches, on "
+                "stages run as FX generated code (as ours)",
+                codegen=True,
+                stages_per_rank=2,
+                microbatches=mb,
+            ),
+        )
+    ),
+    Variant(
+        "varuna-runtime-1f1b-mb8",
+        "varuna-runtime",
+        2,
+        "1f1b",
+        "bare StageRuntime, 2 stages, 1F1B, 8 micro-batches",
+        microbatches=8,
+    ),
+    Variant(
+        "torch-pipelining-1f1b-codegen-mb8",
+        "torch-pipelining",
+        2,
+        "1f1b",
+        "torch.distributed.pipelining Schedule1F1B, 8 micro-batches, on stages run as FX generated code",
+        codegen=True,
+        microbatches=8,
+    ),
     Variant("ddp-lightning", "ddp", 2, None, "Trainer.fit + DDP, 2 replicas x batch 8"),
     Variant("single-lightning", "single", 1, None, "Trainer.fit, 1 process, batch 16"),
     Variant("single-bare", "single-bare", 1, None, "plain PyTorch loop, 1 process, batch 16 (no Lightning)"),
@@ -177,6 +235,18 @@ VARIANTS = [
 
 
 # ------------------------------------------------------------------------------------------------ model and data
+def micro_batch_size_of(cfg: Config, variant: Variant) -> int:
+    return cfg.batch_size // variant.microbatches if variant.microbatches else cfg.micro_batch_size
+
+
+def boundaries_of(cfg: Config, variant: Variant) -> list[str]:
+    """Where the bare pipelined variants cut: at ``cfg.boundary``, or into 2 x stages_per_rank equal stages."""
+    if variant.stages_per_rank == 1:
+        return [cfg.boundary]
+    blocks = cfg.layers // (2 * variant.stages_per_rank)
+    return [f"cuts.{blocks * k - 1}" for k in range(1, 2 * variant.stages_per_rank)]
+
+
 def make_data(cfg: Config) -> CharDataset:
     return CharDataset(make_text(), block_size=cfg.block_size)
 
@@ -254,7 +324,10 @@ def run_lightning(cfg: Config, variant: Variant) -> dict[str, Any]:
     if variant.kind == "varuna-lightning":
         strategy_class = ReduceEveryBatch if variant.reduce_every_batch else VarunaStrategy
         strategy: Any = strategy_class(
-            pipeline_parallel_size=variant.stages, micro_batch_size=cfg.micro_batch_size, schedule=variant.schedule
+            pipeline_parallel_size=variant.stages,
+            micro_batch_size=micro_batch_size_of(cfg, variant),
+            schedule=variant.schedule,
+            stages_per_rank=variant.stages_per_rank if variant.stages_per_rank > 1 else None,
         )
         loader_batch = cfg.batch_size * variant.stages // variant.world_size
     elif variant.kind == "ddp":
@@ -312,9 +385,11 @@ def run_bare_step(stage: Stage, actions: list[Action], xs: tuple[Tensor, ...], y
     """One step of ``stage`` under ``actions``, walked by the loop `MicroBatchedStep` uses (`run_schedule`) on the
     bare runtime, without a LightningModule around: each micro-batch's LM loss over their number."""
 
-    def forward(m: int, recompute_later: bool) -> Tensor | None:
-        graph, stage_module = stage.stage_for((xs[m],), {})
-        return stage.runtime.forward(m, graph, stage_module, [xs[m]], True, recompute_later=recompute_later)
+    def forward(index: int, m: int, recompute_later: bool) -> Tensor | None:
+        graph, stage_module = stage.stage_for((xs[m],), {}, index)
+        return stage.runtime.forward(
+            m, graph, stage_module, [xs[m]], True, stage=index, recompute_later=recompute_later
+        )
 
     def loss_of(m: int, logits: Tensor | None) -> Tensor | None:
         return None if logits is None else lm_loss(logits, ys[m]) / len(xs)
@@ -326,7 +401,7 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     """lightning-varuna's StageRuntime on the stage that VarunaStrategy would build, without Lightning."""
 
     from lightning_varuna.pipeline.gradients import reduce_gradients
-    from lightning_varuna.pipeline.schedules import SCHEDULES
+    from lightning_varuna.pipeline.schedules import make_schedule
     from lightning_varuna.pipeline.shared_params import SharedParameters
     from lightning_varuna.pipeline.topology import Topology
 
@@ -334,52 +409,64 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     data = make_data(cfg)
     model = make_model(cfg, len(data.vocab)).train()
     batches = global_batches(cfg, data)
-    example = batches[0][0][: cfg.micro_batch_size]
-    topology = Topology.from_world(world, rank, world, None)
-    plan = Stage(model, [cfg.boundary], topology, example.device)
+    mb = micro_batch_size_of(cfg, variant)
+    example = batches[0][0][:mb]
+    topology = Topology.from_world(world, rank, world, None, variant.stages_per_rank)
+    plan = Stage(model, boundaries_of(cfg, variant), topology, example.device)
     graph, stage_module = plan.stage_for((example,), {})
     plan.release_other_stages(graph)
     plan.shared = SharedParameters(graph.stage_parameters, topology, dict(model.named_parameters()))
     params = plan.own_parameters()
-    actions = SCHEDULES[variant.schedule](world, cfg.num_microbatches)[topology.pp_rank]
+    actions = make_schedule(variant.schedule, world, cfg.batch_size // mb, variant.stages_per_rank)[topology.pp_rank]
 
     def forward_backward(x: Tensor, y: Tensor) -> None:
-        run_bare_step(plan, actions, x.split(cfg.micro_batch_size), y.split(cfg.micro_batch_size))
+        run_bare_step(plan, actions, x.split(mb), y.split(mb))
         # The tied embedding / LM head gradient summed over the two stages, as VarunaStrategy does.
         for p, grad in zip(params, reduce_gradients(params, [p.grad for p in params], None, 1, plan.shared)):
             p.grad = grad
 
     timings = time_steps(cfg, batches, forward_backward, params)
-    return {"rank": rank, **timings, "param_bytes": param_bytes(params), "boundary": [cfg.boundary]}
+    return {"rank": rank, **timings, "param_bytes": param_bytes(params), "boundary": boundaries_of(cfg, variant)}
 
 
 def run_torch_pipelining(cfg: Config, variant: Variant) -> dict[str, Any]:
     """torch.distributed.pipelining's schedules on the model cut at the same CutPoint."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble, pipeline
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        pipeline,
+    )
 
     from lightning_varuna._torch_private import generated_code_modules
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     data = make_data(cfg)
     model = make_model(cfg, len(data.vocab)).train()
     batches = global_batches(cfg, data)
-    model.get_submodule(cfg.boundary)._is_stage_boundary = True  # the CutPoint then calls pipe_split()
+    mb = micro_batch_size_of(cfg, variant)
+    microbatches = cfg.batch_size // mb
+    for boundary in boundaries_of(cfg, variant):
+        model.get_submodule(boundary)._is_stage_boundary = True  # the CutPoint then calls pipe_split()
     with generated_code_modules() if variant.codegen else contextlib.nullcontext():
-        pipe = pipeline(model, mb_args=(batches[0][0][: cfg.micro_batch_size],))
-    stage = pipe.build_stage(rank, torch.device("cpu"))
+        pipe = pipeline(model, mb_args=(batches[0][0][:mb],))
+    # Round-robin, as ours: rank r runs stages r, r + world, ... (torch's default stage -> rank map).
+    stages = [pipe.build_stage(rank + k * world, torch.device("cpu")) for k in range(variant.stages_per_rank)]
     del pipe, model
-    if variant.schedule == "zero-bubble":  # a schedule of several stages per rank, here given one
-        schedule: Any = ScheduleInterleavedZeroBubble([stage], n_microbatches=cfg.num_microbatches, loss_fn=lm_loss)
+    if variant.schedule in ("zero-bubble", "interleaved-1f1b"):  # schedules of several stages per rank
+        schedule_cls: Any = {"zero-bubble": ScheduleInterleavedZeroBubble, "interleaved-1f1b": ScheduleInterleaved1F1B}
+        schedule: Any = schedule_cls[variant.schedule](stages, n_microbatches=microbatches, loss_fn=lm_loss)
     else:
         schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[variant.schedule]
-        schedule = schedule_cls(stage, n_microbatches=cfg.num_microbatches, loss_fn=lm_loss)  # grads scaled by 1/4
-    params = list(stage.submod.parameters())
+        schedule = schedule_cls(stages[0], n_microbatches=microbatches, loss_fn=lm_loss)  # grads scaled by 1/M
+    params = [p for stage in stages for p in stage.submod.parameters()]
 
     def forward_backward(x: Tensor, y: Tensor) -> None:
         schedule.step(x, target=y, losses=[])
 
     timings = time_steps(cfg, batches, forward_backward, params)
-    return {"rank": rank, **timings, "param_bytes": param_bytes(params), "boundary": [cfg.boundary]}
+    return {"rank": rank, **timings, "param_bytes": param_bytes(params), "boundary": boundaries_of(cfg, variant)}
 
 
 def run_single_bare(cfg: Config, variant: Variant) -> dict[str, Any]:
@@ -561,6 +648,33 @@ COMPARISONS = [
         "zero-bubble over 1F1B, torch on the same stage modules",
         "torch-pipelining-zero-bubble-codegen",
         "torch-pipelining-1f1b-codegen",
+    ),
+    *(
+        comparison
+        for mb in (4, 8)
+        for comparison in (
+            (
+                f"interleaved (2 stages per rank) over 1F1B, Trainer + VarunaStrategy, {mb} micro-batches",
+                f"varuna-lightning-interleaved-mb{mb}",
+                "varuna-lightning-1f1b" if mb == 4 else "",
+            ),
+            (
+                f"interleaved over 1F1B, bare runtime, {mb} micro-batches",
+                f"varuna-runtime-interleaved-mb{mb}",
+                "varuna-runtime-1f1b" if mb == 4 else "varuna-runtime-1f1b-mb8",
+            ),
+            (
+                f"interleaved: bare runtime over torch's ScheduleInterleaved1F1B on the same stage modules, {mb} "
+                "micro-batches",
+                f"varuna-runtime-interleaved-mb{mb}",
+                f"torch-pipelining-interleaved-codegen-mb{mb}",
+            ),
+            (
+                f"interleaved over 1F1B, torch on the same stage modules, {mb} micro-batches",
+                f"torch-pipelining-interleaved-codegen-mb{mb}",
+                "torch-pipelining-1f1b-codegen" if mb == 4 else "torch-pipelining-1f1b-codegen-mb8",
+            ),
+        )
     ),
     (
         "one all-reduce per optimizer step instead of one per accumulated batch",

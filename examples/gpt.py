@@ -145,7 +145,14 @@ def main() -> None:
         default=None,
         help='default: 4 micro-batches per stage (the strategy\'s default); or "auto" (needs --profile)',
     )
-    parser.add_argument("--schedule", default="1f1b", help='1f1b, gpipe, varuna, or "auto" (needs --profile)')
+    parser.add_argument(
+        "--schedule",
+        default="1f1b",
+        help='1f1b, gpipe, varuna, zero-bubble, interleaved-1f1b (with --stages-per-rank), or "auto" (needs --profile)',
+    )
+    parser.add_argument(
+        "--stages-per-rank", type=int, help="stages per rank of interleaved-1f1b (default 2; needs that many CutPoints)"
+    )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument(
         "--global-batch-size",
@@ -183,6 +190,7 @@ def main() -> None:
             pipeline_parallel_size=args.pipeline_parallel_size,
             micro_batch_size=args.micro_batch_size,
             schedule=args.schedule,
+            stages_per_rank=args.stages_per_rank,
             global_batch_size=args.global_batch_size,
             profile=args.profile,
         ),

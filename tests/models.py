@@ -102,11 +102,15 @@ class CountingLM(TinyLM):
 
 
 def model_for(config: dict) -> TinyLM:
-    """The TinyLM a runner config describes (``scheduler``, ``dropout``, ``dim``, ``counting``: a `CountingLM`;
-    ``frozen``: the names of submodules to freeze)."""
+    """The TinyLM a runner config describes (``scheduler``, ``dropout``, ``dim``, ``blocks``, ``counting``: a
+    `CountingLM`; ``frozen``: the names of submodules to freeze)."""
     model_class = CountingLM if config.get("counting") else TinyLM
+    options = {"blocks": config["blocks"]} if "blocks" in config else {}
     model = model_class(
-        scheduler=config.get("scheduler", False), dropout=config.get("dropout", 0.0), dim=config.get("dim", DIM)
+        scheduler=config.get("scheduler", False),
+        dropout=config.get("dropout", 0.0),
+        dim=config.get("dim", DIM),
+        **options,
     )
     for name in config.get("frozen", ()):
         model.get_submodule(name).requires_grad_(False)

@@ -79,9 +79,11 @@ def run_runtime(
     """The bare runtime under ``actions`` on the micro-batches ``xs``, walked by the step's loop (`run_schedule`, as
     the benchmark does), each loss scaled by ``weight``."""
 
-    def forward(m: int, recompute_later: bool) -> Tensor | None:
-        graph, stage_module = stage.stage_for((xs[m],), {})
-        return stage.runtime.forward(m, graph, stage_module, [xs[m]], training, recompute_later=recompute_later)
+    def forward(index: int, m: int, recompute_later: bool) -> Tensor | None:
+        graph, stage_module = stage.stage_for((xs[m],), {}, index)
+        return stage.runtime.forward(
+            m, graph, stage_module, [xs[m]], training, stage=index, recompute_later=recompute_later
+        )
 
     def loss_of(m: int, logits: Tensor | None) -> Tensor | None:
         return None if logits is None else F.cross_entropy(logits.flatten(0, 1), ys[m].flatten()) * weight

@@ -66,6 +66,7 @@ def main(out_dir: str, config: dict) -> None:
         pipeline_parallel_size=pp,
         micro_batch_size=config.get("micro_batch_size"),
         schedule=config["schedule"],
+        stages_per_rank=config.get("stages_per_rank"),
         checkpoint_tempdir=config.get("tempdir"),
         storage_options=config.get("storage_options"),
         profile=config.get("profile"),

@@ -115,16 +115,15 @@ def test_single_process_checkpoint_resumes_pipelined(tmp_path, uninterrupted):
     assert_continues(result, weights, uninterrupted, from_step=3)
 
 
-def test_zero_bubble_checkpoint_resumes_under_1f1b_at_another_depth_and_back(tmp_path, uninterrupted):
-    """A checkpoint written under zero-bubble at 2 stages resumes under 1F1B at 4, whose checkpoint resumes under
-    zero-bubble at 2 again: each run continues the single-device training."""
+@pytest.mark.parametrize("schedule", ["zero-bubble", "interleaved-1f1b"])
+def test_checkpoint_of_another_schedule_resumes_under_1f1b_at_another_depth_and_back(tmp_path, uninterrupted, schedule):
+    """A checkpoint written under zero-bubble at 2 stages (or interleaved: 4 stages on 2 ranks) resumes under 1F1B at
+    4, whose checkpoint resumes under the first schedule at 2 again: each run continues the single-device training."""
     folder = str(tmp_path / "checkpoints")
-    run(tmp_path, "zero-bubble", shape(2, 1, "zero-bubble", epochs=1, checkpoint_dir=folder))
+    run(tmp_path, schedule, shape(2, 1, schedule, epochs=1, checkpoint_dir=folder))
     result, weights = run(tmp_path, "1f1b", shape(4, 1, epochs=2, checkpoint_dir=folder, resume="last"))
     assert result["losses"] == pytest.approx(uninterrupted[0][3:6], rel=1e-5, abs=1e-5)
-    result, weights = run(
-        tmp_path, "back", shape(2, 1, "zero-bubble", epochs=EPOCHS, checkpoint_dir=folder, resume="last")
-    )
+    result, weights = run(tmp_path, "back", shape(2, 1, schedule, epochs=EPOCHS, checkpoint_dir=folder, resume="last"))
     assert_continues(result, weights, uninterrupted, from_step=6)
 
 

@@ -163,7 +163,8 @@ def test_micro_batch_larger_than_batch():
     [
         (
             dict(schedule="zigzag"),
-            r"schedule='zigzag'\)` is unknown; choose one of \['1f1b', 'gpipe', 'varuna', 'zero-bubble'\]",
+            r"schedule='zigzag'\)` is unknown; choose one of "
+            r"\['1f1b', 'gpipe', 'interleaved-1f1b', 'varuna', 'zero-bubble'\]",
         ),
         (dict(pipeline_parallel_size=0), r"pipeline_parallel_size=0\)` must be a positive integer"),
         (dict(micro_batch_size=-1), r"micro_batch_size=-1\)` must be a positive integer"),
@@ -199,6 +200,12 @@ trainer.fit(TinyLM(blocks={blocks}), DataLoader(token_dataset(8), batch_size=4))
             "pipeline_parallel_size=2",
             1,
             r"pipeline_parallel_size=2\)` needs at least 1 CutPoints in the forward, but `TinyLM` calls 0",
+        ),
+        (
+            2,
+            "pipeline_parallel_size=2, schedule='interleaved-1f1b', stages_per_rank=3",
+            5,
+            r"stages_per_rank=3\)` cuts 6 stages and needs at least 5 CutPoints in the forward, but `TinyLM` calls 4",
         ),
         (2, "global_batch_size=5", 5, r"global_batch_size=5\)` does not split evenly over data_parallel_size=2"),
         (

@@ -13,7 +13,7 @@ from models import DIM, SEQ, NormalizesOverRows, TinyLM
 from lightning_varuna.cli import main as cli
 from lightning_varuna.data.microbatch import microbatch_sizes
 from lightning_varuna.partition.discovery import discover_cutpoints
-from lightning_varuna.pipeline.schedules import SCHEDULES
+from lightning_varuna.pipeline.schedules import SCHEDULES, interleaved_one_f_one_b
 from lightning_varuna.profiling.autoconfig import candidate_configs, choose_configs, format_ranking, rank_configs
 from lightning_varuna.profiling.calibration import calibrate, measured_step_s
 from lightning_varuna.profiling.memory import SavedTensorMeter
@@ -201,6 +201,24 @@ def test_configs_the_network_profile_cannot_predict_are_left_out():
     assert {p.config.data_parallel_size for p in ranked} == {1}
 
 
+@pytest.mark.parametrize(("ranks", "per_rank", "microbatches"), [(2, 2, 2), (2, 2, 4), (2, 2, 8), (4, 2, 8), (2, 4, 8)])
+def test_interleaved_bubble_is_one_f_one_b_s_over_the_stages_per_rank(ranks, per_rank, microbatches):
+    """Megatron-LM's closed form for a uniform pipeline: M (F + B) per rank plus (P - 1)(F + B) / V, where 1F1B
+    waits (P - 1)(F + B) (F, B: a rank's share of the model); each rank runs every action of its stages."""
+    profile = synthetic(segments=2 * ranks * per_rank)
+    config = Config(ranks, 1, 1, "interleaved-1f1b", microbatches, stages_per_rank=per_rank)
+    prediction = simulate(profile, config, timeline=True)
+    per_rank_share = 3.0 * len(profile.segments) / ranks
+    assert prediction.pipeline_s == pytest.approx((microbatches + (ranks - 1) / per_rank) * per_rank_share)
+    assert prediction.bubble == pytest.approx((ranks - 1) / (per_rank * microbatches + ranks - 1))
+    one_f_one_b = simulate(profile, Config(ranks, 1, 1, "1f1b", microbatches))
+    assert prediction.pipeline_s < one_f_one_b.pipeline_s
+    assert str(config) == f"P={ranks} V={per_rank} D=1 mb=1 interleaved-1f1b"
+    ran = sorted((s.stage, s.name) for s in prediction.timeline if s.phase is not None)
+    expected = interleaved_one_f_one_b(ranks, microbatches, per_rank)
+    assert ran == sorted((rank, str(a)) for rank, actions in enumerate(expected) for a in actions)
+
+
 def test_chrome_trace_has_an_event_per_action():
     prediction = simulate(synthetic(), Config(2, 2, 1, "varuna", 4), timeline=True)
     events = json.loads(prediction.chrome_trace())["traceEvents"]
@@ -342,7 +360,8 @@ def test_auto_needs_a_profile_and_a_global_batch():
     with pytest.raises(ValueError, match=r'schedule="auto".*pass `profile=`'):
         VarunaStrategy(schedule="auto")
     with pytest.raises(
-        ValueError, match=r"unknown; choose one of \['1f1b', 'gpipe', 'varuna', 'zero-bubble'\] or \"auto\""
+        ValueError,
+        match=r"unknown; choose one of \['1f1b', 'gpipe', 'interleaved-1f1b', 'varuna', 'zero-bubble'\] or \"auto\"",
     ):
         VarunaStrategy(schedule="zigzag")
 

@@ -35,7 +35,8 @@ class RecordsTimeline(Protocol):
 class PipelineTrace(pl.Callback):
     """Record one training step of a `VarunaStrategy` run on every rank and write it as a trace file.
 
-    The trace has a process per data-parallel replica and a thread per pipeline stage; each forward,
+    The trace has a process per data-parallel replica and a thread per pipeline stage (under an interleaved schedule:
+    per rank, named with its stages, ``stages 0, 2``, each action with its stage: ``2F3``); each forward,
     recompute and backward shows when it computed (waiting for a message is left out, so the gaps are the
     bubble), followed by the gradient all-reduce and the optimizer step. Open it in https://ui.perfetto.dev
     next to the simulator's prediction (``lightning-varuna autoconfig --trace``), or teach the profile what
@@ -90,9 +91,10 @@ class PipelineTrace(pl.Callback):
         ]
         self._recorded += 1
         if trainer.is_global_zero and self._recorded == self.steps:
+            per_rank = f" V={topology.stages_per_rank}" if topology.stages_per_rank > 1 else ""
             title = (
                 f"measured step {self.step}{f'-{step}' if step > self.step else ''}: "
-                f"P={topology.pipeline_parallel_size} D={topology.data_parallel_size} "
+                f"P={topology.pipeline_parallel_size}{per_rank} D={topology.data_parallel_size} "
                 f"mb={strategy.micro_batch_size} {strategy.schedule}"
             )
             config = {  # what `lightning-varuna calibrate` needs to simulate these steps
@@ -103,6 +105,8 @@ class PipelineTrace(pl.Callback):
                 "global_batch_size": batch_size_of(batch) * topology.data_parallel_size,
                 "nodes": trainer.num_nodes,
             }
+            if topology.stages_per_rank > 1:
+                config["stages_per_rank"] = topology.stages_per_rank
             trace = chrome_trace(self.spans, title, {"config": config})
             self._storage.write_bytes(self.path, trace.encode())
 

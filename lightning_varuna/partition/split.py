@@ -37,7 +37,14 @@ from lightning_varuna.partition.tracing import (
     without_kv_cache,
 )
 
-__all__ = ["PipelineGraph", "Source", "TensorMeta", "split_into_all_stages", "split_into_stages"]
+__all__ = [
+    "PipelineGraph",
+    "Source",
+    "TensorMeta",
+    "split_into_all_stages",
+    "split_into_rank_stages",
+    "split_into_stages",
+]
 
 
 @dataclass(frozen=True)
@@ -242,6 +249,21 @@ def split_into_stages(
     """
     graph, stage_modules = _split(module, skeleton, args, kwargs, boundaries)
     return graph, _bound(stage_modules[stage_index], skeleton, real_tensors)
+
+
+def split_into_rank_stages(
+    module: nn.Module,
+    skeleton: ModelSkeleton,
+    real_tensors: dict[str, Tensor],
+    args: tuple,
+    kwargs: dict,
+    boundaries: Sequence[str],
+    stage_indices: Sequence[int],
+) -> tuple[PipelineGraph, dict[int, nn.Module]]:
+    """`split_into_stages`, returning the module of each stage in ``stage_indices`` (the stages one rank runs, several
+    under an interleaved schedule), each bound to ``real_tensors``: a tensor that two of them use is one tensor."""
+    graph, stage_modules = _split(module, skeleton, args, kwargs, boundaries)
+    return graph, {s: _bound(stage_modules[s], skeleton, real_tensors) for s in stage_indices}
 
 
 def split_into_all_stages(

@@ -1,8 +1,10 @@
-"""Pipeline schedules as data: per-stage lists of actions, plus a dry run that checks them.
+"""Pipeline schedules as data: per-rank lists of actions, plus a dry run that checks them.
 
 An action is a forward (``F``), recompute (``R``), backward (``B``) or weight pass (``W``) of one micro-batch and
-prints as ``F3`` / ``R1`` / ``B0`` / ``W0``. A schedule is one action list per stage. Generators produce schedules;
-one loop (the step's, in `pipeline.step`) executes any of them. A stage that recomputes a micro-batch runs its forward
+prints as ``F3`` / ``R1`` / ``B0`` / ``W0``. A schedule is one action list per rank of the pipeline; with one stage per
+rank, rank ``r`` runs stage ``r``. A rank that holds several (virtual) stages (interleaved) names the stage of each
+action, printed in front: ``2F3`` is stage 2's forward of micro-batch 3. Generators produce schedules; one loop (the
+step's, in `pipeline.step`) executes any of them. A stage that recomputes a micro-batch runs its forward
 without keeping activations (only its inputs) and runs it again, keeping them, at the ``R`` action before the backward.
 A stage whose list has a ``W`` for a micro-batch splits that backward in two: the ``B`` computes only the gradients
 of the stage's inputs (which the previous stage waits for), and the ``W`` computes the parameters' gradients later,
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 __all__ = [
+    "INTERLEAVED",
     "SCHEDULES",
     "Action",
     "Phase",
@@ -29,6 +32,8 @@ __all__ = [
     "format_grid",
     "forward_only",
     "gpipe",
+    "interleaved_one_f_one_b",
+    "make_schedule",
     "microbatches_of",
     "one_f_one_b",
     "varuna",
@@ -47,13 +52,22 @@ class Phase(str, Enum):
 class Action:
     phase: Phase
     microbatch: int
+    stage: int | None = None
+    """The stage that runs it, on a rank that holds several (interleaved); None: the rank's one stage."""
 
     def __str__(self) -> str:
-        return f"{self.phase.value}{self.microbatch}"
+        stage = "" if self.stage is None else str(self.stage)
+        return f"{stage}{self.phase.value}{self.microbatch}"
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        return cls(Phase(text[0]), int(text[1:]))
+        digits = len(text) - len(text.lstrip("0123456789"))
+        stage = int(text[:digits]) if digits else None
+        return cls(Phase(text[digits]), int(text[digits + 1 :]), stage)
+
+    def stage_on(self, rank: int) -> int:
+        """The stage this action runs on when rank ``rank`` of the pipeline runs it."""
+        return rank if self.stage is None else self.stage
 
 
 Schedule = list[list[Action]]
@@ -107,9 +121,19 @@ def microbatches_of(actions: Sequence[Action], phase: Phase) -> set[int]:
     return {a.microbatch for a in actions if a.phase is phase}
 
 
-def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
-    """Forwards only, in micro-batch order (validation, test, predict)."""
-    return [[Action(Phase.FORWARD, m) for m in range(num_microbatches)] for _ in range(num_stages)]
+def forward_only(num_stages: int, num_microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """Forwards only, in micro-batch order (validation, test, predict). With several stages per rank
+    (``num_stages`` ranks), a rank runs every micro-batch through one of its stages, then through the next."""
+    if stages_per_rank == 1:
+        return [[Action(Phase.FORWARD, m) for m in range(num_microbatches)] for _ in range(num_stages)]
+    return [
+        [
+            Action(Phase.FORWARD, m, k * num_stages + rank)
+            for k in range(stages_per_rank)
+            for m in range(num_microbatches)
+        ]
+        for rank in range(num_stages)
+    ]
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
@@ -217,61 +241,130 @@ def varuna(num_stages: int, num_microbatches: int) -> Schedule:
     return schedule
 
 
+def interleaved_one_f_one_b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+    Megatron-LM", 2021): ``stages_per_rank`` stages per rank, round-robin (stage ``s`` on rank ``s % num_ranks``),
+    one forward and one backward in turn in the steady state; a rank runs the micro-batches in rounds, each round's
+    micro-batches through one of its stages and then the next ("depth first"). The order of torch's
+    ``ScheduleInterleaved1F1B`` (its rounds of ``max(1, M // P)``, M micro-batches on P ranks): a stage is smaller, so
+    the bubble shrinks to about 1 / ``stages_per_rank`` of 1F1B's, for more messages and more activations in flight.
+
+    Raises:
+        ValueError: ``num_microbatches`` does not split into the rounds (a multiple of ``max(1, M // P)``).
+    """
+    P, V, M = num_ranks, stages_per_rank, num_microbatches
+    rounds = max(1, M // P)
+    if M % rounds:
+        fits = [m for m in range(1, 4 * P + 1) if m % max(1, m // P) == 0]
+        raise ValueError(
+            f"The interleaved 1F1B schedule runs a batch's micro-batches in rounds of M // rounds (rounds = "
+            f"max(1, M // P), as torch's ScheduleInterleaved1F1B): {M} micro-batches on {P} ranks make {rounds} "
+            f"rounds, which do not divide them. Choose `micro_batch_size` so that every batch (the last of an epoch "
+            f"too, or drop it with `drop_last=True`) splits into a number of micro-batches such as {fits}."
+        )
+    per_round = M // rounds
+    schedule: Schedule = []
+    for rank in range(P):
+        warmup = min((V - 1) * per_round + 2 * (P - 1 - rank), M * V)
+        forwards: dict[int, int] = {}
+        backwards: dict[int, int] = {}
+        actions = []
+        for op in range(M * V + warmup):
+            if op < M * V:  # the warm-up's forwards, then one forward and one backward in turn
+                stage = (op // per_round) % V * P + rank
+                forwards[stage] = forwards.get(stage, -1) + 1
+                actions.append(Action(Phase.FORWARD, forwards[stage], stage))
+            if op >= warmup:  # then the backwards, the last stage's round first
+                stage = (V - 1 - (op - warmup) // per_round % V) * P + rank
+                backwards[stage] = backwards.get(stage, -1) + 1
+                actions.append(Action(Phase.BACKWARD, backwards[stage], stage))
+        schedule.append(actions)
+    return schedule
+
+
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "1f1b": one_f_one_b,
     "gpipe": gpipe,
     "varuna": varuna,
     "zero-bubble": zero_bubble,
 }
+"""The schedules of one stage per rank, by name: ``generator(num_stages, num_microbatches)``."""
+
+INTERLEAVED: dict[str, Callable[[int, int, int], Schedule]] = {"interleaved-1f1b": interleaved_one_f_one_b}
+"""The schedules of several stages per rank, by name: ``generator(num_ranks, num_microbatches, stages_per_rank)``."""
+
+
+def make_schedule(name: str | None, num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """The schedule ``name`` (of `SCHEDULES` or `INTERLEAVED`; None: forwards only) of a pipeline of ``num_ranks``
+    ranks holding ``stages_per_rank`` stages each, one action list per rank."""
+    if name is None:
+        return forward_only(num_ranks, num_microbatches, stages_per_rank)
+    if name in INTERLEAVED:
+        return INTERLEAVED[name](num_ranks, num_microbatches, stages_per_rank)
+    if stages_per_rank != 1:
+        raise ValueError(f"The schedule {name!r} runs one stage per rank, not {stages_per_rank}.")
+    return SCHEDULES[name](num_ranks, num_microbatches)
 
 
 def dry_run(schedule: Schedule, producers: Mapping[int, set[int]] | None = None) -> list[list[Action | None]]:
-    """Execute ``schedule`` without a device and return the grid of ticks x stages.
+    """Execute ``schedule`` without a device and return the grid of ticks x ranks (with one stage per rank: stages).
 
     A forward of stage ``s`` waits for the same micro-batch's forward on each of its ``producers`` (default:
     the previous stage); a recompute waits for its forward; a backward waits for its own forward (or recompute)
-    and for the backwards of the stages it feeds; a weight pass waits for its backward.
+    and for the backwards of the stages it feeds; a weight pass waits for its backward. A rank runs its actions in
+    order, whichever of its stages they belong to.
 
     Raises:
         ScheduleError: the schedule deadlocks or is incomplete; the message shows the grid so far.
     """
-    num_stages = len(schedule)
+    num_ranks = len(schedule)
+    num_stages = max([a.stage_on(r) + 1 for r, actions in enumerate(schedule) for a in actions] + [num_ranks])
     producers, consumers = chain(num_stages) if producers is None else (producers, consumers_of(producers))
     done: set[Work] = set()
-    position = [0] * num_stages
+    position = [0] * num_ranks
     grid: list[list[Action | None]] = []
+    by_stage = _actions_by_stage(schedule, num_stages)
+    where = "Rank" if num_stages > num_ranks else "Stage"  # the grid's rows
+    recomputed = [microbatches_of(actions, Phase.RECOMPUTE) for actions in by_stage]
 
-    recomputed = [microbatches_of(actions, Phase.RECOMPUTE) for actions in schedule]
-
-    def ready(stage: int, action: Action) -> bool:
+    def ready(rank: int, action: Action) -> bool:
+        stage = action.stage_on(rank)
         needs = dependencies(stage, action, producers, consumers, action.microbatch in recomputed[stage])
         return all(work in done for work in needs)
 
-    while any(position[s] < len(schedule[s]) for s in range(num_stages)):
-        tick: list[Action | None] = [None] * num_stages
-        for stage in range(num_stages):
-            if position[stage] < len(schedule[stage]) and ready(stage, schedule[stage][position[stage]]):
-                tick[stage] = schedule[stage][position[stage]]
+    while any(position[r] < len(schedule[r]) for r in range(num_ranks)):
+        tick: list[Action | None] = [None] * num_ranks
+        for rank in range(num_ranks):
+            if position[rank] < len(schedule[rank]) and ready(rank, schedule[rank][position[rank]]):
+                tick[rank] = schedule[rank][position[rank]]
         if not any(tick):
-            stuck = [
-                str(schedule[s][position[s]]) if position[s] < len(schedule[s]) else "-" for s in range(num_stages)
-            ]
-            raise ScheduleError(f"Schedule deadlocks; next action per stage: {stuck}\n{format_grid(grid)}")
-        for stage, action in enumerate(tick):
+            stuck = [str(schedule[r][position[r]]) if position[r] < len(schedule[r]) else "-" for r in range(num_ranks)]
+            raise ScheduleError(f"Schedule deadlocks; next action per {where.lower()}: {stuck}\n{format_grid(grid)}")
+        for rank, action in enumerate(tick):
             if action is not None:
-                done.add((stage, action.phase, action.microbatch))
-                position[stage] += 1
+                done.add((action.stage_on(rank), action.phase, action.microbatch))
+                position[rank] += 1
         grid.append(tick)
-    _check_complete(schedule)
+    for rank, actions in enumerate(schedule):
+        if len(set(actions)) != len(actions):
+            repeated = sorted({str(a) for a in actions if actions.count(a) > 1})
+            raise ScheduleError(f"{where} {rank} runs {repeated} more than once.")
+    _check_complete(by_stage)
     return grid
+
+
+def _actions_by_stage(schedule: Schedule, num_stages: int) -> list[list[Action]]:
+    """Each stage's actions, in its rank's order, without their stage."""
+    by_stage: list[list[Action]] = [[] for _ in range(num_stages)]
+    for rank, actions in enumerate(schedule):
+        for a in actions:
+            by_stage[a.stage_on(rank)].append(Action(a.phase, a.microbatch))
+    return by_stage
 
 
 def _check_complete(schedule: Sequence[Sequence[Action]]) -> None:
     expected = microbatches_of(schedule[0], Phase.FORWARD) if schedule else set()
     for stage, actions in enumerate(schedule):
-        if len(set(actions)) != len(actions):
-            repeated = sorted({str(a) for a in actions if actions.count(a) > 1})
-            raise ScheduleError(f"Stage {stage} runs {repeated} more than once.")
         forwards = microbatches_of(actions, Phase.FORWARD)
         backwards = microbatches_of(actions, Phase.BACKWARD)
         if forwards != expected:
@@ -285,11 +378,13 @@ def _check_complete(schedule: Sequence[Sequence[Action]]) -> None:
 
 
 def format_grid(grid: Sequence[Sequence[Action | None]]) -> str:
-    """Render a tick x stage grid, one row per stage."""
+    """Render a tick x rank grid, one row per rank (a stage, with one stage per rank)."""
     if not grid:
         return "(no action ran)"
     rows = []
-    for stage in range(len(grid[0])):
-        cells = [str(tick[stage]) if tick[stage] is not None else "." for tick in grid]
-        rows.append(f"stage {stage}: " + " ".join(f"{c:>3}" for c in cells))
+    interleaved = any(a is not None and a.stage is not None for tick in grid for a in tick)
+    label, width = ("rank", 4) if interleaved else ("stage", 3)
+    for rank in range(len(grid[0])):
+        cells = [str(tick[rank]) if tick[rank] is not None else "." for tick in grid]
+        rows.append(f"{label} {rank}: " + " ".join(f"{c:>{width}}" for c in cells))
     return "\n".join(rows)

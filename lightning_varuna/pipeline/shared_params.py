@@ -21,17 +21,20 @@ class SharedParameters:
     """Which of this rank's parameters other stages hold too, and the process groups to sync them.
 
     Args:
-        stage_parameters: canonical parameter names used by each stage.
+        stage_parameters: canonical parameter names used by each stage (of all `Topology.num_stages`).
         topology: this rank's place in the job.
         own: this rank's parameters by canonical name.
     """
 
     def __init__(self, stage_parameters: list[set[str]], topology: Topology, own: dict[str, nn.Parameter]) -> None:
+        # By pipeline position: stages of one rank (interleaved) use one tensor, whose gradients add up there.
         holders: dict[str, list[int]] = {}
         for stage, names in enumerate(stage_parameters):
             for name in sorted(names):
-                holders.setdefault(name, []).append(stage)
-        shared = {name: tuple(stages) for name, stages in sorted(holders.items()) if len(stages) > 1}
+                position = topology.pp_rank_of(stage)
+                if position not in holders.setdefault(name, []):
+                    holders[name].append(position)
+        shared = {name: tuple(sorted(stages)) for name, stages in sorted(holders.items()) if len(stages) > 1}
         groups = {}
         for stages in sorted(set(shared.values())):
             groups[stages] = topology.new_groups(

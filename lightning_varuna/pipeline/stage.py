@@ -1,5 +1,5 @@
-"""One rank's pipeline stage: the model traced and cut at the chosen CutPoints, the stage module this rank runs,
-its runtime, and the parameters it shares with other stages."""
+"""One rank's pipeline stage: the model traced and cut at the chosen CutPoints, the stage module this rank runs (one per
+stage it holds, under an interleaved schedule), its runtime, and the parameters it shares with other stages."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_varuna.partition.skeleton import ModelSkeleton
-from lightning_varuna.partition.split import PipelineGraph, split_into_stages
+from lightning_varuna.partition.split import PipelineGraph, split_into_rank_stages
 from lightning_varuna.partition.trace_cache import trace_key, tracing_own_forward
 from lightning_varuna.pipeline.runtime import StageRuntime
 from lightning_varuna.pipeline.shared_params import SharedParameters
@@ -21,7 +21,8 @@ __all__ = ["Stage"]
 
 class Stage:
     """This rank's pipeline stage of a model cut at ``boundaries``: the traced stage module per input shape, the
-    runtime that runs it, and the parameters it shares with other stages.
+    runtime that runs it, and the parameters it shares with other stages. Under an interleaved schedule the rank holds
+    several stages (``topology.stage_indices``): a stage module each, one runtime, the tensors of all of them.
 
     Args:
         module: the whole model; after `release_other_stages` it holds only this stage's tensors.
@@ -41,33 +42,41 @@ class Stage:
     ) -> None:
         self.module = module
         self.boundaries = boundaries
-        self.stage_index = topology.pp_rank
+        self.stage_indices = topology.stage_indices
         self.skeleton = ModelSkeleton(module)
         self._real = dict(_named_tensors(module))
-        self._traced: dict[tuple, tuple[PipelineGraph, nn.Module]] = {}
-        self.runtime = StageRuntime(topology.pp_rank, topology.stage_ranks(), device, message_groups)
+        self._traced: dict[tuple, tuple[PipelineGraph, dict[int, nn.Module]]] = {}
+        self.runtime = StageRuntime(topology.stage_indices, topology.ranks_of_stages(), device, message_groups)
         self.shared: SharedParameters
         self._own_parameters: list[Tensor] | None = None
         self._unused_parameters: set[int] = set()  # ids of the parameters no stage uses
 
-    def stage_for(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, nn.Module]:
-        """The traced stage for inputs of this shape and the module's train/eval mode (traced once each)."""
+    @property
+    def stage_index(self) -> int:
+        """The rank's first stage (with one stage per rank: its stage)."""
+        return self.stage_indices[0]
+
+    def stage_for(self, args: tuple, kwargs: dict, stage: int | None = None) -> tuple[PipelineGraph, nn.Module]:
+        """The traced ``stage`` (default: the rank's first) for inputs of this shape and the module's train/eval mode
+        (traced once each)."""
         key = trace_key(self.module, args, kwargs)
         if key not in self._traced:
             with tracing_own_forward(self.module, args, kwargs) as (args, kwargs):
-                self._traced[key] = split_into_stages(
-                    self.module, self.skeleton, self._real, args, kwargs, self.boundaries, self.stage_index
+                self._traced[key] = split_into_rank_stages(
+                    self.module, self.skeleton, self._real, args, kwargs, self.boundaries, self.stage_indices
                 )
-            self._traced[key][1].train(self.module.training)
-        return self._traced[key]
+            for stage_module in self._traced[key][1].values():
+                stage_module.train(self.module.training)
+        graph, modules = self._traced[key]
+        return graph, modules[self.stage_index if stage is None else stage]
 
     def release_other_stages(self, graph: PipelineGraph) -> None:
-        """Free the parameters and buffers that this rank's stage does not use. Those no stage uses (a frozen copy
+        """Free the parameters and buffers that this rank's stages do not use. Those no stage uses (a frozen copy
         kept beside what replaced it, a table computed once) stay with the first stage, which saves them."""
         used = [params | buffers for params, buffers in zip(graph.stage_parameters, graph.stage_buffers, strict=True)]
-        keep = used[self.stage_index]
+        keep = set().union(*(used[s] for s in self.stage_indices))
         unused = self.skeleton.tensor_names - set().union(*used)
-        if self.stage_index == 0:
+        if 0 in self.stage_indices:
             keep = keep | unused
         self.skeleton.release(self.module, keep)
         self._real = {name: t for name, t in self._real.items() if name in keep}

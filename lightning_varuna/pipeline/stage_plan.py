@@ -25,15 +25,21 @@ def plan_stage(
     device: torch.device,
     groups: PipelineGroups,
 ) -> Stage:
-    """Cut ``module`` into ``topology.pipeline_parallel_size`` stages at the CutPoints that balance
+    """Cut ``module`` into ``topology.num_stages`` stages at the CutPoints that balance
     ``segment_costs(cutpoints)`` (seconds per segment, the same on every rank) and return this rank's `Stage`: traced
     for ``(args, kwargs)`` (one micro-batch), holding only its own tensors, its tied weights equal on every stage
     and replica. Collective: every rank calls it alike."""
     cutpoints = discover_cutpoints(module, args, kwargs)
-    num_stages = topology.pipeline_parallel_size
+    num_stages = topology.num_stages
     if num_stages > len(cutpoints) + 1:
+        asked = f"`VarunaStrategy(pipeline_parallel_size={topology.pipeline_parallel_size})`"
+        if topology.stages_per_rank > 1:
+            asked = (
+                f"`VarunaStrategy(pipeline_parallel_size={topology.pipeline_parallel_size}, "
+                f"stages_per_rank={topology.stages_per_rank})` cuts {num_stages} stages and"
+            )
         raise ValueError(
-            f"`VarunaStrategy(pipeline_parallel_size={num_stages})` needs at least {num_stages - 1} CutPoints in "
+            f"{asked} needs at least {num_stages - 1} CutPoints in "
             f"the forward, but `{type(module).__name__}` calls {len(cutpoints)}: {cutpoints} (one whose output is the "
             f"forward's output has no work after it and does not count). Use at most {len(cutpoints) + 1} stages or "
             "add CutPoints between the model's layers."

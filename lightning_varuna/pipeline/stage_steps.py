@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from lightning_varuna.data.microbatch import batch_size_of, microbatch_sizes
-from lightning_varuna.pipeline.schedules import SCHEDULES, forward_only
+from lightning_varuna.pipeline.schedules import make_schedule
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step import MicroBatchedStep
 from lightning_varuna.pipeline.step_logging import replay
@@ -82,8 +82,8 @@ class StageSteps:
         """
         module, topo, batch, loss_items = self._module, self._topology, args[0], self._loss_items
         training = schedule is not None
-        make = SCHEDULES[schedule] if schedule is not None else forward_only
-        actions = make(topo.pipeline_parallel_size, len(microbatch_sizes(batch_size_of(batch), micro_batch_size)))
+        num_microbatches = len(microbatch_sizes(batch_size_of(batch), micro_batch_size))
+        actions = make_schedule(schedule, topo.pipeline_parallel_size, num_microbatches, topo.stages_per_rank)
         share = self._share_of_items(batch) / module.trainer.accumulate_grad_batches if training else 1.0
         step = MicroBatchedStep(
             module,

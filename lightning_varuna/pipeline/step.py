@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_varuna.data.microbatch import batch_size_of, merge_microbatches, split_microbatches
 from lightning_varuna.pipeline.runtime import StageRuntime
-from lightning_varuna.pipeline.schedules import Action, Phase, microbatches_of
+from lightning_varuna.pipeline.schedules import Action, Phase
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step_logging import LogRecorder
 from lightning_varuna.random_states import global_random_states_kept
@@ -102,13 +102,15 @@ class MicroBatchedStep:
         return run_schedule(
             self.stage.runtime,
             actions,
-            lambda m, recompute_later: self._run_user_step(m, training, recompute_later, on_wait),
+            lambda stage, m, recompute_later: self._run_user_step(stage, m, training, recompute_later, on_wait),
             self._loss_of,
             on_wait,
         )
 
-    def _run_user_step(self, m: int, training: bool, recompute_later: bool, on_wait: Callable[[], None]) -> Any:
-        """The user's step on micro-batch ``m``, its ``self(...)`` running this stage's forward of ``m``: its output,
+    def _run_user_step(
+        self, stage: int, m: int, training: bool, recompute_later: bool, on_wait: Callable[[], None]
+    ) -> Any:
+        """The user's step on micro-batch ``m``, its ``self(...)`` running ``stage``'s forward of ``m``: its output,
         or None on a stage other than the last, where that forward ends the step."""
         forwards = 0
 
@@ -120,10 +122,10 @@ class MicroBatchedStep:
                     + "Compute everything the step needs from one call's output (`forward` may return several)."
                 )
             forwards += 1
-            graph, stage_module = self.stage.stage_for(args, kwargs)
+            graph, stage_module = self.stage.stage_for(args, kwargs, stage)
             inputs = tree_leaves((args, kwargs))
             output = self.stage.runtime.forward(
-                m, graph, stage_module, inputs, training, recompute_later=recompute_later, on_wait=on_wait
+                m, graph, stage_module, inputs, training, stage=stage, recompute_later=recompute_later, on_wait=on_wait
             )
             if output is None:
                 raise StageForwardDone
@@ -167,38 +169,42 @@ class MicroBatchedStep:
 def run_schedule(
     runtime: StageRuntime,
     actions: list[Action],
-    forward: Callable[[int, bool], Any],
+    forward: Callable[[int, int, bool], Any],
     loss_of: Callable[[int, Any], Tensor | None],
     on_wait: Callable[[], None] | None = None,
 ) -> list[Any]:
-    """Execute one stage's ``actions`` in order (as torch's ``_step_microbatches``): a forward is
-    ``forward(m, recompute_later)``, whose output ``loss_of(m, output)`` turns into the loss the backward of ``m``
-    starts from (None off the last stage); recomputes, backwards and deferred weight passes go to ``runtime``. Returns
-    each micro-batch's forward output, in micro-batch order. Any failure abandons the batch: its sends may never be
-    received."""
-    recomputed = microbatches_of(actions, Phase.RECOMPUTE)
-    deferred_weights = microbatches_of(actions, Phase.WEIGHT)
-    outputs: dict[int, Any] = {}
+    """Execute one rank's ``actions`` in order (as torch's ``_step_microbatches``), whichever of its stages each
+    names: a forward is ``forward(stage, m, recompute_later)``, whose output ``loss_of(m, output)`` turns into the loss
+    the backward of ``m`` starts from (on the last stage; None elsewhere); recomputes, backwards and deferred weight
+    passes go to ``runtime``. Returns each micro-batch's forward output of the rank's last stage, in micro-batch
+    order. Any failure abandons the batch: its sends may never be received."""
+    stage_of = {a: a.stage if a.stage is not None else runtime.stage_index for a in actions}
+    recomputed = {(stage_of[a], a.microbatch) for a in actions if a.phase is Phase.RECOMPUTE}
+    deferred_weights = {(stage_of[a], a.microbatch) for a in actions if a.phase is Phase.WEIGHT}
+    last = runtime.num_stages - 1
+    outputs: dict[tuple[int, int], Any] = {}
     try:
         for action in actions:
-            m = action.microbatch
+            key = stage, m = stage_of[action], action.microbatch
             with runtime.timing(action):
                 if action.phase is Phase.FORWARD:
-                    outputs[m] = forward(m, m in recomputed)
+                    outputs[key] = forward(stage, m, key in recomputed)
                 elif action.phase is Phase.RECOMPUTE:
-                    runtime.recompute(m)
+                    runtime.recompute(m, stage=stage)
                 elif action.phase is Phase.BACKWARD:
-                    runtime.backward(m, loss_of(m, outputs[m]), on_wait, weights_later=m in deferred_weights)
+                    loss = loss_of(m, outputs[key]) if stage == last else None
+                    runtime.backward(m, loss, on_wait, stage=stage, weights_later=key in deferred_weights)
                     # What merges the outputs reads only values; their graph, kept, would keep what a split
                     # backward's input part left for no weight pass (the loss's side, freed when unreferenced).
-                    outputs[m] = tree_map(_detached, outputs[m])
+                    outputs[key] = tree_map(_detached, outputs[key])
                 else:
-                    runtime.backward_weights(m)
+                    runtime.backward_weights(m, stage=stage)
         runtime.finish(on_wait)
     except BaseException:
         runtime.abandon_batch()
         raise
-    return [outputs[m] for m in sorted(outputs)]
+    own_last = max(runtime.stage_indices)
+    return [outputs[key] for key in sorted(outputs) if key[0] == own_last]
 
 
 def capture_forward_inputs(module: pl.LightningModule, step_name: str, microbatch: Any) -> tuple[tuple, dict]:

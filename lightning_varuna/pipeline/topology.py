@@ -4,6 +4,10 @@ Global rank ``r`` runs stage ``P - 1 - r % P`` of replica ``r // P``: the stages
 so point-to-point traffic stays on a node and only the gradient all-reduce crosses nodes. They are numbered from
 the last, so that rank 0 holds the last stage of replica 0: the one that computes the loss and runs the epoch-end
 hooks, where the user's rank-zero code (loggers, ``@rank_zero_only``, ``self.print``) sees what it logs.
+
+With ``stages_per_rank`` V > 1 (interleaved schedules) the model is cut into P x V stages, round-robin: stage ``s`` runs
+on the rank of pipeline position ``s % P``, so position 0 holds stages 0, P, 2P, ... and the last stage is still on the
+last position (global rank 0 for replica 0).
 """
 
 from __future__ import annotations
@@ -20,14 +24,22 @@ class Topology:
     pipeline_parallel_size: int
     data_parallel_size: int
     rank: int
+    stages_per_rank: int = 1
 
     @classmethod
     def from_world(
-        cls, world_size: int, rank: int, pipeline_parallel_size: int, data_parallel_size: int | None
+        cls,
+        world_size: int,
+        rank: int,
+        pipeline_parallel_size: int,
+        data_parallel_size: int | None,
+        stages_per_rank: int = 1,
     ) -> Topology:
         """Check that the world factors into pipeline x data parallel and return this rank's place in it."""
         if pipeline_parallel_size < 1:
             raise ValueError(f"`pipeline_parallel_size={pipeline_parallel_size}` must be a positive integer.")
+        if stages_per_rank < 1:
+            raise ValueError(f"`stages_per_rank={stages_per_rank}` must be a positive integer.")
         if world_size % pipeline_parallel_size:
             raise ValueError(
                 f"The world size {world_size} is not a multiple of `pipeline_parallel_size={pipeline_parallel_size}`."
@@ -40,12 +52,31 @@ class Topology:
                 f"{pipeline_parallel_size} x {data_parallel_size}. Launch "
                 f"{pipeline_parallel_size * data_parallel_size} processes or leave `data_parallel_size` unset."
             )
-        return cls(pipeline_parallel_size, inferred, rank)
+        return cls(pipeline_parallel_size, inferred, rank, stages_per_rank)
 
     @property
     def pp_rank(self) -> int:
-        """The pipeline stage this rank runs."""
+        """This rank's position in its pipeline: the stage it runs (with one stage per rank)."""
         return self.pipeline_parallel_size - 1 - self.rank % self.pipeline_parallel_size
+
+    @property
+    def num_stages(self) -> int:
+        """The stages the model is cut into: ``pipeline_parallel_size`` x ``stages_per_rank``."""
+        return self.pipeline_parallel_size * self.stages_per_rank
+
+    @property
+    def stage_indices(self) -> tuple[int, ...]:
+        """The stages this rank runs, in order: ``pp_rank``, ``pp_rank + P``, ..."""
+        return tuple(self.pp_rank + k * self.pipeline_parallel_size for k in range(self.stages_per_rank))
+
+    def pp_rank_of(self, stage: int) -> int:
+        """The pipeline position that runs ``stage``."""
+        return stage % self.pipeline_parallel_size
+
+    def ranks_of_stages(self, dp_rank: int | None = None) -> list[int]:
+        """Global rank of each stage of one replica (default: this rank's), in stage order (`num_stages` of them)."""
+        ranks = self.stage_ranks(dp_rank)
+        return [ranks[self.pp_rank_of(s)] for s in range(self.num_stages)]
 
     @property
     def dp_rank(self) -> int:
@@ -54,10 +85,12 @@ class Topology:
 
     @property
     def is_last_stage(self) -> bool:
+        """Whether this rank runs the last stage (with several stages per rank: among its own)."""
         return self.pp_rank == self.pipeline_parallel_size - 1
 
     def stage_ranks(self, dp_rank: int | None = None) -> list[int]:
-        """Global ranks of the stages of one replica (default: this rank's), in stage order."""
+        """Global ranks of the positions of one replica's pipeline (default: this rank's), in order (with one stage
+        per rank: of its stages)."""
         dp_rank = self.dp_rank if dp_rank is None else dp_rank
         return [self._rank_of(dp_rank, s) for s in range(self.pipeline_parallel_size)]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from lightning_varuna.data.microbatch import microbatch_sizes
 from lightning_varuna.partition.balance import balance_stages
-from lightning_varuna.pipeline.schedules import SCHEDULES, Action, Phase, Work, chain, dependencies, microbatches_of
+from lightning_varuna.pipeline.schedules import Action, Phase, Work, chain, dependencies, make_schedule
 from lightning_varuna.profiling.profile import LinearCost, ModelProfile, RuntimeOverheads, SegmentTiming
 from lightning_varuna.profiling.trace import Span, chrome_trace
 
@@ -21,7 +21,8 @@ class MissingMeasurement(ValueError):
 
 @dataclass(frozen=True)
 class Config:
-    """A way to run the model: ``pipeline_parallel_size`` stages x ``data_parallel_size`` replicas."""
+    """A way to run the model: ``pipeline_parallel_size`` stages x ``data_parallel_size`` replicas (with
+    ``stages_per_rank`` > 1, an interleaved schedule: ``pipeline_parallel_size`` ranks of that many stages each)."""
 
     pipeline_parallel_size: int
     data_parallel_size: int
@@ -29,6 +30,7 @@ class Config:
     schedule: str
     global_batch_size: int
     nodes: int = 1
+    stages_per_rank: int = 1
 
     @property
     def world_size(self) -> int:
@@ -43,7 +45,11 @@ class Config:
         return self.global_batch_size // self.data_parallel_size
 
     def __str__(self) -> str:
-        return f"P={self.pipeline_parallel_size} D={self.data_parallel_size} mb={self.micro_batch_size} {self.schedule}"
+        per_rank = f" V={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+        return (
+            f"P={self.pipeline_parallel_size}{per_rank} D={self.data_parallel_size} mb={self.micro_batch_size} "
+            f"{self.schedule}"
+        )
 
 
 @dataclass
@@ -53,8 +59,8 @@ class Prediction:
     pipeline_s: float  # the pipelined forward/backward of every micro-batch
     allreduce_s: float  # gradients over the replicas, then tied weights over the stages that hold them
     optimizer_s: float
-    bubble: float  # share of the pipeline time the stages sit idle, on average
-    memory_bytes: list[int]  # peak per stage: parameters, gradients, optimizer state, activations
+    bubble: float  # share of the pipeline time the ranks sit idle, on average
+    memory_bytes: list[int]  # peak per rank (its stages): parameters, gradients, optimizer state, activations
     boundaries: list[int]  # first segment of each stage
     cut_at: list[str]  # the CutPoints where stages 1, 2, ... begin (as VarunaStrategy's log names the cut)
     timeline: list[Span] = field(default_factory=list)
@@ -115,34 +121,36 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
     threads = profile.threads_per_process(processes_per_node)
     sharing = _CoreSharing.of(profile, P, processes_per_node, threads)
     sizes = microbatch_sizes(config.replica_batch_size, mb)
-    starts = balance_stages(profile.segment_costs(threads, mb), P)
+    num_stages = P * config.stages_per_rank  # stage s on rank position s % P
+    starts = balance_stages(profile.segment_costs(threads, mb), num_stages)
     bounds = [*starts, len(profile.segments)]
     stages = {size: _stages(profile, bounds, threads, size) for size in set(sizes)}
-    actions = SCHEDULES[config.schedule](P, len(sizes))
+    actions = make_schedule(config.schedule, P, len(sizes), config.stages_per_rank)
     overheads = profile.overheads.get(processes_per_node, RuntimeOverheads())
     spans, ends = _run_pipeline(actions, sizes, stages, profile, processes_per_node, sharing, overheads)
     pipeline_s = max(ends) + overheads.step_s
     if P > 1:  # the last stage's step output and logged values go to the other stages
         pipeline_s += _object_broadcast(profile, processes_per_node, P)
-    stage_params = [_stage_parameters(profile, bounds[s], bounds[s + 1]) for s in range(P)]
+    segments_of = [[i for s in range(r, num_stages, P) for i in range(bounds[s], bounds[s + 1])] for r in range(P)]
+    rank_params = [_stage_parameters(profile, segments) for segments in segments_of]
     allreduce_s = 0.0
     if D > 1:
-        allreduce_s = max(_allreduce(profile, processes_per_node, D)(b) for b in stage_params)
+        allreduce_s = max(_allreduce(profile, processes_per_node, D)(b) for b in rank_params)
         allreduce_s += overheads.replica_lag * pipeline_s
-    for name, holders in _tied_parameters(profile, bounds).items():  # tied weights: summed across their stages
+    for name, holders in _tied_parameters(profile, segments_of).items():  # tied weights: summed across their ranks
         allreduce_s += _allreduce(profile, processes_per_node, holders)(_parameter_bytes(profile, name))
     optimizer_s = (
-        max(sum(profile.optimizer_step_s(i, threads) for i in range(bounds[s], bounds[s + 1])) for s in range(P))
+        max(sum(profile.optimizer_step_s(i, threads) for i in segments) for segments in segments_of)
         * sharing.slowdown_all_busy
     )
     step_s = pipeline_s + allreduce_s + optimizer_s
-    busy = [sum(sp.end_s - sp.start_s for sp in spans if sp.stage == s) for s in range(P)]
+    busy = [sum(sp.end_s - sp.start_s for sp in spans if sp.stage == r) for r in range(P)]
     bubble = 1.0 - sum(busy) / (P * pipeline_s) if pipeline_s > 0 else 0.0
     memory = [
-        2 * stage_params[s]
-        + sum(profile.segments[i].optimizer_bytes for i in range(bounds[s], bounds[s + 1]))
-        + _peak_activations(actions[s], stages[mb][s] if mb in stages else stages[sizes[0]][s])
-        for s in range(P)
+        2 * rank_params[r]
+        + sum(profile.segments[i].optimizer_bytes for i in segments_of[r])
+        + _peak_activations(actions[r], r, stages[mb] if mb in stages else stages[sizes[0]])
+        for r in range(P)
     ]
     if timeline:
         spans += [Span(s, "all-reduce", pipeline_s, pipeline_s + allreduce_s) for s in range(P) if allreduce_s]
@@ -190,9 +198,10 @@ def _run_pipeline(
     sharing: _CoreSharing,
     overheads: RuntimeOverheads,
 ) -> tuple[list[Span], list[float]]:
-    """Event simulation of one replica's stages; the stages that compute at once on a node share its cores
-    (processor sharing). A gradient arrives one transfer after it was produced (its receive is posted
-    early); an activation one transfer after both it was sent and its consumer started the forward."""
+    """Event simulation of one replica's ranks (``actions``: each rank's, of one stage or several); the ranks that
+    compute at once on a node share its cores (processor sharing). A gradient arrives one transfer after it was
+    produced (its receive is posted early); an activation one transfer after both it was sent and its consumer
+    started the forward; between two stages of one rank a value takes no transfer."""
     P = len(actions)
     microbatches = [stages_by_size[size] for size in sizes]
     transfer = _p2p(profile, processes_per_node) if P > 1 else _no_transfer  # one stage sends nothing
@@ -200,9 +209,9 @@ def _run_pipeline(
     def send(nbytes: float) -> float:
         return transfer(nbytes) + overheads.message_s
 
-    recomputed = [microbatches_of(stage, Phase.RECOMPUTE) for stage in actions]
-    split = [microbatches_of(stage, Phase.WEIGHT) for stage in actions]
-    producers, consumers = chain(P)
+    recomputed = {(a.stage_on(r), a.microbatch) for r in range(P) for a in actions[r] if a.phase is Phase.RECOMPUTE}
+    split = {(a.stage_on(r), a.microbatch) for r in range(P) for a in actions[r] if a.phase is Phase.WEIGHT}
+    producers, consumers = chain(len(microbatches[0]))
     finished: dict[Work, float] = {}
     position = [0] * P
     remaining = [0.0] * P
@@ -212,28 +221,29 @@ def _run_pipeline(
     spans: list[Span] = []
     now = 0.0
 
-    def duration(stage: int, action: Action) -> float:
-        cost = microbatches[action.microbatch][stage]
+    def duration(rank: int, action: Action) -> float:
+        stage, m = action.stage_on(rank), action.microbatch
+        cost = microbatches[m][stage]
         if action.phase is Phase.FORWARD:
-            forward = cost.forward_no_grad_s if action.microbatch in recomputed[stage] else cost.forward_s
-            return forward + overheads.forward(sizes[action.microbatch])
+            forward = cost.forward_no_grad_s if (stage, m) in recomputed else cost.forward_s
+            return forward + overheads.forward(sizes[m])
         if action.phase is Phase.RECOMPUTE:
             return cost.forward_s
-        backward = cost.backward_s + overheads.backward(sizes[action.microbatch])
+        backward = cost.backward_s + overheads.backward(sizes[m])
         # A split backward (zero-bubble): taken as half for the inputs' gradients, half for the parameters'.
-        return backward / 2 if action.microbatch in split[stage] else backward
+        return backward / 2 if (stage, m) in split else backward
 
-    def ready_at(stage: int, action: Action) -> float | None:
-        """When ``stage`` may start ``action``: its dependencies finished and their messages arrived."""
-        m, at = action.microbatch, free_at[stage]
-        for work in dependencies(stage, action, producers, consumers, m in recomputed[stage]):
+    def ready_at(rank: int, action: Action) -> float | None:
+        """When ``rank`` may start ``action``: its dependencies finished and their messages arrived."""
+        stage, m, at = action.stage_on(rank), action.microbatch, free_at[rank]
+        for work in dependencies(stage, action, producers, consumers, (stage, m) in recomputed):
             other, phase, _ = work
             if work not in finished:
                 return None
-            if other == stage:
+            if other % P == rank:  # a stage of this rank: the value is at hand
                 at = max(at, finished[work])
             elif phase is Phase.FORWARD:  # the activation's receive is posted when the forward starts
-                at = max(at, max(finished[work], free_at[stage]) + send(microbatches[m][other].output_bytes))
+                at = max(at, max(finished[work], free_at[rank]) + send(microbatches[m][other].output_bytes))
             else:  # the gradient's receive was posted at the forward: it travels as soon as it is sent
                 at = max(at, finished[work] + send(microbatches[m][other].input_bytes))
         return at
@@ -267,31 +277,34 @@ def _run_pipeline(
                 spans.append(Span(s, done, started[s], now))
                 running[s], free_at[s] = None, now
                 position[s] += 1
-                finished[(s, done.phase, done.microbatch)] = now
+                finished[(done.stage_on(s), done.phase, done.microbatch)] = now
     return spans, free_at
 
 
-def _peak_activations(actions: list[Action], stage: _Stage) -> int:
-    recomputed = microbatches_of(actions, Phase.RECOMPUTE)
-    split = microbatches_of(actions, Phase.WEIGHT)  # their activations live until the weight pass
+def _peak_activations(actions: list[Action], rank: int, stages: list[_Stage]) -> int:
+    """The most activation bytes ``rank``'s ``actions`` keep at once, over its stages."""
+    recomputed = {(a.stage_on(rank), a.microbatch) for a in actions if a.phase is Phase.RECOMPUTE}
+    split = {(a.stage_on(rank), a.microbatch) for a in actions if a.phase is Phase.WEIGHT}  # alive until the W
     alive = peak = 0
     for a in actions:
+        key = (a.stage_on(rank), a.microbatch)
+        stage = stages[key[0]]
         if a.phase is Phase.FORWARD:
-            alive += stage.input_bytes if a.microbatch in recomputed else stage.activation_bytes
+            alive += stage.input_bytes if key in recomputed else stage.activation_bytes
         elif a.phase is Phase.RECOMPUTE:
             alive += stage.activation_bytes
-        elif (a.phase is Phase.BACKWARD) == (a.microbatch in split):
+        elif (a.phase is Phase.BACKWARD) == (key in split):
             continue
         else:
-            alive -= stage.activation_bytes + (stage.input_bytes if a.microbatch in recomputed else 0)
+            alive -= stage.activation_bytes + (stage.input_bytes if key in recomputed else 0)
         peak = max(peak, alive)
     return peak
 
 
-def _stage_parameters(profile: ModelProfile, first: int, end: int) -> int:
+def _stage_parameters(profile: ModelProfile, segments: list[int]) -> int:
     merged: dict[str, int] = {}
-    for segment in profile.segments[first:end]:
-        merged.update(segment.parameters)
+    for i in segments:
+        merged.update(profile.segments[i].parameters)
     return sum(merged.values())
 
 
@@ -325,14 +338,14 @@ def _object_broadcast(profile: ModelProfile, processes: int, width: int) -> floa
     return min(options, key=lambda item: (abs(item[1] - width), abs(item[0] - processes)))[2]
 
 
-def _tied_parameters(profile: ModelProfile, bounds: list[int]) -> dict[str, int]:
-    """Parameters held by more than one stage, and by how many."""
+def _tied_parameters(profile: ModelProfile, segments_of: list[list[int]]) -> dict[str, int]:
+    """Parameters held by more than one rank (``segments_of``: each rank's segments), and by how many."""
     holders: dict[str, set[int]] = {}
-    for stage in range(len(bounds) - 1):
-        for segment in profile.segments[bounds[stage] : bounds[stage + 1]]:
-            for name in segment.parameters:
-                holders.setdefault(name, set()).add(stage)
-    return {name: len(stages) for name, stages in holders.items() if len(stages) > 1}
+    for rank, segments in enumerate(segments_of):
+        for i in segments:
+            for name in profile.segments[i].parameters:
+                holders.setdefault(name, set()).add(rank)
+    return {name: len(ranks) for name, ranks in holders.items() if len(ranks) > 1}
 
 
 def _parameter_bytes(profile: ModelProfile, name: str) -> int:

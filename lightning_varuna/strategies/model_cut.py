@@ -60,7 +60,8 @@ def cut_model(
     with one_value_per_channel_refused(module, advice):
         stage = plan_stage(module, args, kwargs, topology, segment_costs, strategy.root_device, groups)
     cut = f"cut at CutPoints {stage.boundaries}" if stage.boundaries else "not cut"
-    rank_zero_info(f"VarunaStrategy: {topology.pipeline_parallel_size} stage(s), {cut}")
+    per_rank = f" ({topology.stages_per_rank} per rank, round-robin)" if topology.stages_per_rank > 1 else ""
+    rank_zero_info(f"VarunaStrategy: {topology.num_stages} stage(s){per_rank}, {cut}")
     if normalizes_over_the_batch(module):
         rank_zero_info(
             f"VarunaStrategy: batch normalization sees one micro-batch ({micro_batch_size} rows) at a time, "

@@ -73,8 +73,11 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
             Default: the replica's batch in 4 micro-batches per stage (a 1F1B bubble under 20%), the whole batch
             as one micro-batch with one stage; the choice is logged once.
         schedule: ``"1f1b"``, ``"gpipe"``, ``"varuna"`` (recompute each forward just before its backward),
-            ``"zero-bubble"`` (ZB-H1: the parameters' gradients deferred to fill the bubble), or ``"auto"``: the one
-            the simulator predicts fastest with the other choices (needs ``profile``). See docs/pipelines.md.
+            ``"zero-bubble"`` (ZB-H1: the parameters' gradients deferred to fill the bubble), ``"interleaved-1f1b"``
+            (``stages_per_rank`` stages per rank: about 1 / V of 1F1B's bubble, for more messages), or ``"auto"``: the
+            one the simulator predicts fastest with the other choices (needs ``profile``). See docs/pipelines.md.
+        stages_per_rank: stages per rank V of ``"interleaved-1f1b"`` (default 2): the model is cut into
+            ``pipeline_parallel_size`` x V stages, stage ``s`` on pipeline rank ``s % pipeline_parallel_size``.
         shared_weights: pairs of parameter names that must stay identical (Varuna's ``shared_weights``);
             the second is tied to the first. Parameters already tied (``head.weight = emb.weight``) are found
             on their own.
@@ -114,6 +117,7 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
         data_parallel_size: int | None = None,
         micro_batch_size: int | Literal["auto"] | None = None,
         schedule: str | Literal["auto"] = "1f1b",
+        stages_per_rank: int | None = None,
         shared_weights: list[tuple[str, str]] | None = None,
         profile_repeats: int = 3,
         profile: str | None = None,
@@ -148,6 +152,7 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
             data_parallel_size=data_parallel_size,
             micro_batch_size=micro_batch_size,
             schedule=schedule,
+            stages_per_rank=stages_per_rank,
             shared_weights=shared_weights,
             profile_repeats=profile_repeats,
             profile=profile,
@@ -199,9 +204,8 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
                 return
             self.pipeline_parallel_size, self.micro_batch_size = best.pipeline_parallel_size, best.micro_batch_size
             self.schedule = best.schedule
-        self.topology = Topology.from_world(
-            self.world_size, self.global_rank, self.pipeline_parallel_size, self.data_parallel_size
-        )
+        layout = (self.pipeline_parallel_size, self.data_parallel_size, self._config.stages_per_rank or 1)
+        self.topology = Topology.from_world(self.world_size, self.global_rank, *layout)
         self._config.check_global_batch_splits(
             self.topology.data_parallel_size, self.world_size, self.pipeline_parallel_size
         )

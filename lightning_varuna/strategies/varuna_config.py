@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_varuna.partition.packing import parse_bytes
-from lightning_varuna.pipeline.schedules import SCHEDULES
+from lightning_varuna.pipeline.schedules import INTERLEAVED, SCHEDULES
 from lightning_varuna.spilling.planning import resolve_budget
 
 __all__ = ["VarunaConfig"]
@@ -34,7 +34,9 @@ class VarunaConfig:
     micro_batch_size: int | Literal["auto"] | None = None
     """Rows per micro-batch, ``"auto"``, or None: chosen from the first batch."""
     schedule: str = "1f1b"
-    """A name of `SCHEDULES`, or ``"auto"``."""
+    """A name of `SCHEDULES` or `INTERLEAVED`, or ``"auto"``."""
+    stages_per_rank: int | None = None
+    """Stages per rank of an interleaved schedule (None: 2); 1 for the others."""
     shared_weights: list[tuple[str, str]] | None = None
     """Pairs of parameter names to keep identical (the second tied to the first)."""
     profile_repeats: int = 3
@@ -67,10 +69,12 @@ class VarunaConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"`VarunaStrategy({name}={value!r})` must be a positive integer.")
-        if self.schedule not in SCHEDULES and self.schedule != "auto":
+        if self.schedule not in SCHEDULES and self.schedule not in INTERLEAVED and self.schedule != "auto":
+            names = sorted([*SCHEDULES, *INTERLEAVED])
             raise ValueError(
-                f'`VarunaStrategy(schedule={self.schedule!r})` is unknown; choose one of {sorted(SCHEDULES)} or "auto".'
+                f'`VarunaStrategy(schedule={self.schedule!r})` is unknown; choose one of {names} or "auto".'
             )
+        self._check_stages_per_rank()
         if self.loss_items is not None and not callable(self.loss_items):
             raise ValueError(
                 f"`VarunaStrategy(loss_items={self.loss_items!r})` must be a function of a batch that returns how many "
@@ -90,6 +94,37 @@ class VarunaConfig:
                 '`memory_budget=` (and `pipeline_parallel_size="auto"`).'
             )
         self.shared_weights = cast(list[tuple[str, str]], [tuple(pair) for pair in self.shared_weights or []])
+
+    def _check_stages_per_rank(self) -> None:
+        """Resolve ``stages_per_rank`` (2 for an interleaved schedule, else 1) and refuse what does not go with it."""
+        given = self.stages_per_rank
+        if self.schedule not in INTERLEAVED:
+            if given not in (None, 1):
+                raise ValueError(
+                    f"`VarunaStrategy(stages_per_rank={given!r})` needs an interleaved schedule: the schedule "
+                    f'{self.schedule!r} runs one stage per rank. Pass `schedule="interleaved-1f1b"` too, or leave '
+                    "`stages_per_rank` unset."
+                )
+            self.stages_per_rank = 1
+            return
+        self.stages_per_rank = 2 if given is None else given
+        if not isinstance(self.stages_per_rank, int) or self.stages_per_rank < 2:
+            raise ValueError(
+                f"`VarunaStrategy(schedule={self.schedule!r}, stages_per_rank={given!r})` interleaves 2 or more stages "
+                'per rank; for one stage per rank use `schedule="1f1b"`.'
+            )
+        if self.auto:
+            raise ValueError(
+                f"`VarunaStrategy(schedule={self.schedule!r})` cannot be combined with "
+                f"{', '.join(sorted(f'{name}=auto' for name in self.auto))}: the auto-configuration simulates the "
+                "schedules of one stage per rank. Give the sizes, or choose another schedule."
+            )
+        if self.pipeline_parallel_size == 1:
+            raise ValueError(
+                f"`VarunaStrategy(schedule={self.schedule!r})` interleaves the stages of 2 or more ranks; with "
+                "`pipeline_parallel_size=1` every stage would run on the one rank in turn. Use a larger "
+                '`pipeline_parallel_size`, or `schedule="1f1b"`.'
+            )
 
     @property
     def auto(self) -> frozenset[str]:

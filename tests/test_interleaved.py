@@ -1,0 +1,85 @@
+"""The interleaved 1F1B schedule (several stages per rank, round-robin) trains the same model as one device (real
+processes, gloo), and what it cannot run is refused before training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_parity import assert_matches_single_device, run_pipelined
+
+from lightning_varuna import VarunaStrategy
+from lightning_varuna.pipeline.schedules import interleaved_one_f_one_b
+
+pytestmark = pytest.mark.slow  # real multi-process jobs
+
+INTERLEAVED = dict(schedule="interleaved-1f1b", epochs=2)
+
+SHAPES = {
+    # 4 stages on 2 ranks (the tied embedding on stage 0, global rank 1, the head on stage 3, global rank 0; and the
+    # mask stage 0 makes is read by every stage, so stage 0 sends it to stage 2 on its own rank); micro-batches
+    # [2, 2, 2], clipping by the global norm, validation and predictions (forwards only, every stage of a rank in
+    # turn), and a PipelineTrace of steps 1 and 2
+    "P2xD1-V2-clip": dict(
+        pipeline_parallel_size=2,
+        data_parallel_size=1,
+        batch_size=6,
+        micro_batch_size=2,
+        clip=0.05,
+        evaluate=True,
+        trace="step1.json",
+    ),
+    # replicas and gradient accumulation; micro-batches [1] * 4 in torch's rounds of 2
+    "P2xD2-V2-accumulate": dict(
+        pipeline_parallel_size=2, data_parallel_size=2, batch_size=4, micro_batch_size=1, accumulate=2, clip=0.05
+    ),
+    # 6 stages on 2 ranks (6 blocks, 5 CutPoints); micro-batches [2, 2, 1]
+    "P2xD1-V3": dict(
+        pipeline_parallel_size=2, data_parallel_size=1, batch_size=5, micro_batch_size=2, stages_per_rank=3, blocks=6
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_interleaved_training_matches_single_device(tmp_path, name):
+    config = {**INTERLEAVED, **SHAPES[name]}
+    config["rows"] = config["batch_size"] * config["data_parallel_size"] * 3
+    if "trace" in config:
+        config["trace"] = str(tmp_path / config["trace"])
+    result, shards = run_pipelined(tmp_path, config)
+    assert result["schedule"] == "interleaved-1f1b"
+    assert_matches_single_device(result, shards, config)
+    if "trace" in config:
+        assert_trace_shows_virtual_stages(json.loads((tmp_path / "step1.json").read_text()), config)
+
+
+def assert_trace_shows_virtual_stages(trace: dict, config: dict) -> None:
+    """A thread per pipeline rank named with its stages; each of its actions in the schedule's order, named and
+    tagged with its stage, then the all-reduce and the optimizer step."""
+    P, V = config["pipeline_parallel_size"], config.get("stages_per_rank", 2)
+    threads = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert threads == {0: "stages 0, 2", 1: "stages 1, 3"}
+    assert "P=2 V=2 D=1" in trace["traceEvents"][0]["args"]["name"]
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["args"]["step"] == 1]
+    schedule = interleaved_one_f_one_b(P, config["batch_size"] // config["micro_batch_size"], V)
+    for rank, actions in enumerate(schedule):
+        mine = sorted((e for e in events if e["tid"] == rank), key=lambda e: e["ts"])
+        assert [e["name"] for e in mine] == [*map(str, actions), "all-reduce", "optimizer"]
+        assert [e["args"].get("stage") for e in mine[: len(actions)]] == [a.stage for a in actions]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(schedule="varuna", stages_per_rank=2), r"stages_per_rank=2\)` needs an interleaved schedule"),
+        (dict(schedule="interleaved-1f1b", stages_per_rank=1), r"interleaves 2 or more stages per rank"),
+        (dict(schedule="interleaved-1f1b", pipeline_parallel_size=1), r"with `pipeline_parallel_size=1`"),
+        (
+            dict(schedule="interleaved-1f1b", pipeline_parallel_size=2, micro_batch_size="auto", profile="p.json"),
+            r"cannot be combined with micro_batch_size=auto",
+        ),
+    ],
+)
+def test_what_interleaving_cannot_run_is_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        VarunaStrategy(**{"pipeline_parallel_size": 2, "global_batch_size": 8, **options})
