@@ -204,7 +204,7 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
                 return
             self.pipeline_parallel_size, self.micro_batch_size = best.pipeline_parallel_size, best.micro_batch_size
             self.schedule = best.schedule
-        layout = (self.pipeline_parallel_size, self.data_parallel_size, self._config.stages_per_rank or 1)
+        layout = (self.pipeline_parallel_size, self.data_parallel_size, self._config.stages_per_rank_of(self.chosen))
         self.topology = Topology.from_world(self.world_size, self.global_rank, *layout)
         self._config.check_global_batch_splits(
             self.topology.data_parallel_size, self.world_size, self.pipeline_parallel_size
