@@ -110,10 +110,11 @@ def _autoconfig(args: argparse.Namespace) -> None:
     print(f"\nAutoConfig {describe_choice(ranked)}")
     best = ranked[0].config
     if isinstance(best, Config):
+        per_rank = f", stages_per_rank={best.stages_per_rank}" if best.stages_per_rank > 1 else ""
         print(
             f"Best: VarunaStrategy(pipeline_parallel_size={best.pipeline_parallel_size}, "
-            f"micro_batch_size={best.micro_batch_size}, schedule={best.schedule!r}) on {args.devices} devices, "
-            f"DataLoader batch {best.replica_batch_size} per replica."
+            f"micro_batch_size={best.micro_batch_size}, schedule={best.schedule!r}{per_rank}) on {args.devices} "
+            f"devices, DataLoader batch {best.replica_batch_size} per replica."
         )
         timeline = simulate(profile, best, timeline=True).chrome_trace() if args.trace else ""
     else:

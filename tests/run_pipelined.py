@@ -117,6 +117,7 @@ def main(out_dir: str, config: dict) -> None:
         topology = trainer.strategy.topology
         result["shape"] = [topology.pipeline_parallel_size, topology.data_parallel_size, strategy.micro_batch_size]
         result["schedule"] = strategy.schedule
+        result["stages_per_rank"] = topology.stages_per_rank
         with open(f"{out_dir}/losses.json", "w") as f:
             json.dump(result, f)
 

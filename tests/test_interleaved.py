@@ -4,12 +4,17 @@ processes, gloo), and what it cannot run is refused before training."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
+import torch
+from models import TinyLM, token_dataset
 from test_parity import assert_matches_single_device, run_pipelined
 
 from lightning_varuna import VarunaStrategy
 from lightning_varuna.pipeline.schedules import interleaved_one_f_one_b
+from lightning_varuna.profiling.profile import LinearCost
+from lightning_varuna.profiling.profiler import profile_model
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
@@ -59,7 +64,8 @@ def assert_trace_shows_virtual_stages(trace: dict, config: dict) -> None:
     P, V = config["pipeline_parallel_size"], config.get("stages_per_rank", 2)
     threads = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert threads == {0: "stages 0, 2", 1: "stages 1, 3"}
-    assert "P=2 V=2 D=1" in trace["traceEvents"][0]["args"]["name"]
+    title = trace["traceEvents"][0]["args"]["name"]
+    assert "P=2 D=1 " in title and "interleaved-1f1b V=2" in title
     events = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["args"]["step"] == 1]
     schedule = interleaved_one_f_one_b(P, config["batch_size"] // config["micro_batch_size"], V)
     for rank, actions in enumerate(schedule):
@@ -68,16 +74,55 @@ def assert_trace_shows_virtual_stages(trace: dict, config: dict) -> None:
         assert [e["args"].get("stage") for e in mine[: len(actions)]] == [a.stage for a in actions]
 
 
+def uniform_profile(path: str) -> None:
+    """A profile of the 4-segment TinyLM at ``path`` whose segments cost the same (a forward twice a backward) and
+    whose messages are free: AutoConfig predicts interleaving 2 stages per rank fastest at 2 processes."""
+    torch.manual_seed(0)
+    profile = profile_model(
+        TinyLM(blocks=4),
+        (token_dataset(2).tensors[0],),
+        micro_batch_sizes=[1, 2],
+        thread_counts=[1],
+        repeats=1,
+        progress=False,
+    )
+    for segment in profile.segments:
+        for rows, timing in segment.timings[1].items():
+            segment.timings[1][rows] = replace(
+                timing, forward_s=2e-3 * rows, forward_no_grad_s=1e-3 * rows, backward_s=1e-3 * rows
+            )
+    profile.cores_per_node, profile.p2p = 2, {2: LinearCost(0.0, 1e18)}
+    profile.allreduce = {2: {2: LinearCost(1e-4, 1e12)}}
+    profile.save(path)
+
+
+def test_auto_schedule_chooses_interleaving_and_trains_like_one_device(tmp_path):
+    """`schedule="auto"` at 2 processes picks interleaved 1F1B where the profile predicts it fastest, lays out the V
+    it chose, and trains exactly like one device."""
+    uniform_profile(str(tmp_path / "uniform.json"))
+    config = dict(
+        pipeline_parallel_size=2,
+        data_parallel_size=1,
+        micro_batch_size="auto",
+        schedule="auto",
+        profile=str(tmp_path / "uniform.json"),
+        global_batch_size=4,
+        batch_size=4,
+        rows=12,
+        epochs=2,
+        blocks=4,
+    )
+    result, shards = run_pipelined(tmp_path, config)
+    assert (result["schedule"], result["stages_per_rank"], result["shape"]) == ("interleaved-1f1b", 2, [2, 1, 1])
+    assert_matches_single_device(result, shards, config)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         (dict(schedule="varuna", stages_per_rank=2), r"stages_per_rank=2\)` needs an interleaved schedule"),
         (dict(schedule="interleaved-1f1b", stages_per_rank=1), r"interleaves 2 or more stages per rank"),
         (dict(schedule="interleaved-1f1b", pipeline_parallel_size=1), r"with `pipeline_parallel_size=1`"),
-        (
-            dict(schedule="interleaved-1f1b", pipeline_parallel_size=2, micro_batch_size="auto", profile="p.json"),
-            r"cannot be combined with micro_batch_size=auto",
-        ),
     ],
 )
 def test_what_interleaving_cannot_run_is_refused(options, message):

@@ -13,7 +13,7 @@ from models import DIM, SEQ, NormalizesOverRows, TinyLM
 from lightning_varuna.cli import main as cli
 from lightning_varuna.data.microbatch import microbatch_sizes
 from lightning_varuna.partition.discovery import discover_cutpoints
-from lightning_varuna.pipeline.schedules import SCHEDULES, interleaved_one_f_one_b
+from lightning_varuna.pipeline.schedules import SCHEDULES, interleaved_one_f_one_b, make_schedule
 from lightning_varuna.profiling.autoconfig import candidate_configs, choose_configs, format_ranking, rank_configs
 from lightning_varuna.profiling.calibration import calibrate, measured_step_s
 from lightning_varuna.profiling.memory import SavedTensorMeter
@@ -213,7 +213,7 @@ def test_interleaved_bubble_is_one_f_one_b_s_over_the_stages_per_rank(ranks, per
     assert prediction.bubble == pytest.approx((ranks - 1) / (per_rank * microbatches + ranks - 1))
     one_f_one_b = simulate(profile, Config(ranks, 1, 1, "1f1b", microbatches))
     assert prediction.pipeline_s < one_f_one_b.pipeline_s
-    assert str(config) == f"P={ranks} V={per_rank} D=1 mb=1 interleaved-1f1b"
+    assert str(config) == f"P={ranks} D=1 mb=1 interleaved-1f1b V={per_rank}"
     ran = sorted((s.stage, s.name) for s in prediction.timeline if s.phase is not None)
     expected = interleaved_one_f_one_b(ranks, microbatches, per_rank)
     assert ran == sorted((rank, str(a)) for rank, actions in enumerate(expected) for a in actions)
@@ -343,7 +343,8 @@ def test_auto_configured_run_trains_like_one_device_and_traces_its_step(tmp_path
 
     events = [e for e in json.loads((tmp_path / "step1.json").read_text())["traceEvents"] if e["ph"] == "X"]
     for replica in range(D):
-        for stage, actions in enumerate(SCHEDULES[best.schedule](P, len(microbatch_sizes(6 // D, mb)))):
+        schedule = make_schedule(best.schedule, P, len(microbatch_sizes(6 // D, mb)), best.stages_per_rank)
+        for stage, actions in enumerate(schedule):  # a thread per rank (its stages, where interleaved)
             mine = [e for e in events if (e["pid"], e["tid"], e["args"]["step"]) == (replica, stage, 1)]
             mine.sort(key=lambda e: e["ts"])
             assert [e["name"] for e in mine] == [*map(str, actions), "all-reduce", "optimizer"]
@@ -375,3 +376,67 @@ def test_choose_configs_keeps_the_sizes_given():
     assert [p.step_s for p in fixed] == sorted(p.step_s for p in fixed)
     with pytest.raises(ValueError, match="with the sizes you fixed"):
         choose_configs(synthetic(), 2, 4, pipeline_parallel_size=2, data_parallel_size=2)
+
+
+def test_autoconfig_ranks_interleaving_where_it_is_predicted_fastest(tmp_path, capsys):
+    """Uniform segments and free messages: two stages per rank halve 1F1B's bubble and beat the schedules of one
+    stage per rank; the ranking prints it with its V, and a memory budget or a fixed V binds it as any other size."""
+    profile = synthetic(segments=4, forward=2.0, backward=1.0)
+    ranked = rank_configs(profile, 2, 4)
+    best = ranked[0]
+    assert best.config == Config(2, 1, 1, "interleaved-1f1b", 4, stages_per_rank=2)
+    assert best.step_s < min(p.step_s for p in ranked if p.config.stages_per_rank == 1)
+    assert "P=2 D=1 mb=1 interleaved-1f1b V=2" in format_ranking(ranked).splitlines()[1]
+    chosen = choose_configs(profile, 2, 4, pipeline_parallel_size=2, schedule="interleaved-1f1b")
+    assert chosen and all(p.config.schedule == "interleaved-1f1b" for p in chosen)
+    # More stages in flight cost memory: a budget just below its peak leaves it out, as it would any configuration.
+    within = rank_configs(profile, 2, 4, memory_bytes=max(best.memory_bytes) - 1, spilled=False)
+    assert all(max(p.memory_bytes) < max(best.memory_bytes) for p in within)
+    assert best.config not in [p.config for p in within]
+    # Eight segments offer V = 2, 3 and 4 at P = 2; a fixed V keeps only it.
+    eight = synthetic(segments=8, forward=2.0, backward=1.0)
+    offered = {c.stages_per_rank for c in candidate_configs(eight, 2, 4) if c.schedule == "interleaved-1f1b"}
+    assert offered == {2, 3, 4}
+    bound = choose_configs(eight, 2, 4, schedule="interleaved-1f1b", stages_per_rank=3)
+    assert {p.config.stages_per_rank for p in bound} == {3}
+
+    profile.save(str(tmp_path / "uniform.json"))
+    cli(["autoconfig", "--profile", str(tmp_path / "uniform.json"), "--devices", "2", "--batch-size", "4"])
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[1].split()[1:6] == ["P=2", "D=1", "mb=1", "interleaved-1f1b", "V=2"]
+    assert "schedule='interleaved-1f1b', stages_per_rank=2) on 2 devices" in printed
+
+
+def test_interleaving_is_not_offered_where_its_rules_exclude_it():
+    """Interleaving needs 2 or more ranks, P x V stages of the profile's segments, and micro-batches that split into
+    its rounds (5 micro-batches on 2 ranks make 2 rounds, which do not divide them)."""
+    three = candidate_configs(synthetic(segments=3), 2, 4)  # P = 2 x V = 2 would need 4 segments
+    assert three and all(c.stages_per_rank == 1 for c in three)
+    assert "interleaved-1f1b" not in {c.schedule for c in candidate_configs(synthetic(segments=8), 1, 4)}
+    uneven = [c for c in candidate_configs(synthetic(segments=4), 2, 5) if c.schedule == "interleaved-1f1b"]
+    assert {c.micro_batch_size for c in uneven} == {2}  # [2, 3]: 2 micro-batches in one round; not 5 of 1 row
+    with pytest.raises(ValueError, match=r"No pipeline .* with at most 3 stages \(an interleaved schedule needs"):
+        choose_configs(synthetic(segments=3), 2, 4, schedule="interleaved-1f1b")
+
+
+def test_auto_sizes_choose_within_the_interleaved_schedule():
+    """`schedule="interleaved-1f1b"` with "auto" sizes is planned, not refused: V is chosen with the sizes unless
+    `stages_per_rank` fixes it."""
+    from lightning_varuna import VarunaStrategy
+
+    free = VarunaStrategy(
+        schedule="interleaved-1f1b", pipeline_parallel_size="auto", profile="p.json", global_batch_size=4
+    )._config
+    fixed = VarunaStrategy(
+        schedule="interleaved-1f1b",
+        micro_batch_size="auto",
+        pipeline_parallel_size=2,
+        stages_per_rank=3,
+        profile="p.json",
+        global_batch_size=4,
+    )._config
+    cpu = torch.device("cpu")
+    assert free.sizes_to_keep(0, 0, "interleaved-1f1b", cpu)["stages_per_rank"] is None
+    assert fixed.sizes_to_keep(2, 0, "interleaved-1f1b", cpu)["stages_per_rank"] == 3
+    assert free.stages_per_rank_of(Config(2, 1, 1, "interleaved-1f1b", 4, stages_per_rank=4)) == 4
+    assert fixed.stages_per_rank_of(None) == 3

@@ -94,8 +94,8 @@ class PipelineTrace(pl.Callback):
             per_rank = f" V={topology.stages_per_rank}" if topology.stages_per_rank > 1 else ""
             title = (
                 f"measured step {self.step}{f'-{step}' if step > self.step else ''}: "
-                f"P={topology.pipeline_parallel_size}{per_rank} D={topology.data_parallel_size} "
-                f"mb={strategy.micro_batch_size} {strategy.schedule}"
+                f"P={topology.pipeline_parallel_size} D={topology.data_parallel_size} "
+                f"mb={strategy.micro_batch_size} {strategy.schedule}{per_rank}"
             )
             config = {  # what `lightning-varuna calibrate` needs to simulate these steps
                 "pipeline_parallel_size": topology.pipeline_parallel_size,

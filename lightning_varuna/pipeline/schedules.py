@@ -36,6 +36,7 @@ __all__ = [
     "make_schedule",
     "microbatches_of",
     "one_f_one_b",
+    "splits_into_rounds",
     "varuna",
     "zero_bubble",
 ]
@@ -254,8 +255,8 @@ def interleaved_one_f_one_b(num_ranks: int, num_microbatches: int, stages_per_ra
     """
     P, V, M = num_ranks, stages_per_rank, num_microbatches
     rounds = max(1, M // P)
-    if M % rounds:
-        fits = [m for m in range(1, 4 * P + 1) if m % max(1, m // P) == 0]
+    if not splits_into_rounds(P, M):
+        fits = [m for m in range(1, 4 * P + 1) if splits_into_rounds(P, m)]
         raise ValueError(
             f"The interleaved 1F1B schedule runs a batch's micro-batches in rounds of M // rounds (rounds = "
             f"max(1, M // P), as torch's ScheduleInterleaved1F1B): {M} micro-batches on {P} ranks make {rounds} "
@@ -280,6 +281,12 @@ def interleaved_one_f_one_b(num_ranks: int, num_microbatches: int, stages_per_ra
                 actions.append(Action(Phase.BACKWARD, backwards[stage], stage))
         schedule.append(actions)
     return schedule
+
+
+def splits_into_rounds(num_ranks: int, num_microbatches: int) -> bool:
+    """Whether `interleaved_one_f_one_b` can run ``num_microbatches`` on ``num_ranks`` ranks: its rounds of
+    ``M // rounds`` micro-batches (rounds = ``max(1, M // P)``, as torch's) must divide them."""
+    return num_microbatches % max(1, num_microbatches // num_ranks) == 0
 
 
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {

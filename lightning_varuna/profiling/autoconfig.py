@@ -6,7 +6,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
-from lightning_varuna.pipeline.schedules import SCHEDULES
+from lightning_varuna.data.microbatch import microbatch_sizes
+from lightning_varuna.pipeline.schedules import INTERLEAVED, SCHEDULES, splits_into_rounds
 from lightning_varuna.profiling.profile import ModelProfile
 from lightning_varuna.profiling.simulator import Config, MissingMeasurement, Prediction, simulate
 from lightning_varuna.profiling.spilled import TIERS, SpilledConfig, SpilledPrediction, simulate_spilled
@@ -24,12 +25,18 @@ def candidate_configs(
     nodes: int = 1,
     schedules: Sequence[str] | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
+    stages_per_rank: int | None = None,
 ) -> list[Config]:
     """Every (P, D, micro-batch size, schedule) with P x D = ``devices``, P up to the number of segments, D
-    dividing the global batch and a micro-batch no larger than a replica's batch."""
+    dividing the global batch and a micro-batch no larger than a replica's batch.
+
+    An interleaved schedule (`INTERLEAVED`) is a candidate at every V = ``stages_per_rank`` (None: each from 2) with
+    P >= 2 and P x V stages of the profile's segments (one CutPoint between two), where the replica's micro-batches
+    split into its rounds (`splits_into_rounds`)."""
     sizes = micro_batch_sizes or profile.micro_batch_sizes
+    segments = len(profile.segments)
     configs = []
-    for stages in range(1, min(devices, len(profile.segments)) + 1):
+    for stages in range(1, min(devices, segments) + 1):
         if devices % stages:
             continue
         replicas = devices // stages
@@ -38,8 +45,16 @@ def candidate_configs(
         for mb in sizes:
             if mb > global_batch_size // replicas:
                 continue
-            for schedule in schedules or sorted(SCHEDULES):
-                configs.append(Config(stages, replicas, mb, schedule, global_batch_size, nodes))
+            for schedule in schedules or sorted([*SCHEDULES, *INTERLEAVED]):
+                shape = (stages, replicas, mb, schedule, global_batch_size, nodes)
+                if schedule not in INTERLEAVED:
+                    configs.append(Config(*shape))
+                    continue
+                microbatches = len(microbatch_sizes(global_batch_size // replicas, mb))
+                if stages < 2 or not splits_into_rounds(stages, microbatches):
+                    continue
+                per_rank = range(2, segments // stages + 1) if stages_per_rank is None else [stages_per_rank]
+                configs += [Config(*shape, stages_per_rank=v) for v in per_rank if stages * v <= segments]
     return configs
 
 
@@ -54,19 +69,27 @@ def rank_configs(
     micro_batch_sizes: Sequence[int] | None = None,
     spilled: bool = True,
     tiers: Sequence[str] = TIERS,
+    stages_per_rank: int | None = None,
 ) -> list[Ranked]:
     """Simulate every candidate and return those that fit ``memory_bytes`` per device, fastest first.
 
     With a budget (and ``spilled``), training spilled on one device (`SpillingStrategy`, its shards packed for the
     budget, on each of ``tiers`` the profile measured) is ranked with the pipeline shapes; a model whose shards would
-    be one (it fits the budget whole) is not spilled, so that candidate is left out. Candidates that need a measurement
+    be one (it fits the budget whole) is not spilled, so that candidate is left out. ``stages_per_rank`` binds V of the
+    interleaved candidates (None: every V the segments allow). Candidates that need a measurement
     the profile lacks are left out with a warning; those that do not fit the budget are left out (not ranked).
 
     Raises:
         ValueError: no configuration is feasible (says why).
     """
     configs = candidate_configs(
-        profile, devices, global_batch_size, nodes=nodes, schedules=schedules, micro_batch_sizes=micro_batch_sizes
+        profile,
+        devices,
+        global_batch_size,
+        nodes=nodes,
+        schedules=schedules,
+        micro_batch_sizes=micro_batch_sizes,
+        stages_per_rank=stages_per_rank,
     )
     predictions: list[Ranked] = []
     skipped: list[str] = []
@@ -88,10 +111,16 @@ def rank_configs(
             if len(spilled_prediction.shards) > 1:
                 predictions.append(spilled_prediction)
     if not configs and not predictions:
+        interleaved = (
+            " (an interleaved schedule needs 2 or more pipeline ranks of V >= 2 stages each, at most one stage a "
+            "segment, and a number of micro-batches that splits into its rounds)"
+            if schedules and set(schedules) <= set(INTERLEAVED)
+            else ""
+        )
         raise ValueError(
             f"No pipeline x data-parallel layout of {devices} devices splits a global batch of {global_batch_size} "
             f"over the profiled micro-batch sizes {profile.micro_batch_sizes} with at most {len(profile.segments)} "
-            "stages; change the batch size or the device count, or profile more micro-batch sizes."
+            f"stages{interleaved}; change the batch size or the device count, or profile more micro-batch sizes."
         )
     for config in configs:
         try:
@@ -124,6 +153,7 @@ def choose_configs(
     data_parallel_size: int | None = None,
     micro_batch_size: int | None = None,
     schedule: str | None = None,
+    stages_per_rank: int | None = None,
     memory_bytes: int | None = None,
     nodes: int = 1,
     spill_tiers: Sequence[str] = (),
@@ -151,6 +181,7 @@ def choose_configs(
             micro_batch_sizes=None if micro_batch_size is None else [micro_batch_size],
             spilled=spilled,
             tiers=spill_tiers,
+            stages_per_rank=stages_per_rank,
         )
     except ValueError as refused:
         if world_size == 1 or memory_bytes is None or not spill_tiers:

@@ -53,11 +53,13 @@ class ModelCosts:
         data_parallel_size: int | None,
         micro_batch_size: int | None,
         schedule: str | None,
+        stages_per_rank: int | None = None,
         memory_budget: int | None = None,
         spill_tiers: Sequence[str] = (),
     ) -> Config | SpilledConfig:
         """The fastest configuration of ``world_size`` processes on ``nodes`` that the simulator predicts for
-        ``global_batch_size``, keeping the sizes given (``None``: free to choose) and fitting the smallest device of
+        ``global_batch_size``, keeping the sizes given (``None``: free to choose; ``stages_per_rank`` binds V of an
+        interleaved schedule) and fitting the smallest device of
         the job (``device`` is this process's) and ``memory_budget`` bytes per device; with a budget, on one process,
         training spilled to one of ``spill_tiers`` is a candidate too (`choose_configs`). Logged with the runner-up,
         their predicted step times and the top of the ranking. Collective.
@@ -80,6 +82,7 @@ class ModelCosts:
                     data_parallel_size=data_parallel_size,
                     micro_batch_size=micro_batch_size,
                     schedule=schedule,
+                    stages_per_rank=stages_per_rank,
                     memory_bytes=memory,
                     nodes=nodes,
                     spill_tiers=spill_tiers,

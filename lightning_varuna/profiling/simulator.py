@@ -47,8 +47,8 @@ class Config:
     def __str__(self) -> str:
         per_rank = f" V={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         return (
-            f"P={self.pipeline_parallel_size}{per_rank} D={self.data_parallel_size} mb={self.micro_batch_size} "
-            f"{self.schedule}"
+            f"P={self.pipeline_parallel_size} D={self.data_parallel_size} mb={self.micro_batch_size} "
+            f"{self.schedule}{per_rank}"
         )
 
 

@@ -76,8 +76,8 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
             ``"zero-bubble"`` (ZB-H1: the parameters' gradients deferred to fill the bubble), ``"interleaved-1f1b"``
             (``stages_per_rank`` stages per rank: about 1 / V of 1F1B's bubble, for more messages), or ``"auto"``: the
             one the simulator predicts fastest with the other choices (needs ``profile``). See docs/pipelines.md.
-        stages_per_rank: stages per rank V of ``"interleaved-1f1b"`` (default 2): the model is cut into
-            ``pipeline_parallel_size`` x V stages, stage ``s`` on pipeline rank ``s % pipeline_parallel_size``.
+        stages_per_rank: V of ``"interleaved-1f1b"`` (default 2, or chosen with ``"auto"`` sizes): the model is cut
+            into ``pipeline_parallel_size`` x V stages, stage ``s`` on pipeline rank ``s % pipeline_parallel_size``.
         shared_weights: pairs of parameter names that must stay identical (Varuna's ``shared_weights``);
             the second is tied to the first. Parameters already tied (``head.weight = emb.weight``) are found
             on their own.
@@ -204,7 +204,7 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
                 return
             self.pipeline_parallel_size, self.micro_batch_size = best.pipeline_parallel_size, best.micro_batch_size
             self.schedule = best.schedule
-        layout = (self.pipeline_parallel_size, self.data_parallel_size, self._config.stages_per_rank or 1)
+        layout = (self.pipeline_parallel_size, self.data_parallel_size, self._config.stages_per_rank_of(self.chosen))
         self.topology = Topology.from_world(self.world_size, self.global_rank, *layout)
         self._config.check_global_batch_splits(
             self.topology.data_parallel_size, self.world_size, self.pipeline_parallel_size

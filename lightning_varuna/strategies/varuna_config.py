@@ -11,6 +11,8 @@ from torch import Tensor
 
 from lightning_varuna.partition.packing import parse_bytes
 from lightning_varuna.pipeline.schedules import INTERLEAVED, SCHEDULES
+from lightning_varuna.profiling.simulator import Config
+from lightning_varuna.profiling.spilled import SpilledConfig
 from lightning_varuna.spilling.planning import resolve_budget
 
 __all__ = ["VarunaConfig"]
@@ -36,7 +38,7 @@ class VarunaConfig:
     schedule: str = "1f1b"
     """A name of `SCHEDULES` or `INTERLEAVED`, or ``"auto"``."""
     stages_per_rank: int | None = None
-    """Stages per rank of an interleaved schedule (None: 2); 1 for the others."""
+    """Stages per rank of an interleaved schedule (None: 2, or chosen with "auto" sizes); 1 for the others."""
     shared_weights: list[tuple[str, str]] | None = None
     """Pairs of parameter names to keep identical (the second tied to the first)."""
     profile_repeats: int = 3
@@ -107,18 +109,13 @@ class VarunaConfig:
                 )
             self.stages_per_rank = 1
             return
-        self.stages_per_rank = 2 if given is None else given
-        if not isinstance(self.stages_per_rank, int) or self.stages_per_rank < 2:
+        if given is not None and (not isinstance(given, int) or given < 2):
             raise ValueError(
                 f"`VarunaStrategy(schedule={self.schedule!r}, stages_per_rank={given!r})` interleaves 2 or more stages "
                 'per rank; for one stage per rank use `schedule="1f1b"`.'
             )
-        if self.auto:
-            raise ValueError(
-                f"`VarunaStrategy(schedule={self.schedule!r})` cannot be combined with "
-                f"{', '.join(sorted(f'{name}=auto' for name in self.auto))}: the auto-configuration simulates the "
-                "schedules of one stage per rank. Give the sizes, or choose another schedule."
-            )
+        # With "auto" sizes an unset V is chosen with them (`stages_per_rank_of`); a given one binds it.
+        self.stages_per_rank = 2 if given is None and not self.auto else given
         if self.pipeline_parallel_size == 1:
             raise ValueError(
                 f"`VarunaStrategy(schedule={self.schedule!r})` interleaves the stages of 2 or more ranks; with "
@@ -146,7 +143,12 @@ class VarunaConfig:
             "data_parallel_size": self.data_parallel_size,
             "micro_batch_size": None if "micro_batch_size" in self.auto else micro_batch_size or None,
             "schedule": None if "schedule" in self.auto else schedule,
+            "stages_per_rank": self.stages_per_rank if self.schedule in INTERLEAVED else None,
         }
+
+    def stages_per_rank_of(self, chosen: Config | SpilledConfig | None) -> int:
+        """The stages per rank to lay the pipeline out with: the auto-configuration's ``chosen`` one, else as given."""
+        return chosen.stages_per_rank if isinstance(chosen, Config) else self.stages_per_rank or 1
 
     @property
     def spill_tiers(self) -> tuple[str, ...]:
