@@ -15,6 +15,9 @@ from torch.utils.data import DataLoader
 
 from lightning_varuna import SpillingStrategy, VarunaStrategy
 
+# A budget that cuts TinyLM into 5 shards at batches of 6 (it needs 84 KB whole).
+CUT = "65KB"
+
 
 def fit(model: L.LightningModule, strategy: L.pytorch.strategies.Strategy, batch_size: int = 6) -> None:
     trainer = L.Trainer(
@@ -70,7 +73,7 @@ class ScaledByTheWorld(TinyLM):
 
 @pytest.mark.parametrize(
     "cutting",
-    [lambda: VarunaStrategy(micro_batch_size=4), lambda: SpillingStrategy(memory_budget="85KB")],
+    [lambda: VarunaStrategy(micro_batch_size=4), lambda: SpillingStrategy(memory_budget=CUT)],
     ids=["varuna", "spilled"],
 )
 def test_a_forward_reading_the_trainer_is_refused_when_cut(cutting):
@@ -130,13 +133,13 @@ def test_an_optimizer_over_a_parameter_the_module_does_not_hold_fails_at_spilled
     """Spilled, such a parameter would never step (the optimizer steps each shard's parameters): refused at set-up."""
     model = UnregisteredParameter()
     with pytest.raises(ValueError, match=r"shape \(\) that is not a parameter of `UnregisteredParameter`"):
-        fit(model, SpillingStrategy(memory_budget="85KB"))
+        fit(model, SpillingStrategy(memory_budget=CUT))
     assert model.trainer.global_step == 0
 
 
 def test_a_cutpoint_used_twice_is_named_once_when_spilled():
     with pytest.raises(ValueError, match=r"CutPoint `cuts.0` was called twice") as refused:
-        fit(CutPointTwice(), SpillingStrategy(memory_budget="85KB"))
+        fit(CutPointTwice(), SpillingStrategy(memory_budget=CUT))
     assert refused.value.__context__ is None  # not the same error again, raised while handling the first
 
 

@@ -84,7 +84,8 @@ def test_a_spilled_step_adds_up_from_a_hand_checked_profile():
 
 
 def test_the_prediction_packs_as_spilling_strategy_does():
-    """The shards, their neighbours fetched ahead and the recomputes are `pack_shards`' own for the budget. More
+    """The shards, their neighbours fetched ahead and the recomputes are `pack_shards`' own for the budget (one shard
+    where the model fits the budget whole, as the strategy runs it). More
     budget keeps more activations: in host memory the step gets no slower; on the disk, the smallest budget (no
     shard fetched ahead) is the slowest, but larger shards may be slower than small ones (their first fetch and last
     spill overlap nothing)."""
@@ -94,7 +95,8 @@ def test_the_prediction_packs_as_spilling_strategy_does():
     disk, host, recomputes = [], [], []
     for budget in (smallest, with_prefetch, 2 * with_prefetch, 4 * with_prefetch):
         p = simulate_spilled(profile, SpilledConfig(4, budget, "disk"))
-        packing = pack_shards(memory, budget, kept)
+        fits_whole = sum(segment.need for segment in memory) <= budget - kept  # one shard, nothing fetched beside
+        packing = pack_shards(memory, budget, kept, prefetch=not fits_whole)
         assert p.shards == packing.shards and max(p.memory_bytes) <= budget
         assert p.recomputed == [k for k, keeps in enumerate(packing.keeps[:-1]) if not keeps]
         disk.append(p.step_s)
@@ -139,6 +141,15 @@ def test_a_model_that_fits_picks_no_spilling():
     # On one device, with a budget that fits it whole but not spilled's fewer shards' extra work:
     one_device = rank_configs(profile, 1, 4, memory_bytes=min(max(p.memory_bytes) for p in rank_configs(profile, 1, 4)))
     assert isinstance(one_device[0], Prediction)
+    # A budget that fits the model whole but not in half of it: it stays whole on the device, as the strategy runs it.
+    memory, kept = segment_memory(profile, 4)
+    whole = sum(segment.need for segment in memory)
+    fits_whole = SpilledConfig(4, kept + whole * 3 // 2, "host")
+    assert len(pack_shards(memory, fits_whole.memory_budget, kept).shards) > 1
+    assert simulate_spilled(profile, fits_whole).shards == [[0, 1, 2, 3]]
+    assert not any(
+        isinstance(p, SpilledPrediction) for p in rank_configs(profile, 1, 4, memory_bytes=fits_whole.memory_budget)
+    )
     # Without a budget nothing is spilled either, and VarunaStrategy's choice never is.
     assert all(isinstance(p, Prediction) for p in rank_configs(profile, 2, 4))
 

@@ -69,7 +69,7 @@ class ThreeCallsLM(ConsistencyLM):
 
 
 @pytest.mark.parametrize("model_class", [ConsistencyLM, NoGradMetricLM, ThreeCallsLM])
-@pytest.mark.parametrize("num_shards", [2, 5])
+@pytest.mark.parametrize("num_shards", [3, 5])
 @pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
 def test_a_step_calling_the_model_several_times_trains_like_one_device(tmp_path, model_class, num_shards, disk):
     torch.manual_seed(0)

@@ -64,7 +64,7 @@ def test_checkpoints_are_written_a_shard_at_a_time_and_resume_exactly(tmp_path):
 
     expected = fit(uninterrupted, "auto", max_steps=4)
     path = str(folder / "epoch=0-step=2.ckpt")
-    continued = fit(resumed, SpillingStrategy(memory_budget=BUDGETS[2]), ckpt_path=path, max_steps=4)
+    continued = fit(resumed, SpillingStrategy(memory_budget=BUDGETS[5]), ckpt_path=path, max_steps=4)
     torch.testing.assert_close(losses(continued), losses(expected)[4:], rtol=1e-5, atol=1e-6)
     assert_same_model(resumed, uninterrupted)
 
@@ -84,7 +84,7 @@ def test_a_consolidated_checkpoint_resumes_where_the_sharded_one_does(tmp_path, 
     by_name = "optimizer_states_by_name" in torch.load(consolidated, weights_only=False)
     assert by_name == (model_class is EmptyGroupTinyLM)
     expected = fit(reference, "auto", max_steps=4)
-    for strategy, resumed in ((SpillingStrategy(memory_budget=BUDGETS[2]), spilled), (VarunaStrategy(), pipelined)):
+    for strategy, resumed in ((SpillingStrategy(memory_budget=BUDGETS[5]), spilled), (VarunaStrategy(), pipelined)):
         continued = fit(resumed, strategy, ckpt_path=consolidated, max_steps=4)
         torch.testing.assert_close(losses(continued), losses(expected)[4:], rtol=1e-5, atol=1e-6)
         assert_same_model(resumed, reference)
@@ -180,7 +180,7 @@ def test_a_checkpoint_saved_after_fit_ended_by_max_epochs_resumes_with_the_next_
     reference = TinyLM(scheduler=True)
     model, resumed = copy.deepcopy(reference), copy.deepcopy(reference)
     expected = fit(reference, "auto", max_steps=-1, max_epochs=2)
-    first = fit(model, SpillingStrategy(memory_budget=BUDGETS[2], spill_dir=tmp_path), max_steps=-1, max_epochs=1)
+    first = fit(model, SpillingStrategy(memory_budget=BUDGETS[5], spill_dir=tmp_path), max_steps=-1, max_epochs=1)
     first.save_checkpoint(tmp_path / "end.ckpt")
     path = str(tmp_path / "end.ckpt")
     continued = fit(resumed, SpillingStrategy(memory_budget=BUDGETS[5]), ckpt_path=path, max_steps=-1, max_epochs=2)
@@ -199,7 +199,7 @@ def test_a_plain_lightning_checkpoint_resumes_spilled(tmp_path):
     plain.save_checkpoint(tmp_path / "plain.ckpt")
     path = str(tmp_path / "plain.ckpt")
     expected = fit(resumed_plainly, "auto", ckpt_path=path, max_steps=4)
-    continued = fit(resumed, SpillingStrategy(memory_budget=BUDGETS[2]), ckpt_path=path, max_steps=4)
+    continued = fit(resumed, SpillingStrategy(memory_budget=BUDGETS[5]), ckpt_path=path, max_steps=4)
     torch.testing.assert_close(losses(continued), losses(expected), rtol=1e-5, atol=1e-6)
     assert len(losses(continued)) == 4
     assert_same_model(resumed, resumed_plainly)

@@ -29,7 +29,7 @@ class BatchesRead(L.Callback):
         self.rows.append(batch[0][:, 0].tolist())
 
 
-@pytest.mark.parametrize("budget", ["1GB", BUDGETS[2]], ids=["whole", "cut"])
+@pytest.mark.parametrize("budget", ["1GB", BUDGETS[5]], ids=["whole", "cut"])
 def test_a_shuffled_loader_with_a_generator_of_its_own_is_read_in_its_order(budget):
     """Set-up looks at the first batch without drawing from the DataLoader's generator: training reads the batches
     in the order that generator gives, as on one device (before, the first epoch read the second's order)."""
@@ -61,7 +61,7 @@ class Augmented(torch.utils.data.Dataset):
         return row, row
 
 
-@pytest.mark.parametrize("budget", ["1GB", BUDGETS[2]], ids=["whole", "cut"])
+@pytest.mark.parametrize("budget", ["1GB", BUDGETS[5]], ids=["whole", "cut"])
 def test_a_dataset_augmented_with_python_and_numpy_random_numbers_reads_as_on_one_device(budget):
     """Set-up's look at the first batch gives Python's and NumPy's generators back their states: the loop's batches
     are augmented as on one device (before, each was augmented as the one after it)."""
@@ -97,9 +97,9 @@ def test_a_checkpoint_of_an_epoch_read_in_order_resumes_pipelined_in_that_order(
         return DataLoader(token_dataset(24), batch_size=4)  # 6 batches, read in order
 
     read = BatchesRead()
-    expected = fit(reference, SpillingStrategy(memory_budget=BUDGETS[2]), loader=loader(), callbacks=[read], **options)
+    expected = fit(reference, SpillingStrategy(memory_budget=BUDGETS[5]), loader=loader(), callbacks=[read], **options)
     saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
-    fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), loader=loader(), callbacks=[saves], max_steps=2, **options)
+    fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), loader=loader(), callbacks=[saves], max_steps=2, **options)
     resumed_read = BatchesRead()
     path = str(tmp_path / "epoch=0-step=2.ckpt")
     continued = fit(model, VarunaStrategy(), loader=loader(), callbacks=[resumed_read], ckpt_path=path, **options)
@@ -129,7 +129,7 @@ def test_a_mid_epoch_checkpoint_resumes_where_it_was_taken_when_the_optimizer_re
     options: dict[str, Any] = {"accumulate_grad_batches": 1, "limit_val_batches": 0, "max_steps": -1, "max_epochs": 1}
 
     def make() -> Any:
-        return VarunaStrategy() if strategy == "varuna" else SpillingStrategy(memory_budget=BUDGETS[2])
+        return VarunaStrategy() if strategy == "varuna" else SpillingStrategy(memory_budget=BUDGETS[5])
 
     read, resumed_read = BatchesRead(), BatchesRead()
     saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
@@ -152,7 +152,7 @@ def test_a_mid_epoch_checkpoint_resumes_accumulating_as_the_epochs_schedule_says
     options.update(gradient_clip_val=None, accumulate_grad_batches=1)
 
     def make() -> Any:
-        return VarunaStrategy() if strategy == "varuna" else SpillingStrategy(memory_budget=BUDGETS[2])
+        return VarunaStrategy() if strategy == "varuna" else SpillingStrategy(memory_budget=BUDGETS[5])
 
     def schedule() -> GradientAccumulationScheduler:
         return GradientAccumulationScheduler({0: 1, 1: 2})
@@ -181,18 +181,18 @@ def test_a_checkpoint_at_the_end_of_a_limited_epoch_resumes_with_the_next_epoch(
     read, resumed_read = BatchesRead(), BatchesRead()
     expected = fit(
         reference,
-        SpillingStrategy(memory_budget=BUDGETS[2]),
+        SpillingStrategy(memory_budget=BUDGETS[5]),
         loader=loader(),
         callbacks=[read],
         max_epochs=2,
         **options,
     )
     saves = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), loader=loader(), callbacks=[saves], max_epochs=1, **options)
+    fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), loader=loader(), callbacks=[saves], max_epochs=1, **options)
     path = str(tmp_path / "last.ckpt")
     continued = fit(
         model,
-        SpillingStrategy(memory_budget=BUDGETS[2]),
+        SpillingStrategy(memory_budget=BUDGETS[5]),
         path,
         loader(),
         callbacks=[resumed_read],
@@ -244,9 +244,9 @@ def test_the_checkpoint_taken_as_a_step_fails_resumes_with_that_batch(tmp_path, 
     expected = fit(reference, "auto", **options)
     saves = OnExceptionCheckpoint(dirpath=tmp_path)
     with pytest.raises(RuntimeError, match=f"failed in {fail_in}"):
-        fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), callbacks=[saves], **options)
+        fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), callbacks=[saves], **options)
     path = str(tmp_path / "on_exception.ckpt")
-    continued = fit(model, SpillingStrategy(memory_budget=BUDGETS[2]), ckpt_path=path, **options)
+    continued = fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), ckpt_path=path, **options)
     torch.testing.assert_close(losses(continued), losses(expected)[3:], rtol=1e-5, atol=1e-6)
     assert_same_model(model, reference)
 
@@ -264,7 +264,7 @@ def test_lightning_warns_of_a_restarted_epoch_only_where_the_loader_restarts_it(
     fit(TinyLM(), "auto", callbacks=[saves], max_steps=1, accumulate_grad_batches=1)
     mid_epoch = str(tmp_path / "epoch=0-step=1.ckpt")  # after batch 1 of 8
     restarts()
-    fit(TinyLM(), SpillingStrategy(memory_budget=BUDGETS[2]), mid_epoch, max_steps=2, accumulate_grad_batches=1)
+    fit(TinyLM(), SpillingStrategy(memory_budget=BUDGETS[5]), mid_epoch, max_steps=2, accumulate_grad_batches=1)
     spilled = restarts()
     fit(TinyLM(), "auto", mid_epoch, max_steps=2, accumulate_grad_batches=1)
     assert [spilled, restarts()] == [0, 1]

@@ -106,7 +106,9 @@ def simulate_spilled(profile: ModelProfile, config: SpilledConfig, *, timeline: 
     rows = config.global_batch_size
     threads = profile.threads_per_process(1)
     memory, kept = segment_memory(profile, rows)
-    packing = pack_shards(memory, config.memory_budget, kept, config.prefetch, training=True)
+    # As the strategy plans it: a model that fits the room whole stays on the device, nothing fetched beside it.
+    fits_whole = sum(segment.need for segment in memory) <= config.memory_budget - kept
+    packing = pack_shards(memory, config.memory_budget, kept, config.prefetch and not fits_whole, training=True)
     timings = [profile.timing(i, threads, rows) for i in range(len(profile.segments))]
     shared = _shared_parameters(profile)
     shards = packing.shards

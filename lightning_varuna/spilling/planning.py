@@ -83,7 +83,9 @@ def plan_shards(
     ``turn(work, shard)`` (`ShardedModel`).
 
     A model that fits in one shard runs whole, by its own forward: it is not traced, and with ``whole_stays`` it
-    stays on the device (it fits the budget: nothing need be spilled). A model on the meta device is cut, and
+    stays on the device (it fits the budget: nothing need be spilled). Staying, it has no shard fetched beside it:
+    it may take all of the room next to what stays on the device; one that does not stay (a sweep's, its turns
+    between other models' shards) gets half of it with ``prefetch``. A model on the meta device is cut, and
     materialized a segment at a time as it is measured, each segment parked in the store before the next: it is
     never whole in memory. Not ``training`` (validate, test, predict alone), a segment holds its parameters alone
     and its forward keeps nothing for a backward. In training, the parameters the optimizer steps (``stepped``;
@@ -100,7 +102,9 @@ def plan_shards(
     store = SpillStore(device, folder.name if folder is not None else None)
     budget = resolve_budget(memory_budget, device)
     try:
-        whole = None if meta else _measure_if_one_shard(module, args, kwargs, device, budget, prefetch, measuring)
+        # A whole model that stays on the device has no next shard to fetch beside it: it may use all the room.
+        fetched_beside = prefetch and not whole_stays
+        whole = None if meta else _measure_if_one_shard(module, args, kwargs, device, budget, fetched_beside, measuring)
         if whole is not None:
             segments: Segments | WholeModel = WholeModel(module)
             memory, kept, parked = [whole[0]], whole[1], None
@@ -266,16 +270,17 @@ def _measure_if_one_shard(
     kwargs: dict,
     device: torch.device,
     budget: int,
-    prefetch: bool,
+    fetched_beside: bool,
     measuring: _Measuring,
 ) -> tuple[SegmentMemory, int] | None:
     """The whole model's memory on the device and the bytes kept throughout, counted as `_measure` counts them for
-    one shard of all segments, from a forward on the first batch; None if they do not fit in one shard (the forward
-    is skipped when the parameters alone do not fit, and a forward that runs out of device memory does not fit)."""
+    one shard of all segments, from a forward on the first batch; None if they do not fit in one shard (half the
+    room if another shard is ``fetched_beside`` it; the forward is skipped when the parameters alone do not fit,
+    and a forward that runs out of device memory does not fit)."""
     params = list(module.parameters())
     state = sum(measuring.state_bytes(p) for p in params)
     buffer_bytes = sum(_nbytes(b) for b in module.buffers())
-    if state >= shard_share(budget, buffer_bytes, prefetch):
+    if state >= shard_share(budget, buffer_bytes, fetched_beside):
         return None
     in_host_memory = [p for p in params if p.device != device]
     for p in in_host_memory:
@@ -298,7 +303,7 @@ def _measure_if_one_shard(
     sizes = {Source(s, 0): size for s, size in enumerate(at_cutpoints)}  # as when cut, each read by the next
     read_next = {src: s + 1 for s, src in enumerate(sizes)}
     kept = buffer_bytes + measuring.boundary_bytes(sizes, read_next, len(sizes) + 1)
-    if state + meter.peak > shard_share(budget, kept, prefetch):
+    if state + meter.peak > shard_share(budget, kept, fetched_beside):
         return None
     return SegmentMemory("the whole model", state, meter.peak), kept
 

@@ -60,8 +60,8 @@ class SpillingStrategy(ResumableTraining, SingleDeviceStrategy):
     shard's training plus the next shard, fetched meanwhile, fit ``memory_budget``. Forward runs shard by shard
     keeping only the activations at shard boundaries; backward runs in reverse, recomputing each shard's forward
     (same random numbers); the optimizer steps shard by shard, each shard's parameters, gradients and optimizer
-    state on the device together. A model that fits the budget in one shard is not cut, nor spilled: it trains as on
-    one device, by its own forward and backward.
+    state on the device together. A model that fits the budget whole is not cut, nor spilled: it trains as on one
+    device, by its own forward and backward (nothing is fetched beside it, so all of the budget is its room).
 
     Args:
         memory_budget: what the strategy may hold on the device: bytes, a size such as ``"512MB"`` or ``"2GiB"``,
