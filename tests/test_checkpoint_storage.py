@@ -138,6 +138,7 @@ def assert_first_save_fails(
     torch.testing.assert_close(weights(load_into_fresh_model(str(tmp_path / "after.ckpt"))), before)
 
 
+@pytest.mark.slow  # waits out a storage timeout
 def test_unreachable_store_fails_at_the_first_save_and_training_state_survives(trained, tmp_path):
     port = free_port()  # nobody listens there
     options = {
@@ -160,6 +161,7 @@ def test_wrong_azure_key_fails_at_the_first_save_and_training_state_survives(
     assert_first_save_fails(trained, tmp_path, url, options, match)
 
 
+@pytest.mark.slow  # waits out a storage timeout
 def test_a_store_that_never_answers_times_out():
     pytest.importorskip("s3fs")
     with socket.socket() as silent:  # accepts connections (backlog) but never answers
@@ -173,6 +175,7 @@ def test_a_store_that_never_answers_times_out():
         assert time.monotonic() - start < 10
 
 
+@pytest.mark.slow  # waits out a storage timeout
 def test_a_refused_azure_connection_ends_at_the_timeout():
     """Azure's SDK retries a refused connection for ~90 s: the storage timeout ends the wait."""
     pytest.importorskip("adlfs")
@@ -207,6 +210,7 @@ class TrainedBatches(L.Callback):
     ],
     ids=["varuna", "spilled"],
 )
+@pytest.mark.slow  # trains against the S3 server
 def test_last_from_the_default_folder_on_s3(s3_bucket, s3_server, monkeypatch, strategy):
     """A ModelCheckpoint without a `dirpath` writes under `default_root_dir`, here on S3; `fit(ckpt_path="last")`
     resumes from the newest complete checkpoint there, and trains as an uninterrupted run (before, both strategies

@@ -16,6 +16,8 @@ from lightning_varuna import MultiModelTrainer, SpillingStrategy
 pytest.importorskip("transformers", reason="the real-model tests train Hugging Face models: pip install transformers")
 from real_models import build  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Hugging Face and torchvision models
+
 MODELS = ["bn_mlp", "resnet", "bert", "gpt2", "demo_transformer", "causal_encoder"]
 STEPS, BATCH = 3, 4
 
