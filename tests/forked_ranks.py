@@ -8,17 +8,19 @@ Each rank runs ``SCRIPT ARGS`` as ``__main__`` with the launch variables ``LOCAL
 it runs any job's: real processes, a real gloo process group. What this saves is the import of torch, Lightning
 and their optional dependencies (about 7 s of CPU) in every rank, which is most of a small test job's time, and of
 what torch imports at its first trace (`torch.export`, about 0.4 s of a small rank's 1.2 s). The first rank to fail
-ends the others, as torchrun does; the exit status is the first failure's.
+ends the others (after 5 s to end on their own), as torchrun does; the exit status is the first failure's.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import os
 import runpy
 import signal
 import sys
 import threading
+import time
 
 import lightning.pytorch  # noqa: F401 - imported once, before the fork, for every rank
 import torch
@@ -28,6 +30,8 @@ from ports import free_port
 import lightning_varuna  # noqa: F401
 
 torch.export.export(torch.nn.Linear(1, 1), (torch.zeros(1, 1),))  # imports what a stage's first trace imports
+
+_GRACE_S = 5.0  # how long the other ranks have to end on their own after one failed
 
 
 def run_rank(rank: int, processes: int, devices: int, script: str, args: list[str]) -> int:
@@ -70,15 +74,24 @@ def main(processes: int, devices: int, script: str, args: list[str]) -> int:
             sys.stderr.flush()
             os._exit(status)
         ranks.append(pid)
-    first_failure = 0
+    first_failure, kill_at = 0, None
     while ranks:
-        pid, wait_status = os.wait()
+        pid, wait_status = os.waitpid(-1, os.WNOHANG if kill_at else 0)
+        if pid == 0:  # after a failure: the others have until `kill_at` to end on their own
+            if time.monotonic() < kill_at:
+                time.sleep(0.05)
+                continue
+            for other in ranks:
+                os.kill(other, signal.SIGKILL)
+            kill_at = math.inf
+            continue
         ranks.remove(pid)
         status = os.waitstatus_to_exitcode(wait_status)
         if status != 0 and first_failure == 0:
             first_failure = status if status > 0 else 128 - status
-            for other in ranks:
-                os.kill(other, signal.SIGKILL)
+            # A failure usually fails the others too, each reporting its own error (a peer's failure it learned
+            # of, or its own): they get a moment to, as torchrun's agent gives its workers, then are killed.
+            kill_at = time.monotonic() + _GRACE_S
     return first_failure
 
 
