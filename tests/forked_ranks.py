@@ -14,7 +14,6 @@ ends the others (after 5 s to end on their own), as torchrun does; the exit stat
 from __future__ import annotations
 
 import gc
-import math
 import os
 import runpy
 import signal
@@ -83,7 +82,7 @@ def main(processes: int, devices: int, script: str, args: list[str]) -> int:
                 continue
             for other in ranks:
                 os.kill(other, signal.SIGKILL)
-            kill_at = math.inf
+            kill_at = None  # wait for what was killed
             continue
         ranks.remove(pid)
         status = os.waitstatus_to_exitcode(wait_status)
