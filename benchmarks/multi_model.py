@@ -13,7 +13,7 @@ host's.
 
 The models are MLPs (`lightning_varuna.demos.MLP`) of Linear(width, width) layers with a CutPoint after each,
 trained with AdamW on batches of ``--batch`` rows; a device is one core (one torch thread). The sweep is ordered as a
-researcher might add it: shortest first. Three ways to train it:
+researcher might add it: shortest first. The ways to train it:
 
 * ``sequential``: each model alone, one after another, with Lightning's default strategy, one thread. Its times are
   the tᵢ of the lower bound max(Σ tᵢ / D, max tᵢ), and its makespan is Σ tᵢ;
@@ -22,6 +22,8 @@ researcher might add it: shortest first. Three ways to train it:
 * ``multi-model``: ``MultiModelTrainer(devices=D)`` with the default budget (what the machine has free: on the CPU
   every model is one shard): each model's forward, backward and optimizer step take turns on the D devices, the model
   with the longest remaining time first;
+* ``multi-model-processes``: ``MultiModelTrainer(devices=D, processes=True)``: each model alone in one of D worker
+  processes forked as the sweep starts, the most work (steps times parameters) first;
 * ``multi-model-spilled``: the same with ``--budget`` (a few layers per shard): turns a shard at a time, each
   shard's forward recomputed for its backward, as when the models do not fit the device.
 
@@ -99,8 +101,10 @@ def task_queue(devices: int, batch: int) -> float:
         return time.perf_counter() - start
 
 
-def multi_model(devices: int, batch: int, budget: str | None, accelerator: str) -> tuple[float, MultiModelTrainer]:
-    sweep = MultiModelTrainer(accelerator=accelerator, devices=devices, memory_budget=budget)
+def multi_model(
+    devices: int, batch: int, budget: str | None, accelerator: str, processes: bool = False
+) -> tuple[float, MultiModelTrainer]:
+    sweep = MultiModelTrainer(accelerator=accelerator, devices=devices, memory_budget=budget, processes=processes)
     for i in range(len(SWEEP)):
         model, loader, steps = model_and_data(i, batch)
         width, layers, _ = SWEEP[i]
@@ -125,6 +129,9 @@ def one_round(devices: int, batch: int, budget: str, accelerator: str) -> tuple[
         print(f"task queue: {makespans['task-queue']:.1f}s", flush=True)
     makespans["multi-model"], sweep = multi_model(devices, batch, None, accelerator)
     print(f"multi-model: {makespans['multi-model']:.1f}s", flush=True)
+    if accelerator == "cpu":  # each model alone in one of D worker processes, the most work first
+        makespans["multi-model-processes"], _ = multi_model(devices, batch, None, accelerator, processes=True)
+        print(f"multi-model-processes: {makespans['multi-model-processes']:.1f}s", flush=True)
     makespans["multi-model-spilled"], spilled = multi_model(devices, batch, budget, accelerator)
     print(f"multi-model-spilled: {makespans['multi-model-spilled']:.1f}s", flush=True)
     sweep_s, spilled_s = makespans["multi-model"], makespans["multi-model-spilled"]

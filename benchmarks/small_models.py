@@ -59,6 +59,7 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "a turn each for forward and backward": {"step_in_one_turn": False},
     "threads not pinned": {"pin": False},
     "spilled between turns": {"keep_on_device": False},  # and a turn each for forward and backward
+    "worker processes": {"processes": True},  # each model alone in one of D forked processes, the most work first
 }
 
 
@@ -107,7 +108,11 @@ def sweep_fit(
 ) -> tuple[float, MultiModelTrainer]:
     variant = variant or {}
     sweep = MultiModelTrainer(
-        accelerator="cpu", devices=devices, enable_progress_bar=False, keep_on_device=variant.get("keep_on_device")
+        accelerator="cpu",
+        devices=devices,
+        enable_progress_bar=False,
+        keep_on_device=variant.get("keep_on_device"),
+        processes=variant.get("processes", False),
     )
     sweep.scheduler.pin = variant.get("pin", True)
     SweepMemberStrategy.step_in_one_turn = variant.get("step_in_one_turn", True)

@@ -69,6 +69,9 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerE
 #   the strategy's `setup`) and `trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor`, replaced on the instances
 #   to drop Lightning's per-batch SIGTERM broadcast: strategies/sigterm.py.
 #   tests/test_failures.py::test_sigterm_ends_ranks_that_wait_for_a_pipeline_message.
+# - outside a run, `Trainer.callback_metrics`, `logged_metrics` and `progress_bar_metrics` return the dicts the
+#   Trainer keeps, which a sweep updates with what a model's fit in a worker process left: multimodel/processes.py.
+#   tests/test_multi_model_processes.py::test_each_model_in_a_worker_process_trains_as_if_alone.
 
 # The folder a ModelCheckpoint without a `dirpath` writes to (under the logger's folder or `default_root_dir`), as
 # Lightning works it out: `resolve_checkpoint_dir(callback, trainer)`. tests/test_checkpoint_storage.py.

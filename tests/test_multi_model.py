@@ -71,13 +71,12 @@ def fit_alone(model: L.LightningModule, train: DataLoader, val: DataLoader | Non
     return trainer
 
 
-def test_each_model_of_a_sweep_trains_as_if_alone():
-    """Models of different sizes, lengths and optimizers (AdamW with an LR schedule, SGD with momentum; a token
-    model with a tied head, gradient clipping and accumulation; validation) share two devices: each one's per-step
-    losses, validation loss and final weights equal plain single-device training, and their shards were interleaved
-    over both devices, never two at once on one device."""
+def unlike_models() -> list[tuple[L.LightningModule, DataLoader, DataLoader | None, dict[str, Any]]]:
+    """A sweep's models of different sizes, lengths and optimizers, each with its loaders and Trainer arguments: MLPs
+    under AdamW with an LR schedule (validated) and under SGD, a token model with a tied head, gradient clipping and
+    accumulation, and an MLP trained for 2 epochs."""
     torch.manual_seed(0)
-    specs: list[tuple[L.LightningModule, DataLoader, DataLoader | None, dict[str, Any]]] = [
+    return [
         (MLP(48, 4), regression_data(48), regression_data(48, 32), {"max_steps": 9}),
         (MLP(96, 3, optimizer="sgd"), regression_data(96), None, {"max_steps": 5}),
         (
@@ -88,6 +87,14 @@ def test_each_model_of_a_sweep_trains_as_if_alone():
         ),
         (MLP(32, 2), regression_data(32), None, {"max_epochs": 2}),
     ]
+
+
+def test_each_model_of_a_sweep_trains_as_if_alone():
+    """Models of different sizes, lengths and optimizers (AdamW with an LR schedule, SGD with momentum; a token
+    model with a tied head, gradient clipping and accumulation; validation) share two devices: each one's per-step
+    losses, validation loss and final weights equal plain single-device training, and their shards were interleaved
+    over both devices, never two at once on one device."""
+    specs = unlike_models()
     references = [copy.deepcopy(model) for model, *_ in specs]
     sweep = MultiModelTrainer(devices=2, memory_budget="400KB", enable_progress_bar=False)
     sweep_losses = []

@@ -11,7 +11,7 @@ from typing import Any
 
 from lightning_varuna.multimodel.scheduler import DeviceScheduler
 
-__all__ = ["preempted_by_signals", "stopped_by_signals"]
+__all__ = ["handled", "preempted_by_signals", "stopped_by_signals"]
 
 
 @contextmanager
@@ -24,7 +24,7 @@ def preempted_by_signals(preempted: threading.Event, scheduler: DeviceScheduler)
             scheduler.stop("KeyboardInterrupt")
         preempted.set()
 
-    with _handled((signal.SIGINT, signal.SIGTERM, signal.SIGUSR1), preempt):
+    with handled((signal.SIGINT, signal.SIGTERM, signal.SIGUSR1), preempt):
         yield
 
 
@@ -35,12 +35,12 @@ def stopped_by_signals(scheduler: DeviceScheduler) -> Iterator[None]:
     def stop(signum: int, frame: Any) -> None:
         scheduler.stop(signal.Signals(signum).name)
 
-    with _handled((signal.SIGINT, signal.SIGTERM), stop):
+    with handled((signal.SIGINT, signal.SIGTERM), stop):
         yield
 
 
 @contextmanager
-def _handled(signals: tuple[signal.Signals, ...], handler: Callable[[int, Any], None]) -> Iterator[None]:
+def handled(signals: tuple[signal.Signals, ...], handler: Callable[[int, Any], None]) -> Iterator[None]:
     """Handle ``signals`` with ``handler`` in the block, then as before; nothing outside the main thread, where
     Python allows no handler."""
     if threading.current_thread() is not threading.main_thread():
