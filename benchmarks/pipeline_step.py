@@ -387,8 +387,9 @@ def run_bare_step(stage: Stage, actions: list[Action], xs: tuple[Tensor, ...], y
 
     def forward(index: int, m: int, recompute_later: bool) -> Tensor | None:
         graph, stage_module = stage.stage_for((xs[m],), {}, index)
+        next_alike = m + 1 < len(xs) and xs[m + 1].shape == xs[m].shape
         return stage.runtime.forward(
-            m, graph, stage_module, [xs[m]], True, stage=index, recompute_later=recompute_later
+            m, graph, stage_module, [xs[m]], True, stage=index, recompute_later=recompute_later, next_alike=next_alike
         )
 
     def loss_of(m: int, logits: Tensor | None) -> Tensor | None:

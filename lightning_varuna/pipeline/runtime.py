@@ -51,6 +51,10 @@ class _LocalReceive:
         return True
 
 
+# A receive posted for a forward: the (producer, value) it receives, its buffer, and its work.
+_Posted = tuple[tuple[int, int], Tensor, "dist.Work | _LocalReceive"]
+
+
 def _as_tuple(outputs: Any) -> tuple:
     return outputs if isinstance(outputs, tuple) else (outputs,)
 
@@ -94,6 +98,7 @@ class StageRuntime:
         self._split = SplitBackward()
         self._weight_passes: dict[tuple[int, int], WeightPass] = {}
         self._grad_recvs: dict[tuple[int, int], list[tuple[int, int, Tensor, dist.Work | _LocalReceive]]] = {}
+        self._early: dict[tuple[int, int], list[_Posted]] = {}  # activation receives posted ahead of their forward
         self._pending_sends: list[tuple[dist.Work, Tensor]] = []
         self.timeline: list[tuple[str, float, float]] | None = None  # when recording: (action, start, end)
         self._compute_start: float | None = None  # when the running action's messages arrived (see `timing`)
@@ -101,6 +106,7 @@ class StageRuntime:
         self._waiter: Waiter | None = None
         # Sends of failed batches, never waited for: kept referenced while the backend may still read their tensors.
         self._abandoned_sends: list[tuple[dist.Work, Tensor]] = []
+        self._abandoned_receives: list[Tensor] = []  # and buffers of receives posted ahead, maybe still written
 
     @property
     def stage_index(self) -> int:
@@ -130,6 +136,7 @@ class StageRuntime:
         stage: int | None = None,
         recompute_later: bool = False,
         on_wait: Callable[[], None] | None = None,
+        next_alike: bool = False,
     ) -> Any:
         """Run a stage of this rank on one micro-batch and send its outputs on.
 
@@ -139,6 +146,9 @@ class StageRuntime:
                 inputs and random state now, not its activations.
             on_wait: called every half second while this stage waits for a message; it raises to stop waiting (a
                 peer failed, the process was asked to end), and the caller then abandons the batch.
+            next_alike: this stage's next forward (micro-batch ``microbatch + 1``) receives values of the same
+                shapes: its receives are posted now, as this one's have arrived, so that its activations travel
+                while this forward computes (gloo sends a message only once its receive is posted).
 
         Returns:
             On the last stage, the model's output for the micro-batch; ``None`` elsewhere.
@@ -146,6 +156,8 @@ class StageRuntime:
         stage = self._stage(stage)
         key = (stage, microbatch)
         received = self._receive_activations(stage, microbatch, graph, training, on_wait)
+        if next_alike and self.waiter.backend == dist.Backend.GLOO:  # NCCL would run it before this rank's own sends
+            self._early[(stage, microbatch + 1)] = self._post_activation_receives(stage, microbatch + 1, graph)
         self._compute_start = time.time()
         args = [self._lookup(stage, src, model_inputs, received, None) for src in graph.stage_inputs[stage]]
         if recompute_later:
@@ -253,6 +265,7 @@ class StageRuntime:
         """Drop the batch after a failure, without waiting for its sends: the peers may never receive them."""
         self._abandoned_sends += self._pending_sends
         self._pending_sends = []
+        self._abandoned_receives += [buffer for posted in self._early.values() for _, buffer, _ in posted]
         self._drop_batch()
 
     def _drop_batch(self) -> None:
@@ -262,6 +275,7 @@ class StageRuntime:
         self._modules.clear()
         self._weight_passes.clear()
         self._grad_recvs.clear()
+        self._early.clear()
         self._stashed.clear()
         self._local.clear()
 
@@ -289,18 +303,7 @@ class StageRuntime:
     def _receive_activations(
         self, stage: int, microbatch: int, graph: PipelineGraph, training: bool, on_wait: Callable[[], None] | None
     ) -> dict[tuple[int, int], Tensor]:
-        works = []
-        for producer, values in graph.receives(stage).items():
-            for slot, value in enumerate(values):
-                meta = graph.stage_outputs[producer][value]
-                buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
-                works.append(
-                    (
-                        (producer, value),
-                        buffer,
-                        self._irecv(buffer, producer, stage, microbatch, slot, Phase.FORWARD),
-                    )
-                )
+        works = self._early.pop((stage, microbatch), None) or self._post_activation_receives(stage, microbatch, graph)
         self._wait([work for *_, work in works], on_wait)
         received = {}
         for key, buffer, _ in works:
@@ -309,6 +312,17 @@ class StageRuntime:
                 buffer.requires_grad_()
             received[key] = buffer
         return received
+
+    def _post_activation_receives(self, stage: int, microbatch: int, graph: PipelineGraph) -> list[_Posted]:
+        """Post the receives of ``stage``'s forward of ``microbatch``: (producer, value), buffer and the work each."""
+        posted = []
+        for producer, values in graph.receives(stage).items():
+            for slot, value in enumerate(values):
+                meta = graph.stage_outputs[producer][value]
+                buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
+                work = self._irecv(buffer, producer, stage, microbatch, slot, Phase.FORWARD)
+                posted.append(((producer, value), buffer, work))
+        return posted
 
     def _post_grad_receives(self, stage: int, microbatch: int, graph: PipelineGraph) -> None:
         posted = []

@@ -74,6 +74,7 @@ class MicroBatchedStep:
         self.recorder = LogRecorder(training=step_name == "training_step")
         self._microbatches: list[Any] = []
         self._weights: list[float] = []
+        self._next_alike: list[bool] = []  # whether micro-batch m + 1 has m's shapes (its receives post early)
 
     def run(
         self, batch: Any, micro_batch_size: int, actions: list[Action], *, training: bool, on_wait: Callable[[], None]
@@ -92,6 +93,8 @@ class MicroBatchedStep:
                 "in its batch (a batch whose labels are all ignored has no mean); leave such batches out."
             )
         self._weights = [count / sum(items) for count in items]
+        shapes = [_shapes(mb) for mb in self._microbatches]
+        self._next_alike = [a == b for a, b in zip(shapes, shapes[1:])] + [False]
         with self.recorder.capture(self.module):
             step_outputs = self._step_microbatches(actions, training, on_wait)
         return merge_microbatches(step_outputs, self._weights) if self.stage.runtime.is_last_stage else None
@@ -125,8 +128,9 @@ class MicroBatchedStep:
             graph, stage_module = self.stage.stage_for(args, kwargs, stage)
             inputs = tree_leaves((args, kwargs))
             output = self.stage.runtime.forward(
-                m, graph, stage_module, inputs, training, stage=stage, recompute_later=recompute_later, on_wait=on_wait
-            )
+                m, graph, stage_module, inputs, training, stage=stage, recompute_later=recompute_later,
+                on_wait=on_wait, next_alike=self._next_alike[m],
+            )  # fmt: skip
             if output is None:
                 raise StageForwardDone
             return output
@@ -205,6 +209,11 @@ def run_schedule(
         raise
     own_last = max(runtime.stage_indices)
     return [outputs[key] for key in sorted(outputs) if key[0] == own_last]
+
+
+def _shapes(microbatch: Any) -> list[Any]:
+    """The shapes and dtypes of a micro-batch's tensors, and its other leaves as they are."""
+    return [(x.shape, x.dtype) if isinstance(x, Tensor) else x for x in tree_leaves(microbatch)]
 
 
 def capture_forward_inputs(module: pl.LightningModule, step_name: str, microbatch: Any) -> tuple[tuple, dict]:

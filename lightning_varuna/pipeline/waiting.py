@@ -29,6 +29,7 @@ class Waiter:
     """Makes blocking calls on a helper thread (see above) for a process group of ``backend``."""
 
     def __init__(self, backend: str) -> None:
+        self.backend = backend
         self._in_thread = backend != dist.Backend.NCCL
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], threading.Event, list]] | None = None
 
