@@ -33,6 +33,7 @@ def train(name: str, out_dir: str, config: dict, devices: int) -> None:
         pipeline_parallel_size=config["pipeline_parallel_size"],
         micro_batch_size=config["micro_batch_size"],
         schedule=config.get("schedule", "1f1b"),
+        stages_per_rank=config.get("stages_per_rank", 1),
     )
     record = RecordLosses()
     folder = os.path.join(out_dir, name)

@@ -40,7 +40,9 @@ SHAPES = {
     (3, 1, "1f1b"): ["gpt2"],
     (2, 1, "varuna"): ["bn_mlp", "resnet"],
     (2, 1, "zero-bubble"): ["gpt2"],
+    (2, 1, "interleaved-1f1b"): ["gpt2", "demo_transformer"],  # two stages per rank (`STAGES_PER_RANK`)
 }
+STAGES_PER_RANK = {"interleaved-1f1b": 2}
 BATCH, MICRO_BATCH = 4, 2  # per replica: micro-batches [2, 2]
 
 
@@ -94,7 +96,7 @@ def reference(
 @pytest.mark.parametrize("shape", list(SHAPES), ids=[f"P{p}xD{d}-{schedule}" for p, d, schedule in SHAPES])
 def test_real_models_train_like_one_device(tmp_path, shape):
     pp, dp, schedule = shape
-    train(tmp_path, SHAPES[shape], pp, dp, schedule=schedule)
+    train(tmp_path, SHAPES[shape], pp, dp, schedule=schedule, stages_per_rank=STAGES_PER_RANK.get(schedule, 1))
     for name in SHAPES[shape]:
         assert_trained_like_one_device(tmp_path / name, name, pp, dp)
 
