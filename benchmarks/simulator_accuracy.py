@@ -64,6 +64,14 @@ CONFIGS = [
     (2, 2, 2, "varuna"),
     (1, 4, 4, "1f1b"),
 ]
+# The schedules of issue 44 (P, D, micro-batch size, schedule, stages per rank), measured with ``--only schedules``
+# (the calibration's runs and these) and reported apart, under "schedules".
+SCHEDULE_CONFIGS = [
+    (2, 1, 4, "zero-bubble", 1),
+    (2, 1, 2, "zero-bubble", 1),
+    (2, 1, 4, "interleaved-1f1b", 2),
+    (2, 1, 2, "interleaved-1f1b", 2),
+]
 # Two micro-batch sizes per process count (1, 2, 4) and replicas for 2 and 4 processes, held out from CONFIGS: their
 # measured steps calibrate the profile.
 CALIBRATION = [
@@ -97,7 +105,7 @@ def worker(config: list, out: str, warmup: int, steps: int) -> None:
 
     from lightning_varuna import PipelineTrace, VarunaStrategy
 
-    P, D, mb, schedule = config
+    P, D, mb, schedule, V = _unpacked(config)
     L.seed_everything(0, verbose=False)
     data = CharDataset(make_text(), block_size=MODEL["block_size"])
     model = GPT(**MODEL)
@@ -105,7 +113,9 @@ def worker(config: list, out: str, warmup: int, steps: int) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=P * D,
-        strategy=VarunaStrategy(pipeline_parallel_size=P, micro_batch_size=mb, schedule=schedule, profile=str(PROFILE)),
+        strategy=VarunaStrategy(
+            pipeline_parallel_size=P, micro_batch_size=mb, schedule=schedule, stages_per_rank=V, profile=str(PROFILE)
+        ),
         max_steps=warmup + steps,
         callbacks=[timer, PipelineTrace(str(TRACES / f"{_name(config)}.measured.json"), step=warmup, steps=5)],
         logger=False,
@@ -230,9 +240,15 @@ def _run_worker(flag: str, config: tuple, warmup: int, steps: int, quiet_wait: f
         return json.loads(out.read_text())
 
 
+def _unpacked(config: tuple | list) -> tuple[int, int, int, str, int]:
+    """(P, D, micro-batch size, schedule, stages per rank: 1 unless given)."""
+    P, D, mb, schedule, *V = config
+    return P, D, mb, schedule, V[0] if V else 1
+
+
 def _name(config: tuple | list) -> str:
-    P, D, mb, schedule = config
-    return f"P{P}-D{D}-mb{mb}-{schedule}"
+    P, D, mb, schedule, V = _unpacked(config)
+    return f"P{P}-D{D}-mb{mb}-{schedule}" + (f"-V{V}" if V > 1 else "")
 
 
 def _env() -> dict[str, str]:
@@ -250,7 +266,9 @@ def main() -> None:
         "--quiet-wait", type=float, default=60.0, help="seconds to wait at most for idle CPUs before each run"
     )
     parser.add_argument(
-        "--only", choices=("pipeline", "spilled"), help="run only these rows (spilled: with the profiles written)"
+        "--only",
+        choices=("pipeline", "spilled", "schedules"),
+        help="run only these rows (spilled: with the profiles written; schedules: SCHEDULE_CONFIGS)",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--spilled-worker", help=argparse.SUPPRESS)
@@ -286,8 +304,9 @@ def main() -> None:
     _add_spill_times(profile)
     TRACES.mkdir(parents=True, exist_ok=True)
     measure(CONFIGS[0], args.warmup, args.steps)  # discarded: the first run after start is slower on this VM
+    configs = SCHEDULE_CONFIGS if args.only == "schedules" else CONFIGS
     step_s = {}
-    for config in (c for pair in zip_longest(CALIBRATION, CONFIGS) for c in pair if c):
+    for config in (c for pair in zip_longest(CALIBRATION, configs) for c in pair if c):
         step_s[config] = measure(config, args.warmup, args.steps)
         print(f"measured {_name(config)}: {step_s[config] * 1e3:.1f} ms", flush=True)
     measured = []
@@ -301,10 +320,12 @@ def main() -> None:
         print(f"  {processes} process(es): {overheads}")
     rows = []
     print(header)
-    for config in CONFIGS:
-        P, D, mb, schedule = config
-        prediction = simulate(profile, Config(P, D, mb, schedule, GLOBAL_BATCH))
-        calibrated_prediction = simulate(calibrated, Config(P, D, mb, schedule, GLOBAL_BATCH), timeline=True)
+    for config in configs:
+        P, D, mb, schedule, V = _unpacked(config)
+        prediction = simulate(profile, Config(P, D, mb, schedule, GLOBAL_BATCH, stages_per_rank=V))
+        calibrated_prediction = simulate(
+            calibrated, Config(P, D, mb, schedule, GLOBAL_BATCH, stages_per_rank=V), timeline=True
+        )
         (TRACES / f"{_name(config)}.predicted.json").write_text(calibrated_prediction.chrome_trace())
         measured = step_s[config]
         row = dict(config=list(config), measured_ms=measured * 1e3)
@@ -312,15 +333,21 @@ def main() -> None:
             row[f"{key}predicted_ms"] = predicted * 1e3
             row[f"{key}error"] = (predicted - measured) / measured
         rows.append(row)
-        name = f"P={P} D={D} mb={mb} {schedule}"
+        name = f"P={P} D={D} mb={mb} {schedule}" + (f" V={V}" if V > 1 else "")
         print(
             f"{name:<24} {measured * 1e3:>12.1f} {row['predicted_ms']:>11.1f} {row['error']:>+7.1%} "
             f"{row['calibrated_predicted_ms']:>14.1f} {row['calibrated_error']:>+7.1%}",
             flush=True,
         )
-    spilled = [] if args.only == "pipeline" else spilled_rows(profile, args.warmup, args.steps, args.quiet_wait)
     median_error = statistics.median(abs(r["error"]) for r in rows)
     calibrated_median_error = statistics.median(abs(r["calibrated_error"]) for r in rows)
+    if args.only == "schedules":
+        print(f"\nmedian absolute error: {median_error:.1%} from the profile alone, {calibrated_median_error:.1%} "
+              "calibrated")  # fmt: skip
+        _write_results({"schedules": dict(rows=rows, median_abs_error=median_error,
+                                          calibrated_median_abs_error=calibrated_median_error)})  # fmt: skip
+        return
+    spilled = [] if args.only == "pipeline" else spilled_rows(profile, args.warmup, args.steps, args.quiet_wait)
     by_world: dict[int, list[dict]] = {}
     for row in rows:
         by_world.setdefault(row["config"][0] * row["config"][1], []).append(row)

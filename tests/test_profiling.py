@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import replace
@@ -158,6 +159,23 @@ def test_uniform_pipeline_takes_microbatches_plus_stages_minus_one_slots(schedul
     assert ran == sorted(
         (st, str(a)) for st, acts in enumerate(SCHEDULES[schedule](stages, microbatches)) for a in acts
     )
+
+
+def test_on_the_cpu_a_forwards_activation_travels_while_the_previous_forward_computes():
+    """Over gloo (a CPU profile) a stage posts its next forward's receive as the current forward starts computing, so
+    an activation sent meanwhile arrives by the time the stage is free; over NCCL (a GPU's) it is posted as that
+    forward starts, and each one's transfer (0.5 s here) waits behind the forward before it."""
+    cpu = synthetic()
+    cpu.p2p = {n: LinearCost(0.5, 1e18) for n in range(2, 65)}
+    gpu = copy.deepcopy(cpu)
+    gpu.device = "cuda"
+    starts = {}
+    for name, profile in (("cpu", cpu), ("gpu", gpu)):
+        timeline = simulate(profile, Config(2, 1, 1, "gpipe", 4), timeline=True).timeline
+        starts[name] = [round(s.start_s, 6) for s in timeline if s.stage == 1 and s.name[0] == "F"]
+    # Stage 0 sends micro-batch m at 2 (m + 1) s; a forward of stage 1 takes 2 s.
+    assert starts["cpu"] == [2.5, 4.5, 6.5, 8.5]
+    assert starts["gpu"] == [2.5, 5.0, 7.5, 10.0]
 
 
 def test_varuna_schedule_pays_the_recompute_and_saves_activation_memory():

@@ -19,6 +19,12 @@ class MissingMeasurement(ValueError):
     """The profile lacks a network measurement the configuration needs."""
 
 
+# A split backward (zero-bubble) against the whole one: its input-gradient part, then its weight part. torch's
+# `stage_backward_input` walks the autograd graph in Python and hooks where the parameters' paths join the inputs';
+# measured on a 4-block stage of examples/gpt.py's GPT on the CPU (micro-batch 4, one thread): 8.0 and 5.0 ms
+# against 7.8 ms whole (benchmarks/README.md, "Zero-bubble").
+SPLIT_INPUT_PART, SPLIT_WEIGHT_PART = 8.0 / 7.8, 5.0 / 7.8
+
 @dataclass(frozen=True)
 class Config:
     """A way to run the model: ``pipeline_parallel_size`` stages x ``data_parallel_size`` replicas (with
@@ -200,8 +206,10 @@ def _run_pipeline(
 ) -> tuple[list[Span], list[float]]:
     """Event simulation of one replica's ranks (``actions``: each rank's, of one stage or several); the ranks that
     compute at once on a node share its cores (processor sharing). A gradient arrives one transfer after it was
-    produced (its receive is posted early); an activation one transfer after both it was sent and its consumer
-    started the forward; between two stages of one rank a value takes no transfer."""
+    produced (its receive is posted early); an activation one transfer after both it was sent and its receive was
+    posted: as its consumer starts the forward or, on the CPU (gloo), as the consumer's previous forward of a
+    micro-batch of the same size started computing (the runtime posts it then); between two stages of one rank a
+    value takes no transfer."""
     P = len(actions)
     microbatches = [stages_by_size[size] for size in sizes]
     transfer = _p2p(profile, processes_per_node) if P > 1 else _no_transfer  # one stage sends nothing
@@ -218,6 +226,8 @@ def _run_pipeline(
     running: list[Action | None] = [None] * P
     started = [0.0] * P
     free_at = [0.0] * P
+    early_receives = profile.device == "cpu"
+    forward_started: dict[tuple[int, int], float] = {}  # (stage, micro-batch)
     spans: list[Span] = []
     now = 0.0
 
@@ -230,8 +240,9 @@ def _run_pipeline(
         if action.phase is Phase.RECOMPUTE:
             return cost.forward_s
         backward = cost.backward_s + overheads.backward(sizes[m])
-        # A split backward (zero-bubble): taken as half for the inputs' gradients, half for the parameters'.
-        return backward / 2 if (stage, m) in split else backward
+        if (stage, m) not in split:
+            return backward
+        return backward * (SPLIT_INPUT_PART if action.phase is Phase.BACKWARD else SPLIT_WEIGHT_PART)
 
     def ready_at(rank: int, action: Action) -> float | None:
         """When ``rank`` may start ``action``: its dependencies finished and their messages arrived."""
@@ -242,8 +253,11 @@ def _run_pipeline(
                 return None
             if other % P == rank:  # a stage of this rank: the value is at hand
                 at = max(at, finished[work])
-            elif phase is Phase.FORWARD:  # the activation's receive is posted when the forward starts
-                at = max(at, max(finished[work], free_at[rank]) + send(microbatches[m][other].output_bytes))
+            elif phase is Phase.FORWARD:
+                posted = free_at[rank]
+                if early_receives and m > 0 and sizes[m] == sizes[m - 1] and (stage, m - 1) in forward_started:
+                    posted = min(posted, forward_started[(stage, m - 1)])
+                at = max(at, max(finished[work], posted) + send(microbatches[m][other].output_bytes))
             else:  # the gradient's receive was posted at the forward: it travels as soon as it is sent
                 at = max(at, finished[work] + send(microbatches[m][other].input_bytes))
         return at
@@ -255,6 +269,8 @@ def _run_pipeline(
                 at = ready_at(s, action)
                 if at is not None and at <= now + 1e-12:
                     running[s], remaining[s], started[s] = action, duration(s, action), now
+                    if action.phase is Phase.FORWARD:
+                        forward_started[(action.stage_on(s), action.microbatch)] = now
         active = [s for s in range(P) if running[s] is not None]
         if not active and all(position[s] == len(actions[s]) for s in range(P)):
             break
