@@ -209,6 +209,35 @@ VARIANTS = [
                 stages_per_rank=2,
                 microbatches=mb,
             ),
+            Variant(
+                f"varuna-lightning-zbv-mb{mb}",
+                "varuna-lightning",
+                2,
+                "zbv",
+                f"Trainer.fit + VarunaStrategy, 2 ranks x 2 stages in a V, ZBV zero-bubble, {mb} micro-batches",
+                stages_per_rank=2,
+                microbatches=mb,
+            ),
+            Variant(
+                f"varuna-runtime-zbv-mb{mb}",
+                "varuna-runtime",
+                2,
+                "zbv",
+                f"bare StageRuntime, 2 ranks x 2 stages in a V, ZBV zero-bubble, {mb} micro-batches",
+                stages_per_rank=2,
+                microbatches=mb,
+            ),
+            Variant(
+                f"torch-pipelining-zbv-codegen-mb{mb}",
+                "torch-pipelining",
+                2,
+                "zbv",
+                f"torch.distributed.pipelining ScheduleZBVZeroBubble, 2 ranks x 2 stages in a V, {mb} micro-batches, "
+                "on stages run as FX generated code (as ours)",
+                codegen=True,
+                stages_per_rank=2,
+                microbatches=mb,
+            ),
         )
     ),
     Variant(
@@ -402,7 +431,7 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     """lightning-varuna's StageRuntime on the stage that VarunaStrategy would build, without Lightning."""
 
     from lightning_varuna.pipeline.gradients import reduce_gradients
-    from lightning_varuna.pipeline.schedules import make_schedule
+    from lightning_varuna.pipeline.schedules import V_SHAPED, make_schedule
     from lightning_varuna.pipeline.shared_params import SharedParameters
     from lightning_varuna.pipeline.topology import Topology
 
@@ -412,7 +441,7 @@ def run_varuna_runtime(cfg: Config, variant: Variant) -> dict[str, Any]:
     batches = global_batches(cfg, data)
     mb = micro_batch_size_of(cfg, variant)
     example = batches[0][0][:mb]
-    topology = Topology.from_world(world, rank, world, None, variant.stages_per_rank)
+    topology = Topology.from_world(world, rank, world, None, variant.stages_per_rank, variant.schedule in V_SHAPED)
     plan = Stage(model, boundaries_of(cfg, variant), topology, example.device)
     graph, stage_module = plan.stage_for((example,), {})
     plan.release_other_stages(graph)
@@ -437,6 +466,7 @@ def run_torch_pipelining(cfg: Config, variant: Variant) -> dict[str, Any]:
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
         pipeline,
     )
 
@@ -452,11 +482,20 @@ def run_torch_pipelining(cfg: Config, variant: Variant) -> dict[str, Any]:
         model.get_submodule(boundary)._is_stage_boundary = True  # the CutPoint then calls pipe_split()
     with generated_code_modules() if variant.codegen else contextlib.nullcontext():
         pipe = pipeline(model, mb_args=(batches[0][0][:mb],))
-    # Round-robin, as ours: rank r runs stages r, r + world, ... (torch's default stage -> rank map).
-    stages = [pipe.build_stage(rank + k * world, torch.device("cpu")) for k in range(variant.stages_per_rank)]
+    # Round-robin, as ours: rank r runs stages r, r + world, ... (torch's default stage -> rank map); in a V for ZBV.
+    held = (
+        [rank, 2 * world - 1 - rank]
+        if variant.schedule == "zbv"
+        else range(rank, world * variant.stages_per_rank, world)
+    )
+    stages = [pipe.build_stage(stage, torch.device("cpu")) for stage in held]
     del pipe, model
-    if variant.schedule in ("zero-bubble", "interleaved-1f1b"):  # schedules of several stages per rank
-        schedule_cls: Any = {"zero-bubble": ScheduleInterleavedZeroBubble, "interleaved-1f1b": ScheduleInterleaved1F1B}
+    if variant.schedule in ("zero-bubble", "interleaved-1f1b", "zbv"):  # schedules of several stages per rank
+        schedule_cls: Any = {
+            "zero-bubble": ScheduleInterleavedZeroBubble,
+            "interleaved-1f1b": ScheduleInterleaved1F1B,
+            "zbv": ScheduleZBVZeroBubble,
+        }
         schedule: Any = schedule_cls[variant.schedule](stages, n_microbatches=microbatches, loss_fn=lm_loss)
     else:
         schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[variant.schedule]
@@ -674,6 +713,16 @@ COMPARISONS = [
                 f"interleaved over 1F1B, torch on the same stage modules, {mb} micro-batches",
                 f"torch-pipelining-interleaved-codegen-mb{mb}",
                 "torch-pipelining-1f1b-codegen" if mb == 4 else "torch-pipelining-1f1b-codegen-mb8",
+            ),
+            (
+                f"ZBV: bare runtime over torch's ScheduleZBVZeroBubble on the same stage modules, {mb} micro-batches",
+                f"varuna-runtime-zbv-mb{mb}",
+                f"torch-pipelining-zbv-codegen-mb{mb}",
+            ),
+            (
+                f"ZBV, Trainer + VarunaStrategy, over torch's Schedule1F1B as users get it, {mb} micro-batches",
+                f"varuna-lightning-zbv-mb{mb}",
+                "torch-pipelining-1f1b" if mb == 4 else "",
             ),
         )
     ),

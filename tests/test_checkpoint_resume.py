@@ -115,10 +115,11 @@ def test_single_process_checkpoint_resumes_pipelined(tmp_path, uninterrupted):
     assert_continues(result, weights, uninterrupted, from_step=3)
 
 
-@pytest.mark.parametrize("schedule", ["zero-bubble", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["zero-bubble", "interleaved-1f1b", "zbv"])
 def test_checkpoint_of_another_schedule_resumes_under_1f1b_at_another_depth_and_back(tmp_path, uninterrupted, schedule):
-    """A checkpoint written under zero-bubble at 2 stages (or interleaved: 4 stages on 2 ranks) resumes under 1F1B at
-    4, whose checkpoint resumes under the first schedule at 2 again: each run continues the single-device training."""
+    """A checkpoint written under zero-bubble at 2 stages (or interleaved or ZBV: 4 stages on 2 ranks, round-robin or
+    in a V) resumes under 1F1B at 4, whose checkpoint resumes under the first schedule at 2 again: each run continues
+    the single-device training."""
     folder = str(tmp_path / "checkpoints")
     run(tmp_path, schedule, shape(2, 1, schedule, epochs=1, checkpoint_dir=folder))
     result, weights = run(tmp_path, "1f1b", shape(4, 1, epochs=2, checkpoint_dir=folder, resume="last"))

@@ -167,7 +167,7 @@ def test_micro_batch_larger_than_batch():
         (
             dict(schedule="zigzag"),
             r"schedule='zigzag'\)` is unknown; choose one of "
-            r"\['1f1b', 'gpipe', 'interleaved-1f1b', 'varuna', 'zero-bubble'\]",
+            r"\['1f1b', 'gpipe', 'interleaved-1f1b', 'varuna', 'zbv', 'zero-bubble'\]",
         ),
         (dict(pipeline_parallel_size=0), r"pipeline_parallel_size=0\)` must be a positive integer"),
         (dict(micro_batch_size=-1), r"micro_batch_size=-1\)` must be a positive integer"),

@@ -205,7 +205,7 @@ def test_varuna_schedule_replays_dropout_on_recompute(tmp_path):
     assert max(abs(a - b) for a, b in zip(losses["losses"], without["losses"])) > 1e-3
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "interleaved-1f1b", "zbv"])
 def test_bf16_autocast_pipeline_tracks_single_device(tmp_path, schedule):
     config = dict(
         pipeline_parallel_size=2,

@@ -380,7 +380,8 @@ def test_auto_needs_a_profile_and_a_global_batch():
         VarunaStrategy(schedule="auto")
     with pytest.raises(
         ValueError,
-        match=r"unknown; choose one of \['1f1b', 'gpipe', 'interleaved-1f1b', 'varuna', 'zero-bubble'\] or \"auto\"",
+        match=r"unknown; choose one of \['1f1b', 'gpipe', 'interleaved-1f1b', 'varuna', 'zbv', 'zero-bubble'\] "
+        r"or \"auto\"",
     ):
         VarunaStrategy(schedule="zigzag")
 
@@ -456,5 +457,6 @@ def test_auto_sizes_choose_within_the_interleaved_schedule():
     cpu = torch.device("cpu")
     assert free.sizes_to_keep(0, 0, "interleaved-1f1b", cpu)["stages_per_rank"] is None
     assert fixed.sizes_to_keep(2, 0, "interleaved-1f1b", cpu)["stages_per_rank"] == 3
-    assert free.stages_per_rank_of(Config(2, 1, 1, "interleaved-1f1b", 4, stages_per_rank=4)) == 4
-    assert fixed.stages_per_rank_of(None) == 3
+    chosen = Config(2, 1, 1, "interleaved-1f1b", 4, stages_per_rank=4)
+    assert free.layout_of(chosen, "interleaved-1f1b", 2, None) == (2, None, 4, False)
+    assert fixed.layout_of(None, "interleaved-1f1b", 2, 1) == (2, 1, 3, False)

@@ -13,6 +13,7 @@ where the stage would otherwise wait (zero-bubble).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -36,8 +37,11 @@ __all__ = [
     "make_schedule",
     "microbatches_of",
     "one_f_one_b",
+    "rank_of_stage",
     "splits_into_rounds",
+    "stages_of_rank",
     "varuna",
+    "zbv",
     "zero_bubble",
 ]
 
@@ -122,15 +126,30 @@ def microbatches_of(actions: Sequence[Action], phase: Phase) -> set[int]:
     return {a.microbatch for a in actions if a.phase is phase}
 
 
-def forward_only(num_stages: int, num_microbatches: int, stages_per_rank: int = 1) -> Schedule:
+def stages_of_rank(rank: int, num_ranks: int, stages_per_rank: int, v_shape: bool = False) -> tuple[int, ...]:
+    """The stages pipeline position ``rank`` of ``num_ranks`` holds, in order: round-robin (``rank``, ``rank + P``,
+    ...), or, ``v_shape`` (two per rank), ``rank`` and ``2P - 1 - rank``: the first and the last stage on position 0."""
+    if v_shape:
+        return (rank, 2 * num_ranks - 1 - rank)
+    return tuple(rank + k * num_ranks for k in range(stages_per_rank))
+
+
+def rank_of_stage(stage: int, num_ranks: int, v_shape: bool = False) -> int:
+    """The pipeline position that holds ``stage`` (see `stages_of_rank`)."""
+    if v_shape and stage >= num_ranks:
+        return 2 * num_ranks - 1 - stage
+    return stage % num_ranks
+
+
+def forward_only(num_stages: int, num_microbatches: int, stages_per_rank: int = 1, v_shape: bool = False) -> Schedule:
     """Forwards only, in micro-batch order (validation, test, predict). With several stages per rank
     (``num_stages`` ranks), a rank runs every micro-batch through one of its stages, then through the next."""
     if stages_per_rank == 1:
         return [[Action(Phase.FORWARD, m) for m in range(num_microbatches)] for _ in range(num_stages)]
     return [
         [
-            Action(Phase.FORWARD, m, k * num_stages + rank)
-            for k in range(stages_per_rank)
+            Action(Phase.FORWARD, m, stage)
+            for stage in stages_of_rank(rank, num_stages, stages_per_rank, v_shape)
             for m in range(num_microbatches)
         ]
         for rank in range(num_stages)
@@ -283,6 +302,60 @@ def interleaved_one_f_one_b(num_ranks: int, num_microbatches: int, stages_per_ra
     return schedule
 
 
+def zbv(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Schedule:
+    """ZBV zero-bubble (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024): two stages per rank in a
+    V (`stages_of_rank` with ``v_shape``: position 0 holds the first and the last stage, so a tied embedding and LM
+    head share one tensor), every backward split into its input-gradient part and a weight pass that fills the
+    bubble. The order of torch's ``ScheduleZBVZeroBubble``: a warm-up of forwards down the V and back, a steady state
+    of a forward, backward and weight pass of each of the rank's stages in turn, and a cool-down that defers weight
+    passes to the end.
+
+    Raises:
+        ValueError: ``stages_per_rank`` is not 2.
+    """
+    if stages_per_rank != 2:
+        raise ValueError(f"The ZBV schedule runs exactly 2 stages per rank (a V), not {stages_per_rank}.")
+    return [_zbv_rank(rank, num_ranks, num_microbatches) for rank in range(num_ranks)]
+
+
+def _zbv_rank(rank: int, P: int, M: int) -> list[Action]:
+    """Pipeline position ``rank``'s actions under `zbv` (torch's ``_calculate_single_rank_operations``)."""
+    first, second = stages_of_rank(rank, P, 2, v_shape=True)
+    done: Counter[tuple[int, Phase]] = Counter()
+    actions: list[Action] = []
+
+    def run(stage: int, *phases: Phase) -> None:
+        for phase in phases:
+            actions.append(Action(phase, done[(stage, phase)], stage))
+            done[(stage, phase)] += 1
+
+    F, B, W = Phase.FORWARD, Phase.BACKWARD, Phase.WEIGHT
+    n_micro = max(2 * P - 1, M)  # as torch: enough micro-batches to fill the V; the extra ones are dropped below
+    for _ in range(2 * (P - rank) - 1):
+        run(first, F)
+    for _ in range(rank):
+        run(second, F)
+        run(first, F)
+    for _ in range(P - rank):
+        run(second, F, B, W)
+    while done[(second, F)] < done[(first, F)] or done[(first, F)] < n_micro:
+        if done[(first, F)] < n_micro:
+            run(first, F)
+        run(first, B, W)
+        run(second, F, B, W)
+    for _ in range(rank):
+        run(first, B)
+        run(second, B)
+    for _ in range(P - rank):
+        run(first, B)
+        run(first, W)
+    while done[(second, W)] < done[(second, B)]:
+        run(second, W)
+    while done[(first, W)] < done[(first, B)]:
+        run(first, W)
+    return [a for a in actions if a.microbatch < M]
+
+
 def splits_into_rounds(num_ranks: int, num_microbatches: int) -> bool:
     """Whether `interleaved_one_f_one_b` can run ``num_microbatches`` on ``num_ranks`` ranks: its rounds of
     ``M // rounds`` micro-batches (rounds = ``max(1, M // P)``, as torch's) must divide them."""
@@ -297,15 +370,21 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
 }
 """The schedules of one stage per rank, by name: ``generator(num_stages, num_microbatches)``."""
 
-INTERLEAVED: dict[str, Callable[[int, int, int], Schedule]] = {"interleaved-1f1b": interleaved_one_f_one_b}
+INTERLEAVED: dict[str, Callable[[int, int, int], Schedule]] = {"interleaved-1f1b": interleaved_one_f_one_b, "zbv": zbv}
 """The schedules of several stages per rank, by name: ``generator(num_ranks, num_microbatches, stages_per_rank)``."""
 
+V_SHAPED = frozenset({"zbv"})
+"""The schedules whose ranks hold their stages in a V (`stages_of_rank`), not round-robin."""
 
-def make_schedule(name: str | None, num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> Schedule:
-    """The schedule ``name`` (of `SCHEDULES` or `INTERLEAVED`; None: forwards only) of a pipeline of ``num_ranks``
-    ranks holding ``stages_per_rank`` stages each, one action list per rank."""
+
+def make_schedule(
+    name: str | None, num_ranks: int, num_microbatches: int, stages_per_rank: int = 1, v_shape: bool = False
+) -> Schedule:
+    """The schedule ``name`` (of `SCHEDULES` or `INTERLEAVED`; None: forwards only, on stages placed in a V if
+    ``v_shape``) of a pipeline of ``num_ranks`` ranks holding ``stages_per_rank`` stages each, one action list per
+    rank."""
     if name is None:
-        return forward_only(num_ranks, num_microbatches, stages_per_rank)
+        return forward_only(num_ranks, num_microbatches, stages_per_rank, v_shape)
     if name in INTERLEAVED:
         return INTERLEAVED[name](num_ranks, num_microbatches, stages_per_rank)
     if stages_per_rank != 1:

@@ -83,7 +83,9 @@ class StageSteps:
         module, topo, batch, loss_items = self._module, self._topology, args[0], self._loss_items
         training = schedule is not None
         num_microbatches = len(microbatch_sizes(batch_size_of(batch), micro_batch_size))
-        actions = make_schedule(schedule, topo.pipeline_parallel_size, num_microbatches, topo.stages_per_rank)
+        actions = make_schedule(
+            schedule, topo.pipeline_parallel_size, num_microbatches, topo.stages_per_rank, topo.v_shape
+        )
         share = self._share_of_items(batch) / module.trainer.accumulate_grad_batches if training else 1.0
         step = MicroBatchedStep(
             module,

@@ -29,6 +29,7 @@ class StepResults:
 
     def __init__(self, topology: Topology, group: dist.ProcessGroup | None, waiter: Waiter) -> None:
         self._ranks = topology.stage_ranks()
+        self._source = self._ranks[topology.last_stage_position]
         self._is_last = topology.is_last_stage
         self._group, self._waiter = group, waiter
         self._sending: list[Any] = []
@@ -41,13 +42,13 @@ class StepResults:
             self.flush(on_wait)
             data = torch.frombuffer(bytearray(pickle.dumps(results)), dtype=torch.uint8)
             size = torch.tensor([data.numel()], dtype=torch.int64)
-            for rank in self._ranks[:-1]:
+            for rank in (r for r in self._ranks if r != self._source):
                 self._sending += [dist.isend(size, rank, self._group), dist.isend(data, rank, self._group)]
             return results
         return pickle.loads(self._waiter.call(self._receive, on_wait))
 
     def _receive(self) -> bytes:
-        source = self._ranks[-1]
+        source = self._source
         size = torch.empty(1, dtype=torch.int64)
         dist.recv(size, source, self._group)
         data = torch.empty(int(size.item()), dtype=torch.uint8)

@@ -7,7 +7,9 @@ hooks, where the user's rank-zero code (loggers, ``@rank_zero_only``, ``self.pri
 
 With ``stages_per_rank`` V > 1 (interleaved schedules) the model is cut into P x V stages, round-robin: stage ``s`` runs
 on the rank of pipeline position ``s % P``, so position 0 holds stages 0, P, 2P, ... and the last stage is still on the
-last position (global rank 0 for replica 0).
+last position (global rank 0 for replica 0). With ``v_shape`` (the ZBV schedule: two stages per rank) position ``p``
+holds stages ``p`` and ``2P - 1 - p``: the last stage is on position 0, so there global rank ``r`` is position
+``r % P`` and rank 0 still holds the last stage.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from lightning_varuna.pipeline.schedules import rank_of_stage, stages_of_rank
 
 __all__ = ["PipelineGroups", "Topology"]
 
@@ -25,6 +29,7 @@ class Topology:
     data_parallel_size: int
     rank: int
     stages_per_rank: int = 1
+    v_shape: bool = False  # stages placed in a V (`stages_of_rank`), not round-robin
 
     @classmethod
     def from_world(
@@ -34,6 +39,7 @@ class Topology:
         pipeline_parallel_size: int,
         data_parallel_size: int | None,
         stages_per_rank: int = 1,
+        v_shape: bool = False,
     ) -> Topology:
         """Check that the world factors into pipeline x data parallel and return this rank's place in it."""
         if pipeline_parallel_size < 1:
@@ -52,12 +58,12 @@ class Topology:
                 f"{pipeline_parallel_size} x {data_parallel_size}. Launch "
                 f"{pipeline_parallel_size * data_parallel_size} processes or leave `data_parallel_size` unset."
             )
-        return cls(pipeline_parallel_size, inferred, rank, stages_per_rank)
+        return cls(pipeline_parallel_size, inferred, rank, stages_per_rank, v_shape)
 
     @property
     def pp_rank(self) -> int:
         """This rank's position in its pipeline: the stage it runs (with one stage per rank)."""
-        return self.pipeline_parallel_size - 1 - self.rank % self.pipeline_parallel_size
+        return self._position(self.rank % self.pipeline_parallel_size)
 
     @property
     def num_stages(self) -> int:
@@ -66,12 +72,18 @@ class Topology:
 
     @property
     def stage_indices(self) -> tuple[int, ...]:
-        """The stages this rank runs, in order: ``pp_rank``, ``pp_rank + P``, ..."""
-        return tuple(self.pp_rank + k * self.pipeline_parallel_size for k in range(self.stages_per_rank))
+        """The stages this rank runs, in order: ``pp_rank``, ``pp_rank + P``, ... (in a V: ``pp_rank``,
+        ``2P - 1 - pp_rank``)."""
+        return stages_of_rank(self.pp_rank, self.pipeline_parallel_size, self.stages_per_rank, self.v_shape)
 
     def pp_rank_of(self, stage: int) -> int:
         """The pipeline position that runs ``stage``."""
-        return stage % self.pipeline_parallel_size
+        return rank_of_stage(stage, self.pipeline_parallel_size, self.v_shape)
+
+    @property
+    def last_stage_position(self) -> int:
+        """The pipeline position that runs the last stage (which computes the loss)."""
+        return self.pp_rank_of(self.num_stages - 1)
 
     def ranks_of_stages(self, dp_rank: int | None = None) -> list[int]:
         """Global rank of each stage of one replica (default: this rank's), in stage order (`num_stages` of them)."""
@@ -86,7 +98,7 @@ class Topology:
     @property
     def is_last_stage(self) -> bool:
         """Whether this rank runs the last stage (with several stages per rank: among its own)."""
-        return self.pp_rank == self.pipeline_parallel_size - 1
+        return self.pp_rank == self.last_stage_position
 
     def stage_ranks(self, dp_rank: int | None = None) -> list[int]:
         """Global ranks of the positions of one replica's pipeline (default: this rank's), in order (with one stage
@@ -100,7 +112,12 @@ class Topology:
         return [self._rank_of(d, pp_rank) for d in range(self.data_parallel_size)]
 
     def _rank_of(self, dp_rank: int, pp_rank: int) -> int:
-        return dp_rank * self.pipeline_parallel_size + self.pipeline_parallel_size - 1 - pp_rank
+        return dp_rank * self.pipeline_parallel_size + self._position(pp_rank)
+
+    def _position(self, index: int) -> int:
+        """The pipeline position of a replica's ``index``-th rank (by global rank), and the other way round: the
+        replica's first rank holds the position of the last stage."""
+        return index if self.v_shape else self.pipeline_parallel_size - 1 - index
 
     def new_groups(self, ranks_per_group: list[list[int]]) -> dist.ProcessGroup | None:
         """Create every group (all ranks must call this alike) and return the one holding this rank."""

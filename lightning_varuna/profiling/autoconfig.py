@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Sequence
 
 from lightning_varuna.data.microbatch import microbatch_sizes
-from lightning_varuna.pipeline.schedules import INTERLEAVED, SCHEDULES, splits_into_rounds
+from lightning_varuna.pipeline.schedules import INTERLEAVED, SCHEDULES, V_SHAPED, splits_into_rounds
 from lightning_varuna.profiling.profile import ModelProfile
 from lightning_varuna.profiling.simulator import Config, MissingMeasurement, Prediction, simulate
 from lightning_varuna.profiling.spilled import TIERS, SpilledConfig, SpilledPrediction, simulate_spilled
@@ -32,7 +32,7 @@ def candidate_configs(
 
     An interleaved schedule (`INTERLEAVED`) is a candidate at every V = ``stages_per_rank`` (None: each from 2) with
     P >= 2 and P x V stages of the profile's segments (one CutPoint between two), where the replica's micro-batches
-    split into its rounds (`splits_into_rounds`)."""
+    split into its rounds (`splits_into_rounds`); a V-shaped one (`V_SHAPED`) at V = 2 only."""
     sizes = micro_batch_sizes or profile.micro_batch_sizes
     segments = len(profile.segments)
     configs = []
@@ -51,9 +51,11 @@ def candidate_configs(
                     configs.append(Config(*shape))
                     continue
                 microbatches = len(microbatch_sizes(global_batch_size // replicas, mb))
-                if stages < 2 or not splits_into_rounds(stages, microbatches):
+                rounds = schedule in V_SHAPED or splits_into_rounds(stages, microbatches)
+                if stages < 2 or not rounds or (schedule in V_SHAPED and stages_per_rank not in (None, 2)):
                     continue
                 per_rank = range(2, segments // stages + 1) if stages_per_rank is None else [stages_per_rank]
+                per_rank = [2] if schedule in V_SHAPED else per_rank
                 configs += [Config(*shape, stages_per_rank=v) for v in per_rank if stages * v <= segments]
     return configs
 

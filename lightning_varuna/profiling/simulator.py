@@ -5,10 +5,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from lightning_varuna.data.microbatch import microbatch_sizes
 from lightning_varuna.partition.balance import balance_stages
-from lightning_varuna.pipeline.schedules import Action, Phase, Work, chain, dependencies, make_schedule
+from lightning_varuna.pipeline.schedules import (
+    V_SHAPED,
+    Action,
+    Phase,
+    Work,
+    chain,
+    dependencies,
+    make_schedule,
+    rank_of_stage,
+    stages_of_rank,
+)
 from lightning_varuna.profiling.profile import LinearCost, ModelProfile, RuntimeOverheads, SegmentTiming
 from lightning_varuna.profiling.trace import Span, chrome_trace
 
@@ -24,6 +35,7 @@ class MissingMeasurement(ValueError):
 # measured on a 4-block stage of examples/gpt.py's GPT on the CPU (micro-batch 4, one thread): 8.0 and 5.0 ms
 # against 7.8 ms whole (benchmarks/README.md, "Zero-bubble").
 SPLIT_INPUT_PART, SPLIT_WEIGHT_PART = 8.0 / 7.8, 5.0 / 7.8
+
 
 @dataclass(frozen=True)
 class Config:
@@ -127,17 +139,22 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
     threads = profile.threads_per_process(processes_per_node)
     sharing = _CoreSharing.of(profile, P, processes_per_node, threads)
     sizes = microbatch_sizes(config.replica_batch_size, mb)
-    num_stages = P * config.stages_per_rank  # stage s on rank position s % P
+    num_stages = P * config.stages_per_rank
+    v_shape = config.schedule in V_SHAPED  # else stage s on rank position s % P
     starts = balance_stages(profile.segment_costs(threads, mb), num_stages)
     bounds = [*starts, len(profile.segments)]
     stages = {size: _stages(profile, bounds, threads, size) for size in set(sizes)}
     actions = make_schedule(config.schedule, P, len(sizes), config.stages_per_rank)
     overheads = profile.overheads.get(processes_per_node, RuntimeOverheads())
-    spans, ends = _run_pipeline(actions, sizes, stages, profile, processes_per_node, sharing, overheads)
+    rank_of = partial(rank_of_stage, num_ranks=P, v_shape=v_shape)
+    spans, ends = _run_pipeline(actions, sizes, stages, profile, processes_per_node, sharing, overheads, rank_of)
     pipeline_s = max(ends) + overheads.step_s
     if P > 1:  # the last stage's step output and logged values go to the other stages
         pipeline_s += _object_broadcast(profile, processes_per_node, P)
-    segments_of = [[i for s in range(r, num_stages, P) for i in range(bounds[s], bounds[s + 1])] for r in range(P)]
+    segments_of = [
+        [i for s in stages_of_rank(r, P, config.stages_per_rank, v_shape) for i in range(bounds[s], bounds[s + 1])]
+        for r in range(P)
+    ]
     rank_params = [_stage_parameters(profile, segments) for segments in segments_of]
     allreduce_s = 0.0
     if D > 1:
@@ -203,8 +220,10 @@ def _run_pipeline(
     processes_per_node: int,
     sharing: _CoreSharing,
     overheads: RuntimeOverheads,
+    rank_of: Callable[[int], int],
 ) -> tuple[list[Span], list[float]]:
-    """Event simulation of one replica's ranks (``actions``: each rank's, of one stage or several); the ranks that
+    """Event simulation of one replica's ranks (``actions``: each rank's, of one stage or several, stage ``s`` on rank
+    ``rank_of(s)``); the ranks that
     compute at once on a node share its cores (processor sharing). A gradient arrives one transfer after it was
     produced (its receive is posted early); an activation one transfer after both it was sent and its receive was
     posted: as its consumer starts the forward or, on the CPU (gloo), as the consumer's previous forward of a
@@ -251,7 +270,7 @@ def _run_pipeline(
             other, phase, _ = work
             if work not in finished:
                 return None
-            if other % P == rank:  # a stage of this rank: the value is at hand
+            if rank_of(other) == rank:  # a stage of this rank: the value is at hand
                 at = max(at, finished[work])
             elif phase is Phase.FORWARD:
                 posted = free_at[rank]

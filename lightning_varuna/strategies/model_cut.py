@@ -60,7 +60,8 @@ def cut_model(
     with one_value_per_channel_refused(module, advice):
         stage = plan_stage(module, args, kwargs, topology, segment_costs, strategy.root_device, groups)
     cut = f"cut at CutPoints {stage.boundaries}" if stage.boundaries else "not cut"
-    per_rank = f" ({topology.stages_per_rank} per rank, round-robin)" if topology.stages_per_rank > 1 else ""
+    placement = "in a V" if topology.v_shape else "round-robin"
+    per_rank = f" ({topology.stages_per_rank} per rank, {placement})" if topology.stages_per_rank > 1 else ""
     rank_zero_info(f"VarunaStrategy: {topology.num_stages} stage(s){per_rank}, {cut}")
     if normalizes_over_the_batch(module):
         rank_zero_info(

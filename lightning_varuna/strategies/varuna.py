@@ -74,8 +74,9 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
             as one micro-batch with one stage; the choice is logged once.
         schedule: ``"1f1b"``, ``"gpipe"``, ``"varuna"`` (recompute each forward just before its backward),
             ``"zero-bubble"`` (ZB-H1: the parameters' gradients deferred to fill the bubble), ``"interleaved-1f1b"``
-            (``stages_per_rank`` stages per rank: about 1 / V of 1F1B's bubble, for more messages), or ``"auto"``: the
-            one the simulator predicts fastest with the other choices (needs ``profile``). See docs/pipelines.md.
+            (``stages_per_rank`` stages per rank: about 1 / V of 1F1B's bubble, for more messages), ``"zbv"`` (2 stages
+            per rank in a V, zero-bubble), or ``"auto"``: the one the simulator predicts fastest with the other choices
+            (needs ``profile``). See docs/pipelines.md.
         stages_per_rank: V of ``"interleaved-1f1b"`` (default 2, or chosen with ``"auto"`` sizes): the model is cut
             into ``pipeline_parallel_size`` x V stages, stage ``s`` on pipeline rank ``s % pipeline_parallel_size``.
         shared_weights: pairs of parameter names that must stay identical (Varuna's ``shared_weights``);
@@ -204,8 +205,8 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
                 return
             self.pipeline_parallel_size, self.micro_batch_size = best.pipeline_parallel_size, best.micro_batch_size
             self.schedule = best.schedule
-        layout = (self.pipeline_parallel_size, self.data_parallel_size, self._config.stages_per_rank_of(self.chosen))
-        self.topology = Topology.from_world(self.world_size, self.global_rank, *layout)
+        shape = self._config.layout_of(self.chosen, self.schedule, self.pipeline_parallel_size, self.data_parallel_size)
+        self.topology = Topology.from_world(self.world_size, self.global_rank, *shape)
         self._config.check_global_batch_splits(
             self.topology.data_parallel_size, self.world_size, self.pipeline_parallel_size
         )

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_varuna.partition.packing import parse_bytes
-from lightning_varuna.pipeline.schedules import INTERLEAVED, SCHEDULES
+from lightning_varuna.pipeline.schedules import INTERLEAVED, SCHEDULES, V_SHAPED
 from lightning_varuna.profiling.simulator import Config
 from lightning_varuna.profiling.spilled import SpilledConfig
 from lightning_varuna.spilling.planning import resolve_budget
@@ -114,8 +114,13 @@ class VarunaConfig:
                 f"`VarunaStrategy(schedule={self.schedule!r}, stages_per_rank={given!r})` interleaves 2 or more stages "
                 'per rank; for one stage per rank use `schedule="1f1b"`.'
             )
-        # With "auto" sizes an unset V is chosen with them (`stages_per_rank_of`); a given one binds it.
-        self.stages_per_rank = 2 if given is None and not self.auto else given
+        if self.schedule in V_SHAPED and given not in (None, 2):
+            raise ValueError(
+                f"`VarunaStrategy(schedule={self.schedule!r})` places exactly 2 stages per rank, in a V; leave "
+                f'`stages_per_rank` unset, or use `schedule="interleaved-1f1b"` for {given}.'
+            )
+        # With "auto" sizes an unset V is chosen with them (`placement_of`); a given one binds it.
+        self.stages_per_rank = 2 if given is None and (not self.auto or self.schedule in V_SHAPED) else given
         if self.pipeline_parallel_size == 1:
             raise ValueError(
                 f"`VarunaStrategy(schedule={self.schedule!r})` interleaves the stages of 2 or more ranks; with "
@@ -146,9 +151,13 @@ class VarunaConfig:
             "stages_per_rank": self.stages_per_rank if self.schedule in INTERLEAVED else None,
         }
 
-    def stages_per_rank_of(self, chosen: Config | SpilledConfig | None) -> int:
-        """The stages per rank to lay the pipeline out with: the auto-configuration's ``chosen`` one, else as given."""
-        return chosen.stages_per_rank if isinstance(chosen, Config) else self.stages_per_rank or 1
+    def layout_of(
+        self, chosen: Config | SpilledConfig | None, schedule: str, pipeline_parallel_size: int, data_parallel_size: Any
+    ) -> tuple[int, Any, int, bool]:
+        """What `Topology.from_world` takes after the world: the sizes, the stages per rank (the auto-configuration's
+        ``chosen`` one, else as given) and whether ``schedule`` places them in a V."""
+        stages_per_rank = chosen.stages_per_rank if isinstance(chosen, Config) else self.stages_per_rank or 1
+        return pipeline_parallel_size, data_parallel_size, stages_per_rank, schedule in V_SHAPED
 
     @property
     def spill_tiers(self) -> tuple[str, ...]:
