@@ -120,7 +120,11 @@ def run(model_class: type, strategy: Any, validate_first: bool) -> tuple[L.Light
     return model, values.values
 
 
-@pytest.mark.parametrize("model_class", [LossWhenGivenTargets, GPT2WithLabels], ids=["dict", "hugging-face"])
+@pytest.mark.parametrize(
+    "model_class",
+    [LossWhenGivenTargets, pytest.param(GPT2WithLabels, marks=pytest.mark.slow)],  # GPT-2: 2-3 s a run
+    ids=["dict", "hugging-face"],
+)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("validate_first", [False, True], ids=["fit", "validate-then-fit"])
 def test_the_validation_inside_fit_sees_the_structure_its_own_call_returns(model_class, strategy, validate_first):

@@ -188,6 +188,7 @@ def test_one_stage_needs_no_network_measurement():
     assert {str(p.config) for p in ranked} == {f"P=1 D=1 mb=4 {schedule}" for schedule in SCHEDULES}
 
 
+@pytest.mark.slow  # profiles a model and trains it (5 s)
 def test_a_launch_logs_the_choice_and_the_runner_up_with_their_predicted_times(tmp_path):
     """What VarunaStrategy logs as it auto-configures (rank 0 decides; here a process group of one, in a process of
     its own so that no other test's group is in the way)."""
