@@ -17,13 +17,14 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
@@ -31,6 +32,7 @@ from lightning_varuna.multimodel.member import SweepMember
 from lightning_varuna.multimodel.report import ModelResult, SweepDisplay
 from lightning_varuna.multimodel.scheduler import DeviceSpan, SweepStopped
 from lightning_varuna.multimodel.signals import handled
+from lightning_varuna.strategies.callback_hooks import callbacks_of
 
 __all__ = ["WorkerCallback", "fit_in_processes"]
 
@@ -98,7 +100,7 @@ def fit_in_processes(
 
     with handled((signal.SIGINT, signal.SIGTERM), stop), _ended_at_exit(workers):
         while connections:
-            for connection in wait(list(connections)):
+            for connection in cast(list[Connection], wait(list(connections))):
                 try:
                     message = connection.recv()
                 except EOFError:  # the worker has ended
@@ -200,7 +202,8 @@ def _work(pipes: list[tuple[Connection, Connection]], device: int, members: list
 def _fit_alone(member: SweepMember) -> bytes:
     """Fit ``member``; what it left, serialized for the sweep's process (`_take_back`)."""
     trainer, model = member.trainer, member.model
-    start, status, error, steps_before = time.perf_counter(), "finished", None, trainer.global_step
+    start, status, steps_before = time.perf_counter(), "finished", trainer.global_step
+    error: BaseException | None = None
     try:
         trainer.fit(model, **member.fit_kwargs)
     except (SweepStopped, SIGTERMException) as stopped:  # Lightning's own SIGTERM handler raises the latter
@@ -217,7 +220,7 @@ def _fit_alone(member: SweepMember) -> bytes:
         "state": trainer.state,
         "should_stop": trainer.should_stop,
         "metrics": {name: getattr(trainer, name) for name in _METRICS},
-        "checkpoints": [(c.dirpath, c.state_dict()) for c in trainer.checkpoint_callbacks],
+        "checkpoints": [(c.dirpath, c.state_dict()) for c in callbacks_of(trainer, ModelCheckpoint)],
     }
     buffer = io.BytesIO()
     torch.save(left, buffer)
@@ -233,7 +236,7 @@ def _take_back(member: SweepMember, result: ModelResult, serialized: bytes) -> N
     trainer.state, trainer.should_stop = left["state"], left["should_stop"]
     for name, metrics in left["metrics"].items():
         getattr(trainer, name).update(metrics)
-    for callback, (dirpath, state) in zip(trainer.checkpoint_callbacks, left["checkpoints"]):
+    for callback, (dirpath, state) in zip(callbacks_of(trainer, ModelCheckpoint), left["checkpoints"]):
         callback.dirpath = dirpath
         callback.load_state_dict(state)
     result.status, result.error, result.steps = left["status"], left["error"], left["steps"]
@@ -246,7 +249,7 @@ _METRICS = ("callback_metrics", "logged_metrics", "progress_bar_metrics")
 
 
 def _worker_callback(trainer: pl.Trainer) -> WorkerCallback:
-    return next(c for c in trainer.callbacks if isinstance(c, WorkerCallback))
+    return callbacks_of(trainer, WorkerCallback)[0]
 
 
 def _picklable(error: BaseException | None) -> BaseException | None:
@@ -262,7 +265,7 @@ def _picklable(error: BaseException | None) -> BaseException | None:
 
 
 @contextmanager
-def _ended_at_exit(workers: list[multiprocessing.process.BaseProcess]) -> Iterator[None]:
+def _ended_at_exit(workers: Sequence[multiprocessing.process.BaseProcess]) -> Iterator[None]:
     """Wait for the workers as the block ends; if it raised, kill them first (none is left waiting for a model)."""
     try:
         yield

@@ -168,7 +168,7 @@ class MultiModelTrainer:
             ),
             next_decision=next_decision,
         )
-        spilling = dict(
+        spilling: dict[str, Any] = dict(
             memory_budget=self.memory_budget,
             spill_dir=spill_dir,
             prefetch=self.prefetch,
