@@ -48,14 +48,21 @@ SHAPES = {
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_interleaved_training_matches_single_device(tmp_path, name):
     config = {**INTERLEAVED, **SHAPES[name]}
-    config["rows"] = config["batch_size"] * config["data_parallel_size"] * 3
+    trains_like_one_device(tmp_path, config)
+    if "trace" in config:
+        assert_trace_shows_virtual_stages(json.loads((tmp_path / "step1.json").read_text()), config)
+
+
+def trains_like_one_device(tmp_path, config: dict) -> dict:
+    """Train ``config`` (3 batches an epoch; its ``trace`` file under ``tmp_path``) pipelined in real processes, assert
+    it ran its schedule and matches one device; its result."""
+    config = {**config, "rows": config["batch_size"] * config["data_parallel_size"] * 3}
     if "trace" in config:
         config["trace"] = str(tmp_path / config["trace"])
     result, shards = run_pipelined(tmp_path, config)
-    assert result["schedule"] == "interleaved-1f1b"
+    assert result["schedule"] == config["schedule"]
     assert_matches_single_device(result, shards, config)
-    if "trace" in config:
-        assert_trace_shows_virtual_stages(json.loads((tmp_path / "step1.json").read_text()), config)
+    return result
 
 
 def assert_trace_shows_virtual_stages(trace: dict, config: dict) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_parity import assert_matches_single_device, run_pipelined
+from test_interleaved import trains_like_one_device
 from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, _ComputationType
 
 from lightning_varuna import VarunaStrategy
@@ -41,12 +41,8 @@ SHAPES = {
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_zbv_training_matches_single_device(tmp_path, name):
     config = {**ZBV, **SHAPES[name]}
-    config["rows"] = config["batch_size"] * config["data_parallel_size"] * 3
-    if "trace" in config:
-        config["trace"] = str(tmp_path / config["trace"])
-    result, shards = run_pipelined(tmp_path, config)
+    result = trains_like_one_device(tmp_path, config)
     assert (result["schedule"], result["stages_per_rank"]) == ("zbv", 2)
-    assert_matches_single_device(result, shards, config)
     if "trace" in config:
         assert_trace_shows_the_v(json.loads((tmp_path / "step1.json").read_text()), config)
 

@@ -13,7 +13,17 @@ from lightning_varuna.multimodel.member import SweepMember
 from lightning_varuna.multimodel.report import SweepDisplay
 from lightning_varuna.multimodel.scheduler import DeviceScheduler
 
-__all__ = ["SweepMemberCallback"]
+__all__ = ["SweepMemberCallback", "step_loss"]
+
+
+def step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> float | None:
+    """The loss of the training batch that just ended (``outputs`` of ``on_train_batch_end``), if it returned one.
+    Lightning hands on the loss divided by `accumulate_grad_batches` (what its backward ran on): undone here."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if not isinstance(loss, torch.Tensor):
+        return None
+    accumulated = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+    return float(loss.detach()) * accumulated
 
 
 class SweepMemberCallback(pl.Callback):
@@ -37,11 +47,9 @@ class SweepMemberCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor):
-            # Lightning hands on the loss divided by `accumulate_grad_batches` (what its backward ran on).
-            accumulated = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            self.member.last_loss = float(loss.detach()) * accumulated
+        loss = step_loss(trainer, pl_module, outputs)
+        if loss is not None:
+            self.member.last_loss = loss
         self._report(trainer)
         display = self.display()
         if display is not None:

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_varuna.multimodel.member import SweepMember
+from lightning_varuna.multimodel.member_callback import step_loss
 from lightning_varuna.multimodel.report import ModelResult, SweepDisplay
 from lightning_varuna.multimodel.scheduler import DeviceSpan, SweepStopped
 from lightning_varuna.multimodel.signals import handled
@@ -58,11 +59,7 @@ class WorkerCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor):  # Lightning hands on the loss divided by `accumulate_grad_batches`
-            accumulated = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            loss = float(loss.detach()) * accumulated
-        self._send("stepped", trainer.global_step, loss if isinstance(loss, float) else None)
+        self._send("stepped", trainer.global_step, step_loss(trainer, pl_module, outputs))
 
     def _send(self, *message: Any) -> None:
         if self.send is not None:
