@@ -22,6 +22,11 @@ file:
 
 ``--ways`` runs some of them only (e.g. ``--ways sweep sweep-expected``, about 3 minutes).
 
+``--accelerator gpu --devices 1`` runs the same study on one GPU (the trials' Trainers and the sweep on
+``accelerator="gpu"``); the busy column is then the GPU's, sampled from NVML's utilization (the share of time a kernel
+ran) while each way runs, and each trial alone is timed in one process after a warm-up fit (on the CPU: each in a
+fresh process, as before).
+
 For each: the makespan (from the first trial's start to the last one's end), trials complete and pruned, the best
 value and when it was found, and the devices' busy time; against the lower bound max(Σ tᵢ / D, max tᵢ), tᵢ being
 trial i trained alone with plain Lightning for the steps it actually ran (measured after the three runs, each
@@ -31,13 +36,17 @@ distinct (model, steps) once). Writes ``benchmarks/results/model_selection.json`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -102,13 +111,13 @@ class Reports(L.Callback):
             self.pruned, trainer.should_stop = True, True
 
 
-def objective(trial: optuna.trial.Trial) -> float:
+def objective(trial: optuna.trial.Trial, accelerator: str) -> float:
     width, layers, steps, lr = suggest(trial)
     model, train, val = model_and_loaders(width, layers, lr)
     reports = Reports(trial)
     trial.set_user_attr("start", time.time())
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, callbacks=[reports], enable_model_summary=False,
+        accelerator=accelerator, devices=1, max_steps=steps, callbacks=[reports], enable_model_summary=False,
         **VALIDATION, **QUIET,
     )  # fmt: skip
     trainer.fit(model, train, val)
@@ -119,19 +128,20 @@ def objective(trial: optuna.trial.Trial) -> float:
     return float(trainer.callback_metrics["val_loss"])
 
 
-def run_optuna_worker(folder: Path, trials: int) -> None:
+def run_optuna_worker(folder: Path, trials: int, accelerator: str) -> None:
     torch.set_num_threads(1)
     study = open_study(folder)
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.RUNNING)
-    study.optimize(objective, callbacks=[optuna.study.MaxTrialsCallback(trials, states=states)])
+    limit = optuna.study.MaxTrialsCallback(trials, states=states)
+    study.optimize(functools.partial(objective, accelerator=accelerator), callbacks=[limit])
 
 
-def run_task_queue(folder: Path, trials: int, devices: int) -> None:
+def run_task_queue(folder: Path, trials: int, devices: int, accelerator: str) -> None:
     torch.set_num_threads(1)
-    open_study(folder).optimize(objective, n_trials=trials, n_jobs=devices)
+    open_study(folder).optimize(functools.partial(objective, accelerator=accelerator), n_trials=trials, n_jobs=devices)
 
 
-def run_sweep(folder: Path, trials: int, devices: int, ranking: Ranking) -> None:
+def run_sweep(folder: Path, trials: int, devices: int, ranking: Ranking, accelerator: str) -> None:
     study = open_study(folder)
 
     class Times(L.Callback):
@@ -154,7 +164,7 @@ def run_sweep(folder: Path, trials: int, devices: int, ranking: Ranking) -> None
         )  # fmt: skip
 
     sweep = MultiModelTrainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         checkpoint_dir=str(folder / "checkpoints"),
         enable_progress_bar=False,
@@ -165,11 +175,11 @@ def run_sweep(folder: Path, trials: int, devices: int, ranking: Ranking) -> None
     (folder / "busy.json").write_text(json.dumps({"busy_s": busy}))
 
 
-def run_way(way: str, folder: Path, trials: int, devices: int) -> None:
+def run_way(way: str, folder: Path, trials: int, devices: int, accelerator: str) -> None:
     """Run the study the way ``way``, in fresh processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     command = [sys.executable, __file__, "--worker", way, "--folder", str(folder), f"--trials={trials}"]
-    command.append(f"--devices={devices}")
+    command += [f"--devices={devices}", f"--accelerator={accelerator}"]
     workers = devices if way == "optuna-workers" else 1
     processes = [subprocess.Popen(command, env=env, cwd=ROOT) for _ in range(workers)]
     for process in processes:
@@ -177,20 +187,62 @@ def run_way(way: str, folder: Path, trials: int, devices: int) -> None:
             raise RuntimeError(f"{way} failed")
 
 
-def alone_s(width: int, layers: int, steps: int, lr: float) -> float:
-    """The wall time of training the model alone, plain Lightning, one thread, for ``steps`` steps (validating as
-    in the study)."""
+@contextmanager
+def gpu_utilization(samples: list[tuple[float, int]]) -> Iterator[None]:
+    """Append (time, NVML's GPU utilization in %) to ``samples`` every 50 ms while the block runs."""
+    import pynvml  # nvidia-ml-py, which comes with CUDA's torch wheels
+
+    pynvml.nvmlInit()
+    handle, done = pynvml.nvmlDeviceGetHandleByIndex(0), threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.05):
+            samples.append((time.time(), pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        yield
+    finally:
+        done.set()
+        sampler.join()
+        pynvml.nvmlShutdown()
+
+
+def alone_s(keys: list[tuple[int, int, int, float]], accelerator: str) -> list[float]:
+    """The wall time of training each model alone, plain Lightning, one thread, for its ``steps`` (validating as in
+    the study); on a GPU after a warm-up fit."""
     torch.set_num_threads(1)
-    model, train, val = model_and_loaders(width, layers, lr)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, enable_model_summary=False, **VALIDATION, **QUIET,
-    )  # fmt: skip
-    start = time.perf_counter()
-    trainer.fit(model, train, val)
-    return time.perf_counter() - start
+
+    def fit(width: int, layers: int, steps: int, lr: float) -> float:
+        model, train, val = model_and_loaders(width, layers, lr)
+        trainer = L.Trainer(
+            accelerator=accelerator, devices=1, max_steps=steps, enable_model_summary=False, **VALIDATION, **QUIET,
+        )  # fmt: skip
+        start = time.perf_counter()
+        trainer.fit(model, train, val)
+        return time.perf_counter() - start
+
+    if accelerator == "gpu":
+        fit(*keys[0])
+    return [fit(*key) for key in keys]
 
 
-def summarize(way: str, folder: Path, devices: int, alone: dict[tuple, float]) -> dict[str, Any]:
+def measure_alone(keys: list[tuple], accelerator: str) -> dict[tuple, float]:
+    """`alone_s` of each key: on the CPU each in a fresh process, on a GPU all in one."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    batches = [[key] for key in keys] if accelerator == "cpu" else [keys]
+    alone = {}
+    for batch in batches:
+        command = [sys.executable, __file__, "--alone", json.dumps(batch), f"--accelerator={accelerator}"]
+        times = json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)
+        alone.update(zip(batch, times))
+    return alone
+
+
+def summarize(
+    way: str, folder: Path, devices: int, alone: dict[tuple, float], gpu_samples: list[tuple[float, int]]
+) -> dict[str, Any]:
     study = open_study(folder)
     trials = [t for t in study.trials if "end" in t.user_attrs]
     start = min(t.user_attrs["start"] for t in trials)
@@ -199,7 +251,10 @@ def summarize(way: str, folder: Path, devices: int, alone: dict[tuple, float]) -
     best = min(complete, key=lambda t: t.value)  # type: ignore[arg-type, return-value]
     times = [alone[_key(t)] for t in trials]
     bound = max(sum(times) / devices, max(times))
-    if way.startswith("sweep"):
+    if gpu_samples:  # the GPU's utilization over the makespan
+        during = [utilization for at, utilization in gpu_samples if start <= at <= end]
+        busy = sum(during) / 100 / len(during) * devices * (end - start)
+    elif way.startswith("sweep"):
         busy = json.loads((folder / "busy.json").read_text())["busy_s"]
     else:  # a trial holds its device from its start to its end
         busy = sum(t.user_attrs["end"] - t.user_attrs["start"] for t in trials)
@@ -228,40 +283,40 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=16)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=WAYS, help="the ways to run (default: all)")
+    parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--worker", choices=WAYS, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--alone", help=argparse.SUPPRESS)
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if args.worker == "optuna-workers":
-        return run_optuna_worker(Path(args.folder), args.trials)
+        return run_optuna_worker(Path(args.folder), args.trials, args.accelerator)
     if args.worker == "task-queue":
-        return run_task_queue(Path(args.folder), args.trials, args.devices)
+        return run_task_queue(Path(args.folder), args.trials, args.devices, args.accelerator)
     if args.worker in ("sweep", "sweep-expected"):
         ranking: Ranking = "expected" if args.worker == "sweep-expected" else "end"
-        return run_sweep(Path(args.folder), args.trials, args.devices, ranking)
+        return run_sweep(Path(args.folder), args.trials, args.devices, ranking, args.accelerator)
     if args.alone:
-        print(json.dumps(alone_s(*json.loads(args.alone))))
+        print(json.dumps(alone_s([tuple(key) for key in json.loads(args.alone)], args.accelerator)))
         return None
     print(
         f"torch {torch.__version__}, lightning {L.__version__}, optuna {optuna.__version__}, {os.cpu_count()} CPUs; "
-        f"{args.trials} trials on {args.devices} devices",
+        f"{args.trials} trials on {args.devices} {args.accelerator} devices"
+        + (f" ({torch.cuda.get_device_name()})" if args.accelerator == "gpu" else ""),
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:
         folders = {way: Path(tmp) / way for way in args.ways}
+        gpu_samples: dict[str, list[tuple[float, int]]] = {way: [] for way in args.ways}
         for way, folder in folders.items():
             folder.mkdir()
             started = time.perf_counter()
-            run_way(way, folder, args.trials, args.devices)
+            with gpu_utilization(gpu_samples[way]) if args.accelerator == "gpu" else nullcontext():
+                run_way(way, folder, args.trials, args.devices, args.accelerator)
             print(f"  {way:<16} {time.perf_counter() - started:6.1f} s", flush=True)
         keys = {_key(t) for folder in folders.values() for t in open_study(folder).trials if "end" in t.user_attrs}
-        alone = {}
-        for key in sorted(keys):
-            command = [sys.executable, __file__, "--alone", json.dumps(list(key))]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-            alone[key] = json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)
-        rows = [summarize(way, folder, args.devices, alone) for way, folder in folders.items()]
+        alone = measure_alone(sorted(keys), args.accelerator)
+        rows = [summarize(way, folder, args.devices, alone, gpu_samples[way]) for way, folder in folders.items()]
     print("\n| way | makespan s | bound s | vs bound | complete | pruned | steps | best val_loss | found at s | busy |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -271,10 +326,11 @@ def main() -> None:
             f"| {r['busy_share']:.0%} |"
         )
     header = {"torch": torch.__version__, "lightning": L.__version__, "optuna": optuna.__version__}
-    RESULTS.write_text(
+    results = RESULTS if args.accelerator == "cpu" else RESULTS.with_name("model_selection_gpu.json")
+    results.write_text(
         json.dumps({**header, "python": platform.python_version(), "args": vars(args), "rows": rows}, indent=2) + "\n"
     )
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    print(f"wrote {results.relative_to(ROOT)}")
     return None
 
 

@@ -151,10 +151,11 @@ def fit_and_report(
     record = RecordLosses()
     precision = config.get("precision", "32-true")
     if "fp16_init_scale" in config:  # fp16 with loss scaling as on CUDA (Lightning itself offers bf16 on CPU)
-        scaler = torch.amp.GradScaler("cpu", init_scale=config["fp16_init_scale"])
-        trainer_kwargs["plugins"], precision = [MixedPrecision("16-mixed", "cpu", scaler)], None
+        device = "cuda" if config.get("accelerator") == "gpu" else "cpu"
+        scaler = torch.amp.GradScaler(device, init_scale=config["fp16_init_scale"])
+        trainer_kwargs["plugins"], precision = [MixedPrecision("16-mixed", device, scaler)], None
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=config.get("accelerator", "cpu"),
         max_epochs=config["epochs"],
         max_steps=config.get("max_steps", -1),
         gradient_clip_val=config.get("clip"),

@@ -15,6 +15,8 @@ at the store (`upload_hooks.WatchUploads`; what it saw goes to ``OUT_DIR/uploads
 ``"fail_upload": {"rank": r, "step": s}`` makes rank ``r``'s upload of the save at step ``s`` fail.
 ``"max_steps"`` ends the fit after that many optimizer steps; ``"validate_during_fit"`` validates at every epoch end.
 ``"devices"`` and ``"num_nodes"`` go to the Trainer (default: one node with a process per rank).
+``"accelerator": "gpu"`` runs every rank on the one GPU (``Trainer(accelerator="gpu", devices=1)``, the strategy's
+``parallel_devices`` the GPU once per rank: its processes share it over gloo).
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ def main(out_dir: str, config: dict) -> None:
     L.seed_everything(config.get("seed", 0))
     model = model_for(config)
     pp, dp = config["pipeline_parallel_size"], config["data_parallel_size"]
+    shares_a_gpu = config.get("accelerator") == "gpu"
     strategy = VarunaStrategy(
+        parallel_devices=[torch.device("cuda", 0)] * pp * dp if shares_a_gpu else None,
         pipeline_parallel_size=pp,
         micro_batch_size=config.get("micro_batch_size"),
         schedule=config["schedule"],
@@ -99,7 +103,7 @@ def main(out_dir: str, config: dict) -> None:
         predict=dp == 1,
         callbacks=callbacks,
         ckpt_path=config.get("resume"),
-        devices=config.get("devices") or pp * dp,
+        devices=1 if shares_a_gpu else config.get("devices") or pp * dp,
         num_nodes=config.get("num_nodes", 1),
         strategy=strategy,
     )
@@ -118,6 +122,7 @@ def main(out_dir: str, config: dict) -> None:
         result["shape"] = [topology.pipeline_parallel_size, topology.data_parallel_size, strategy.micro_batch_size]
         result["schedule"] = strategy.schedule
         result["stages_per_rank"] = topology.stages_per_rank
+        result["device"] = str(trainer.strategy.root_device)
         with open(f"{out_dir}/losses.json", "w") as f:
             json.dump(result, f)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import clean_env, run_ranks
+from conftest import clean_env, run_job, run_ranks
 from models import TinyLM, token_dataset
 from ports import free_port
 from reference import train_reference
@@ -90,7 +90,11 @@ SHAPES = {
 def run_pipelined(tmp_path, config: dict) -> tuple[dict, list[dict[str, torch.Tensor]]]:
     out = tmp_path / "out"
     per_node = devices_per_node(config)
-    proc = run_ranks([RUNNER, str(out), json.dumps(config)], per_node * config.get("num_nodes", 1), tmp_path, per_node)
+    args = [RUNNER, str(out), json.dumps(config)]
+    if config.get("accelerator") == "gpu":  # Lightning starts the ranks: a fork would inherit CUDA's driver state
+        proc = run_job(args, tmp_path, env={"PYTHONUNBUFFERED": "1"})
+    else:
+        proc = run_ranks(args, per_node * config.get("num_nodes", 1), tmp_path, per_node)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return outputs(out, config)
 
@@ -205,18 +209,15 @@ def test_varuna_schedule_replays_dropout_on_recompute(tmp_path):
     assert max(abs(a - b) for a, b in zip(losses["losses"], without["losses"])) > 1e-3
 
 
+BF16 = dict(pipeline_parallel_size=2, data_parallel_size=1, batch_size=6, micro_batch_size=3, epochs=1, rows=18)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "interleaved-1f1b", "zbv"])
 def test_bf16_autocast_pipeline_tracks_single_device(tmp_path, schedule):
-    config = dict(
-        pipeline_parallel_size=2,
-        data_parallel_size=1,
-        batch_size=6,
-        micro_batch_size=3,
-        schedule=schedule,
-        precision="bf16-mixed",
-        epochs=1,
-        rows=18,
-    )
+    bf16_tracks_single_device(tmp_path, dict(BF16, schedule=schedule, precision="bf16-mixed"))
+
+
+def bf16_tracks_single_device(tmp_path, config: dict) -> None:
     result, _ = run_pipelined(tmp_path, config)
     ref, _ = train_reference(config)
     # bf16 rounds differently on micro-batches than on the whole batch: equal to bf16 precision.
@@ -233,7 +234,12 @@ def test_fp16_loss_scaling_skips_the_same_steps_as_single_device(tmp_path, sched
     """fp16 autocast with a GradScaler (Lightning's CUDA AMP path, here on CPU): the first scales overflow the
     gradients of the last stage, and every stage skips those steps and backs off the scale together, exactly as one
     device does on the same batches (zero-bubble: with the weight passes deferred)."""
-    config = dict(FP16, pipeline_parallel_size=2, data_parallel_size=1, rows=36, schedule=schedule)
+    fp16_skips_like_single_device(
+        tmp_path, dict(FP16, pipeline_parallel_size=2, data_parallel_size=1, rows=36, schedule=schedule)
+    )
+
+
+def fp16_skips_like_single_device(tmp_path, config: dict) -> None:
     result, shards = run_pipelined(tmp_path, config)
     ref, ref_weights = train_reference(config)
 

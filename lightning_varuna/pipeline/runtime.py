@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_unflatten
 
 from lightning_varuna.partition.split import PipelineGraph, Source
+from lightning_varuna.pipeline.host_staging import StagedReceive, host_buffer_like, host_copy, stages_through_host
 from lightning_varuna.pipeline.replay import BufferState, RandomState
 from lightning_varuna.pipeline.schedules import Action, Phase
 from lightning_varuna.pipeline.split_backward import SplitBackward, WeightPass
@@ -52,7 +53,8 @@ class _LocalReceive:
 
 
 # A receive posted for a forward: the (producer, value) it receives, its buffer, and its work.
-_Posted = tuple[tuple[int, int], Tensor, "dist.Work | _LocalReceive"]
+_Receive: TypeAlias = "dist.Work | _LocalReceive | StagedReceive"
+_Posted = tuple[tuple[int, int], Tensor, _Receive]
 
 
 def _as_tuple(outputs: Any) -> tuple:
@@ -97,7 +99,7 @@ class StageRuntime:
         self._modules: dict[tuple[int, int], nn.Module] = {}
         self._split = SplitBackward()
         self._weight_passes: dict[tuple[int, int], WeightPass] = {}
-        self._grad_recvs: dict[tuple[int, int], list[tuple[int, int, Tensor, dist.Work | _LocalReceive]]] = {}
+        self._grad_recvs: dict[tuple[int, int], list[tuple[int, int, Tensor, _Receive]]] = {}
         self._early: dict[tuple[int, int], list[_Posted]] = {}  # activation receives posted ahead of their forward
         self._pending_sends: list[tuple[dist.Work, Tensor]] = []
         self.timeline: list[tuple[str, float, float]] | None = None  # when recording: (action, start, end)
@@ -106,7 +108,7 @@ class StageRuntime:
         self._waiter: Waiter | None = None
         # Sends of failed batches, never waited for: kept referenced while the backend may still read their tensors.
         self._abandoned_sends: list[tuple[dist.Work, Tensor]] = []
-        self._abandoned_receives: list[Tensor] = []  # and buffers of receives posted ahead, maybe still written
+        self._abandoned_receives: list[_Posted] = []  # and receives posted ahead, whose buffers may still be written
 
     @property
     def stage_index(self) -> int:
@@ -265,7 +267,7 @@ class StageRuntime:
         """Drop the batch after a failure, without waiting for its sends: the peers may never receive them."""
         self._abandoned_sends += self._pending_sends
         self._pending_sends = []
-        self._abandoned_receives += [buffer for posted in self._early.values() for _, buffer, _ in posted]
+        self._abandoned_receives += [received for posted in self._early.values() for received in posted]
         self._drop_batch()
 
     def _drop_batch(self) -> None:
@@ -348,7 +350,7 @@ class StageRuntime:
             self._waiter = Waiter(dist.get_backend(self._message_groups[0]))
         return self._waiter
 
-    def _wait(self, works: Sequence[dist.Work | _LocalReceive], on_wait: Callable[[], None] | None) -> None:
+    def _wait(self, works: Sequence[_Receive], on_wait: Callable[[], None] | None) -> None:
         if works:
             self.waiter.call(lambda: [work.wait() for work in works], on_wait)
 
@@ -366,19 +368,26 @@ class StageRuntime:
             self._local[tag] = tensor
             return
         group = self._message_groups[phase is Phase.BACKWARD]
+        if stages_through_host(self._device, group):
+            tensor = host_copy(tensor)
         work = dist.isend(tensor, peer, group=group, tag=tag)
         assert work is not None  # this rank is in the group
         self._pending_sends.append((work, tensor))
 
     def _irecv(
         self, buffer: Tensor, producer: int, consumer: int, microbatch: int, slot: int, phase: Phase
-    ) -> dist.Work | _LocalReceive:
+    ) -> _Receive:
         """Receive into ``buffer`` a value of the edge ``producer`` -> ``consumer`` (see `_isend`)."""
         tag = self._tag(producer, consumer, microbatch, slot, phase)
         peer = self._ranks[consumer if phase is Phase.BACKWARD else producer]
         if peer == self._ranks[self.stage_index]:
             return _LocalReceive(self._local, tag, buffer)
         group = self._message_groups[phase is Phase.BACKWARD]
+        if stages_through_host(self._device, group):
+            host = host_buffer_like(buffer)
+            staged = dist.irecv(host, peer, group=group, tag=tag)
+            assert staged is not None  # this rank is in the group
+            return StagedReceive(staged, host, buffer)
         work = dist.irecv(buffer, peer, group=group, tag=tag)
         assert work is not None  # this rank is in the group
         return work

@@ -19,7 +19,7 @@ from lightning_varuna._lightning_private import (
     init_dist_connection,
 )
 
-__all__ = ["init_process_group", "torchrun_layout"]
+__all__ = ["default_backend", "init_process_group", "torchrun_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +38,20 @@ def torchrun_layout(
     return devices, environment.world_size() // per_node
 
 
+def default_backend(devices: list[torch.device], device: torch.device) -> str:
+    """Lightning's default backend for ``device``, except gloo where the processes of a node share a GPU
+    (``devices`` repeats it): NCCL refuses two ranks on one device."""
+    if device.type == "cuda" and devices.count(device) > 1:
+        return "gloo"
+    return default_process_group_backend(device)
+
+
 def init_process_group(
-    environment: ClusterEnvironment, backend: str | None, device: torch.device, timeout: timedelta | None
+    environment: ClusterEnvironment, backend: str, device: torch.device, timeout: timedelta | None
 ) -> str:
     """Start the default process group of this job (once per process) for this process's ``device``, over
-    ``backend`` (None: Lightning's default for the device); return the backend."""
-    backend = backend or default_process_group_backend(device)
-    kwargs: dict[str, Any] = {"device_id": device} if device.type != "cpu" else {}
+    ``backend``; return the backend."""
+    kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
     # gloo's worker threads abort the process ("terminate called without an active exception") when the
     # interpreter finalises before the groups are destroyed: destroy them while it is still alive.
     atexit.unregister(_destroy_process_groups)
