@@ -71,6 +71,8 @@ SCHEDULE_CONFIGS = [
     (2, 1, 2, "zero-bubble", 1),
     (2, 1, 4, "interleaved-1f1b", 2),
     (2, 1, 2, "interleaved-1f1b", 2),
+    (2, 1, 4, "zbv", 2),
+    (2, 1, 2, "zbv", 2),
 ]
 # Two micro-batch sizes per process count (1, 2, 4) and replicas for 2 and 4 processes, held out from CONFIGS: their
 # measured steps calibrate the profile.

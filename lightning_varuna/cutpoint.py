@@ -27,11 +27,12 @@ class CutPoint(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._is_stage_boundary = False
-        self._observer: Callable[[CutPoint, object], None] | None = None
+        self._observer: Callable[[CutPoint, object], Tensor | None] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         if self._observer is not None:
-            self._observer(self, x)
+            replaced = self._observer(self, x)  # a profiling pass may pass on another tensor
+            x = x if replaced is None else replaced
         if self._is_stage_boundary:
             pipe_split()  # a no-op when run eagerly; a split marker when traced by `torch.export`
         return x

@@ -53,6 +53,13 @@ def test_profile_has_a_segment_per_cutpoint_and_sizes_them(tiny_profile):
         assert 0 < one.activation_bytes < two.activation_bytes
         assert one.forward_s > 0 and one.backward_s > 0 and one.forward_no_grad_s > 0
     assert tiny_profile.segments[-1].timings[1][1].output_bytes == 0
+    # The backward split in two (zero-bubble), per segment: the first segment's input takes no gradient, so its whole
+    # backward is the weight part; the others walk their graph in both parts.
+    first_input, first_weight = tiny_profile.segments[0].timings[1][2].split_shares
+    assert first_input < 0.2 < first_weight
+    for segment in tiny_profile.segments[1:]:
+        input_share, weight_share = segment.timings[1][2].split_shares
+        assert input_share > 0.2 and weight_share > 0.2
     # The tied embedding / head weight is held by the first and the last segment.
     assert "emb.weight" in tiny_profile.segments[0].parameters
     assert "emb.weight" in tiny_profile.segments[-1].parameters
@@ -192,6 +199,19 @@ def test_varuna_schedule_pays_the_recompute_and_saves_activation_memory():
     assert gpipe.memory_bytes[0] - weights == 8 * 200  # all 8 micro-batches' activations
     assert plain.memory_bytes[0] - weights == 2 * 200  # 1F1B: P - stage in flight
     assert varuna.memory_bytes[0] - weights < plain.memory_bytes[0] - weights
+
+
+def test_zero_bubble_takes_each_stage_s_split_from_the_profile():
+    """Each backward part lasts the profiled share of the stage's backward; the first stage runs its whole backward in
+    the weight part (its input takes no gradient), as the runtime does."""
+    profile = synthetic()
+    for segment in profile.segments:
+        for timing in segment.timings[1].values():
+            timing.split_shares = (0.75, 0.5)
+    timeline = simulate(profile, Config(2, 1, 1, "zero-bubble", 4), timeline=True).timeline
+    durations = {(s.stage, s.name[0]): round(s.end_s - s.start_s, 9) for s in timeline if s.name[0] in "BW"}
+    backward = 2.0 * 2  # 2 segments of 2 s each per stage
+    assert durations == {(0, "B"): 0.0, (0, "W"): backward, (1, "B"): 0.75 * backward, (1, "W"): 0.5 * backward}
 
 
 def test_replicas_add_the_allreduce_and_share_the_cores():

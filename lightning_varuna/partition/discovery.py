@@ -20,11 +20,11 @@ __all__ = ["buffers_kept", "discover_cutpoints", "observe_cutpoints"]
 @contextmanager
 def observe_cutpoints(module: nn.Module, batch_size: int, on_call: Any = None) -> Iterator[list[str]]:
     """Record the names of the cutpoints called during a forward, checking each call's input; ``on_call(x)`` runs
-    at each."""
+    at each (a tensor it returns goes on in ``x``'s place)."""
     names = {cut: name for name, cut in module.named_modules() if isinstance(cut, CutPoint)}
     order: list[str] = []
 
-    def observe(cut: CutPoint, x: object) -> None:
+    def observe(cut: CutPoint, x: object) -> Tensor | None:
         name = names[cut]
         if name in order:
             raise ValueError(
@@ -44,8 +44,7 @@ def observe_cutpoints(module: nn.Module, batch_size: int, on_call: Any = None) -
                 "its input must keep the batch as dim 0."
             )
         order.append(name)
-        if on_call is not None:
-            on_call(x)
+        return None if on_call is None else on_call(x)
 
     for cut in names:
         cut._observer = observe

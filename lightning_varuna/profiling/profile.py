@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_varuna.storage import Storage
@@ -25,6 +25,9 @@ class SegmentTiming:
     backward_s: float
     activation_bytes: int  # what autograd saves for backward during the segment's forward
     output_bytes: int  # the activation at the CutPoint that closes the segment (0 for the last segment)
+    # The backward split in two (zero-bubble): its input-gradient part and its weight part, as shares of
+    # ``backward_s`` (None where not profiled)
+    split_shares: tuple[float, float] | None = None
 
 
 @dataclass
@@ -234,7 +237,11 @@ def _nearest_threads(measured: dict[int, Any], threads: int) -> int:
 
 
 def _timings_by_size(raw: dict[str, Any]) -> dict[int, SegmentTiming]:
-    return {int(mb): SegmentTiming(**timing) for mb, timing in raw.items()}
+    timings = {}
+    for mb, timing in raw.items():
+        split = timing.get("split_shares")  # a list in JSON
+        timings[int(mb)] = SegmentTiming(**{**timing, "split_shares": tuple(split) if split else None})
+    return timings
 
 
 def _linear(raw: dict[str, Any]) -> LinearCost:
@@ -245,17 +252,20 @@ def _interpolated(a: SegmentTiming, b: SegmentTiming, w: float) -> SegmentTiming
     def mix(x: float, y: float) -> float:
         return x + (y - x) * w
 
+    split_a, split_b = a.split_shares, b.split_shares
     return SegmentTiming(
         forward_s=mix(a.forward_s, b.forward_s),
         forward_no_grad_s=mix(a.forward_no_grad_s, b.forward_no_grad_s),
         backward_s=mix(a.backward_s, b.backward_s),
         activation_bytes=round(mix(a.activation_bytes, b.activation_bytes)),
         output_bytes=round(mix(a.output_bytes, b.output_bytes)),
+        split_shares=(mix(split_a[0], split_b[0]), mix(split_a[1], split_b[1])) if split_a and split_b else None,
     )
 
 
 def _scaled(a: SegmentTiming, factor: float) -> SegmentTiming:
-    return SegmentTiming(
+    return replace(
+        a,
         forward_s=a.forward_s * factor,
         forward_no_grad_s=a.forward_no_grad_s * factor,
         backward_s=a.backward_s * factor,

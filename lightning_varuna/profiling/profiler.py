@@ -9,6 +9,7 @@ import statistics
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
 from lightning_varuna.pipeline.batch_norm import normalizes_over_the_batch, one_value_per_channel_refused
 from lightning_varuna.profiling.profile import ModelProfile, ProfiledSegment, SegmentTiming
-from lightning_varuna.profiling.segments import float_leaves, measure_segments
+from lightning_varuna.profiling.segments import float_leaves, measure_segments, measure_split_backward
 
 __all__ = ["default_thread_counts", "profile_model", "resize_batch"]
 
@@ -106,6 +107,8 @@ def profile_model(
                     continue
                 mb_args, mb_kwargs = resize_batch((args, kwargs), mb)
                 timings = measure_segments(module, mb_args, mb_kwargs, repeats)  # eager first: clearer errors
+                splits = measure_split_backward(module, mb_args, mb_kwargs, repeats)
+                timings = [replace(timing, split_shares=split) for timing, split in zip(timings, splits)]
                 if mb not in traced:
                     traced[mb] = _trace_as_one_stage(module, mb_args, mb_kwargs)
                 ratios = _runtime_ratio(module, traced[mb], mb_args, mb_kwargs, repeats)
@@ -237,12 +240,11 @@ def _runtime_ratio(
 
 def _scaled_time(timing: SegmentTiming, ratios: tuple[float, float]) -> SegmentTiming:
     forward, backward = ratios
-    return SegmentTiming(
+    return replace(
+        timing,
         forward_s=timing.forward_s * forward,
         forward_no_grad_s=timing.forward_no_grad_s * forward,
         backward_s=timing.backward_s * backward,
-        activation_bytes=timing.activation_bytes,
-        output_bytes=timing.output_bytes,
     )
 
 

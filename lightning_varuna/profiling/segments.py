@@ -14,10 +14,11 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_varuna.data.microbatch import batch_size_of
 from lightning_varuna.partition.discovery import buffers_kept, observe_cutpoints
+from lightning_varuna.pipeline.split_backward import SplitBackward
 from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.profiling.profile import SegmentTiming
 
-__all__ = ["TimedPass", "float_leaves", "measure_segments", "timed_pass"]
+__all__ = ["TimedPass", "float_leaves", "measure_segments", "measure_split_backward", "timed_pass"]
 
 
 @dataclass(frozen=True)
@@ -119,3 +120,79 @@ def _forward_no_grad(module: nn.Module, args: tuple, kwargs: dict) -> list[float
         end = time.perf_counter()
     bounds = [start, *marks, end]
     return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def measure_split_backward(
+    module: nn.Module, args: tuple, kwargs: dict | None = None, repeats: int = 3
+) -> list[tuple[float, float] | None]:
+    """Each segment's backward split in two as the zero-bubble schedules split a stage's (`SplitBackward`): the
+    input-gradient part and the weight part, each as a share of the segment's whole backward, from the fastest of
+    ``repeats`` passes (None for a segment no gradient reaches). Each segment's input is cut from the graph (a leaf
+    that takes a gradient), so that each part walks that segment's graph only, as a stage's parts walk the stage's.
+    The first segment's input takes no gradient: its whole backward is the weight part, as on a first stage."""
+    kwargs = kwargs or {}
+    with buffers_kept(module):
+        whole = [_segment_backwards(module, args, kwargs, split=False) for _ in range(repeats + 1)][1:]
+        split = [_segment_backwards(module, args, kwargs, split=True) for _ in range(repeats + 1)][1:]
+    module.zero_grad(set_to_none=True)
+    shares: list[tuple[float, float] | None] = []
+    for i in range(len(whole[0])):
+        whole_s = min(run[i][0] for run in whole)
+        input_s, weight_s = min((run[i] for run in split), key=sum)
+        shares.append((input_s / whole_s, weight_s / whole_s) if whole_s > 0 else None)
+    return shares
+
+
+def _segment_backwards(module: nn.Module, args: tuple, kwargs: dict, split: bool) -> list[tuple[float, float]]:
+    """A forward whose segments are cut apart at the CutPoints, then each segment's backward from the last, whole
+    (``split=False``: (seconds, 0)) or split (the input part's and the weight part's seconds)."""
+    outputs: list[Tensor] = []
+    inputs: list[Tensor] = []
+
+    def cut(x: Tensor) -> Tensor:
+        outputs.append(x)
+        inputs.append(x.detach().requires_grad_(x.requires_grad))
+        return inputs[-1]
+
+    with observe_cutpoints(module, batch_size_of((args, kwargs)), on_call=cut):
+        output = module(*args, **kwargs)
+    losses = [t.float().sum() for t in float_leaves(output)]
+    segment_outputs = [[x] for x in outputs] + [losses]
+    segment_inputs: list[list[Tensor]] = [[], *([x] for x in inputs)]
+    grads: list[Tensor] = [torch.ones_like(loss) for loss in losses]
+    times: list[tuple[float, float]] = []
+    splitter = SplitBackward()
+    for i in reversed(range(len(segment_outputs))):
+        if not grads or not any(t.requires_grad for t in segment_outputs[i]):
+            times.append((0.0, 0.0))
+        elif split:
+            weights = nn.ParameterList(_parameters_reached(segment_outputs[i]))
+            start = time.perf_counter()
+            weight_pass = splitter.input_part(weights, segment_outputs[i], grads, segment_inputs[i])
+            middle = time.perf_counter()
+            weight_pass()
+            times.append((middle - start, time.perf_counter() - middle))
+        else:
+            start = time.perf_counter()
+            torch.autograd.backward(segment_outputs[i], grads)
+            times.append((time.perf_counter() - start, 0.0))
+        grads = [x.grad for x in segment_inputs[i] if x.grad is not None]
+    module.zero_grad(set_to_none=True)
+    return times[::-1]
+
+
+def _parameters_reached(outputs: list[Tensor]) -> list[nn.Parameter]:
+    """The parameters whose gradients a backward from ``outputs`` accumulates."""
+    found: list[nn.Parameter] = []
+    seen = set()
+    nodes = [t.grad_fn for t in outputs]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, nn.Parameter):
+            found.append(variable)
+        nodes.extend(following for following, _ in node.next_functions)
+    return found

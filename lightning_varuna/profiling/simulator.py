@@ -30,11 +30,11 @@ class MissingMeasurement(ValueError):
     """The profile lacks a network measurement the configuration needs."""
 
 
-# A split backward (zero-bubble) against the whole one: its input-gradient part, then its weight part. torch's
-# `stage_backward_input` walks the autograd graph in Python and hooks where the parameters' paths join the inputs';
-# measured on a 4-block stage of examples/gpt.py's GPT on the CPU (micro-batch 4, one thread): 8.0 and 5.0 ms
-# against 7.8 ms whole (benchmarks/README.md, "Zero-bubble").
-SPLIT_INPUT_PART, SPLIT_WEIGHT_PART = 8.0 / 7.8, 5.0 / 7.8
+# A split backward (zero-bubble) against the whole one, where the profile did not measure it per segment: its
+# input-gradient part, then its weight part. torch's `stage_backward_input` walks the autograd graph in Python and
+# hooks where the parameters' paths join the inputs'; measured on a 4-block stage of examples/gpt.py's GPT on the CPU
+# (micro-batch 4, one thread): 8.0 and 5.0 ms against 7.8 ms whole (benchmarks/README.md, "Zero-bubble").
+SPLIT_SHARES = (8.0 / 7.8, 5.0 / 7.8)
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,7 @@ class _Stage:
     output_bytes: int  # sent to the next stage per micro-batch (and its gradient back)
     input_bytes: int
     activation_bytes: int
+    split_s: tuple[float, float]  # the backward split in two (zero-bubble): the input part's and the weight part's
 
 
 def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -> Prediction:
@@ -207,9 +208,22 @@ def _stages(profile: ModelProfile, bounds: list[int], threads: int, micro_batch_
                 output_bytes=timings[-1].output_bytes,
                 input_bytes=before,
                 activation_bytes=sum(t.activation_bytes for t in timings),
+                split_s=_split_backward_s(timings, first=s == 0),
             )
         )
     return stages
+
+
+def _split_backward_s(timings: list[SegmentTiming], first: bool) -> tuple[float, float]:
+    """A stage's backward split in two, from its segments' measured shares (or `SPLIT_SHARES`); a first stage, whose
+    input takes no gradient, runs its whole backward in the weight part."""
+    backward = sum(t.backward_s for t in timings)
+    if first:
+        return 0.0, backward
+    return (
+        sum(t.backward_s * (t.split_shares or SPLIT_SHARES)[0] for t in timings),
+        sum(t.backward_s * (t.split_shares or SPLIT_SHARES)[1] for t in timings),
+    )
 
 
 def _run_pipeline(
@@ -258,10 +272,10 @@ def _run_pipeline(
             return forward + overheads.forward(sizes[m])
         if action.phase is Phase.RECOMPUTE:
             return cost.forward_s
-        backward = cost.backward_s + overheads.backward(sizes[m])
         if (stage, m) not in split:
-            return backward
-        return backward * (SPLIT_INPUT_PART if action.phase is Phase.BACKWARD else SPLIT_WEIGHT_PART)
+            return cost.backward_s + overheads.backward(sizes[m])
+        input_part, weight_part = cost.split_s
+        return input_part + overheads.backward(sizes[m]) if action.phase is Phase.BACKWARD else weight_part
 
     def ready_at(rank: int, action: Action) -> float | None:
         """When ``rank`` may start ``action``: its dependencies finished and their messages arrived."""
