@@ -24,7 +24,7 @@ from conftest import clean_env  # noqa: E402
 from study_models import LossLog, logged_losses, train_alone, trial_kwargs  # noqa: E402
 
 from lightning_varuna import MultiModelTrainer  # noqa: E402
-from lightning_varuna.multimodel.study import HANDED_OVER, RESUMES  # noqa: E402
+from lightning_varuna.multimodel.study import HANDED_OVER, HEARTBEAT, RESUMES  # noqa: E402
 
 RUNNER = str(Path(__file__).with_name("run_study.py"))
 
@@ -69,6 +69,25 @@ def test_each_trial_trains_as_if_alone_and_a_pruned_trial_frees_its_place(tmp_pa
             for name, tensor in models[trial.number].state_dict().items():
                 torch.testing.assert_close(tensor, weights[name], rtol=1e-5, atol=1e-6, msg=name)
             assert trial.value == pytest.approx(trial.intermediate_values[12])
+
+
+def test_running_trials_say_they_are_alive_while_a_slow_build_holds_the_worker_up(tmp_path):
+    """A build that takes four heartbeats (a dataset loaded, a large model made) holds up the worker's loop, not the
+    heartbeats of the trial already training: another worker would find it alive and leave it."""
+    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.RandomSampler(seed=0))
+    seen: list[tuple[str, float]] = []  # trial 0's state and how long it had been silent, once trial 1 was built
+
+    def build(trial: optuna.trial.Trial) -> dict:
+        if trial.number == 1:
+            time.sleep(2.0)
+            first = study.trials[0]
+            seen.append((first.state.name, time.time() - first.user_attrs[HEARTBEAT]))
+        return trial_kwargs(trial, max_steps=400 if trial.number == 0 else 8)
+
+    sweep = MultiModelTrainer(accelerator="cpu", devices=1, checkpoint_dir=str(tmp_path / "ckpt"))
+    sweep.optimize(study, build, n_trials=2, monitor="val_loss", max_running=2, heartbeat_interval=0.5)
+    ((state, silent_s),) = seen
+    assert state == "RUNNING" and silent_s < 1.5
 
 
 def test_a_trial_that_fails_is_marked_failed_and_the_others_go_on(tmp_path):

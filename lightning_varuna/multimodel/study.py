@@ -21,8 +21,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from queue import Empty, Queue
 from typing import TYPE_CHECKING, Any, Protocol
@@ -153,15 +153,15 @@ class StudyRunner:
     # ------------------------------------------------------------------------------------------------- the loop
     def run(self) -> list[TrialOutcome]:
         """Ask, train and tell trials until the study is complete or the sweep is preempted; return this worker's."""
-        while True:
-            self._beat()
-            self._take_over_silent_trials()
-            while not self.preempted.is_set() and len(self._running) < self.max_running and self._start_next():
-                pass
-            if not self._running and (self.preempted.is_set() or not self._others_may_need_us()):
-                return self.outcomes
-            with contextlib.suppress(Empty):  # nothing ended: time to say the running trials are alive
-                self._end(self._ended.get(timeout=self.heartbeat_interval))
+        with self._heartbeats():
+            while True:
+                self._take_over_silent_trials()
+                while not self.preempted.is_set() and len(self._running) < self.max_running and self._start_next():
+                    pass
+                if not self._running and (self.preempted.is_set() or not self._others_may_need_us()):
+                    return self.outcomes
+                with contextlib.suppress(Empty):  # nothing ended: time to look for silent trials again
+                    self._end(self._ended.get(timeout=self.heartbeat_interval))
 
     def _start_next(self) -> bool:
         """Ask the study for a trial (a retry waiting to be resumed first) and start training it; False if the
@@ -300,11 +300,32 @@ class StudyRunner:
                 continue
             self._hand_over(trial.number, "no heartbeat", trial.params, trial.user_attrs[CHECKPOINT])
 
+    @contextmanager
+    def _heartbeats(self) -> Iterator[None]:
+        """Say the running trials are alive every ``heartbeat_interval`` seconds while the block runs, from a thread
+        of its own: a `build` that takes long, or one that waits for another trial's set-up to give back torch's
+        generator, holds up the loop, not the heartbeats, so no other worker takes live trials over meanwhile."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while True:
+                self._beat()
+                if done.wait(self.heartbeat_interval):
+                    return
+
+        thread = threading.Thread(target=beat, name="lightning_varuna-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
     def _beat(self) -> None:
         """Say the running trials are alive; one that another worker took over (told FAIL: it had no heartbeat for
         too long) ends at its next step boundary."""
         now = time.time()
-        for running in self._running.values():
+        for running in list(self._running.values()):
             try:
                 running.trial.set_user_attr(HEARTBEAT, now)
             except Exception:  # noqa: BLE001 - finished: another worker handed it over
