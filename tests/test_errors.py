@@ -14,6 +14,7 @@ from models import NormalizesOverRows, TinyLM, token_dataset
 from torch.utils.data import DataLoader
 
 from lightning_varuna import SpillingStrategy, VarunaStrategy
+from lightning_varuna.strategies.process_groups import choose_backend
 
 # A budget that cuts TinyLM into 5 shards at batches of 6 (it needs 84 KB whole).
 CUT = "65KB"
@@ -287,3 +288,15 @@ def test_manual_optimization_fails_at_setup(strategy):
     trained nothing: the weights stayed as they were)."""
     with pytest.raises(TypeError, match=rf"automatic_optimization = False`: {strategy.__name__}.*needs Lightning.s"):
         fit(ManualOptimization(), strategy())
+
+
+def test_ranks_sharing_a_gpu_talk_over_gloo_and_nccl_is_refused_for_them():
+    """NCCL refuses two ranks on one GPU: processes that share one default to gloo, and asking for NCCL says what to
+    change before any process group starts."""
+    gpu, other = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert choose_backend(None, [gpu, gpu], gpu) == "gloo"
+    assert choose_backend(None, [gpu, other], gpu) == "nccl"
+    assert choose_backend(None, [torch.device("cpu")] * 2, torch.device("cpu")) == "gloo"
+    assert choose_backend("gloo", [gpu, other], gpu) == "gloo"
+    with pytest.raises(ValueError, match=r"share cuda:0 .* NCCL refuses two ranks on one GPU: leave"):
+        choose_backend("nccl", [gpu, gpu], gpu)

@@ -19,7 +19,7 @@ from lightning_varuna._lightning_private import (
     init_dist_connection,
 )
 
-__all__ = ["default_backend", "init_process_group", "torchrun_layout"]
+__all__ = ["choose_backend", "init_process_group", "torchrun_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,17 @@ def torchrun_layout(
     return devices, environment.world_size() // per_node
 
 
-def default_backend(devices: list[torch.device], device: torch.device) -> str:
-    """Lightning's default backend for ``device``, except gloo where the processes of a node share a GPU
-    (``devices`` repeats it): NCCL refuses two ranks on one device."""
-    if device.type == "cuda" and devices.count(device) > 1:
-        return "gloo"
-    return default_process_group_backend(device)
+def choose_backend(backend: str | None, devices: list[torch.device], device: torch.device) -> str:
+    """``backend``, or by default Lightning's for ``device``; gloo where the processes of a node share a GPU
+    (``devices`` repeats it), which NCCL refuses."""
+    shared = device.type == "cuda" and devices.count(device) > 1
+    if backend == "nccl" and shared:
+        raise ValueError(
+            f"The processes of this node share {device} (`parallel_devices` names it {devices.count(device)} times), "
+            "and NCCL refuses two ranks on one GPU: leave `process_group_backend` unset (gloo, the default where "
+            "ranks share a GPU) or give each process a GPU of its own."
+        )
+    return backend or ("gloo" if shared else default_process_group_backend(device))
 
 
 def init_process_group(

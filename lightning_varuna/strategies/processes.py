@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_varuna.pipeline.user_collectives import UserCollectives
 from lightning_varuna.strategies.launchers import MultiProcessingLauncher, SubprocessScriptLauncher
-from lightning_varuna.strategies.process_groups import default_backend, init_process_group, torchrun_layout
+from lightning_varuna.strategies.process_groups import choose_backend, init_process_group, torchrun_layout
 
 __all__ = ["MultiProcessStrategy"]
 
@@ -87,7 +87,7 @@ class MultiProcessStrategy(ParallelStrategy):
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         assert self.parallel_devices is not None
-        backend = self._process_group_backend or default_backend(self.parallel_devices, self.root_device)
+        backend = choose_backend(self._process_group_backend, self.parallel_devices, self.root_device)
         self._process_group_backend = init_process_group(
             self.cluster_environment, backend, self.root_device, self._timeout
         )
