@@ -3,8 +3,8 @@
 #
 #     benchmarks/gpu.sh OUT_DIR
 #
-# 1. the GPU tests (skipped where there is no GPU): pipelines of 2 and 4 processes sharing the GPU over gloo for
-#    every schedule (tests/test_pipelines_cuda.py), one stage with NCCL, spilling and the multi-model sweep;
+# 1. the GPU tests (skipped where there is no GPU): pipelines of 2 to 4 processes sharing the GPU over gloo, each
+#    schedule (tests/test_pipelines_cuda.py), one stage with NCCL, spilling and the multi-model sweep;
 # 2. the model-selection study on the GPU (benchmarks/model_selection.py --accelerator gpu --devices 1).
 # Each part has a time limit, so that one that hangs leaves the others their time.
 set -u

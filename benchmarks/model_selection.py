@@ -251,8 +251,8 @@ def summarize(
     best = min(complete, key=lambda t: t.value)  # type: ignore[arg-type, return-value]
     times = [alone[_key(t)] for t in trials]
     bound = max(sum(times) / devices, max(times))
-    if gpu_samples:  # the GPU's utilization over the makespan
-        during = [utilization for at, utilization in gpu_samples if start <= at <= end]
+    during = [utilization for at, utilization in gpu_samples if start <= at <= end]
+    if during:  # GPU 0's utilization over the makespan
         busy = sum(during) / 100 / len(during) * devices * (end - start)
     elif way.startswith("sweep"):
         busy = json.loads((folder / "busy.json").read_text())["busy_s"]

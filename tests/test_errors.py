@@ -296,7 +296,10 @@ def test_ranks_sharing_a_gpu_talk_over_gloo_and_nccl_is_refused_for_them():
     gpu, other = torch.device("cuda", 0), torch.device("cuda", 1)
     assert choose_backend(None, [gpu, gpu], gpu) == "gloo"
     assert choose_backend(None, [gpu, other], gpu) == "nccl"
+    assert choose_backend(None, [gpu, gpu, other], other) == "gloo"  # every rank of the job alike
     assert choose_backend(None, [torch.device("cpu")] * 2, torch.device("cpu")) == "gloo"
     assert choose_backend("gloo", [gpu, other], gpu) == "gloo"
     with pytest.raises(ValueError, match=r"share cuda:0 .* NCCL refuses two ranks on one GPU: leave"):
         choose_backend("nccl", [gpu, gpu], gpu)
+    with pytest.raises(ValueError, match="NCCL refuses"):
+        choose_backend("cpu:gloo,cuda:nccl", [gpu, gpu, other], other)

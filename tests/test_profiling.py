@@ -10,7 +10,9 @@ from dataclasses import replace
 import pytest
 import torch
 from models import DIM, SEQ, NormalizesOverRows, TinyLM
+from torch import nn
 
+from lightning_varuna import CutPoint
 from lightning_varuna.cli import main as cli
 from lightning_varuna.data.microbatch import microbatch_sizes
 from lightning_varuna.partition.discovery import discover_cutpoints
@@ -27,6 +29,7 @@ from lightning_varuna.profiling.profile import (
     SegmentTiming,
 )
 from lightning_varuna.profiling.profiler import profile_model, resize_batch
+from lightning_varuna.profiling.segments import measure_split_backward
 from lightning_varuna.profiling.simulator import Config, simulate
 from lightning_varuna.profiling.trace import read_chrome_trace
 
@@ -67,6 +70,39 @@ def test_profile_has_a_segment_per_cutpoint_and_sizes_them(tiny_profile):
     # AdamW keeps two moments per parameter.
     for segment in tiny_profile.segments:
         assert segment.optimizer_bytes == 2 * sum(segment.parameters.values())
+
+
+class ThreeLinears(nn.Module):
+    """Three layers with a CutPoint after each of the first two; ``frozen``: the first takes no gradient;
+    ``in_place``: a ReLU changes the first CutPoint's output in place; ``skip``: a value made before the first
+    CutPoint is added after the second (as T5's position bias is)."""
+
+    def __init__(self, frozen: bool = False, in_place: bool = False, skip: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.cuts = nn.ModuleList([CutPoint(), CutPoint()])
+        self.layers[0].requires_grad_(not frozen)
+        self.in_place, self.skip = in_place, skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layers[0](x)
+        bias = h * 2
+        h = self.cuts[0](h)
+        h = self.layers[1](h.relu_() if self.in_place else h)
+        return self.layers[2](self.cuts[1](h)) + (bias if self.skip else 0)
+
+
+def test_split_backward_shares_follow_the_runtime_s_split():
+    """The first segment, whose input takes no gradient, runs its backward whole in the weight part, as does a
+    segment after frozen layers (and no gradient reaches the frozen one); an in-place change of a CutPoint's output
+    is measured; a value that goes past a CutPoint leaves the shares unmeasured (None: the simulator's constants)."""
+    x = torch.randn(4, 8)
+    first, *rest = measure_split_backward(ThreeLinears(), (x,), repeats=2)
+    assert first[0] < 0.2 < first[1] and all(a > 0.2 and b > 0.2 for a, b in rest)
+    frozen = measure_split_backward(ThreeLinears(frozen=True), (x,), repeats=2)
+    assert frozen[0] is None and frozen[1][0] < 0.2 < frozen[1][1]
+    assert all(shares is not None for shares in measure_split_backward(ThreeLinears(in_place=True), (x,)))
+    assert measure_split_backward(ThreeLinears(skip=True), (x,)) == [None, None, None]
 
 
 def test_profile_round_trips_through_an_fsspec_url(tiny_profile):

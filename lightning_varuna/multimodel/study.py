@@ -194,6 +194,8 @@ class StudyRunner:
         if self.display is not None:
             self.display.watch(name, self.monitor, lambda: callback.last)
         running.result = self.sweep.launch(trainer, lambda result: self._ended.put(trial.number))
+        if running.handed_over:  # taken over by another worker while it was built: its heartbeat found it told
+            running.result.trainer.should_stop = True
         return True
 
     def _resume_point(self, trial: optuna.trial.Trial, resumes: dict | None, callback: TrialCallback) -> str | None:

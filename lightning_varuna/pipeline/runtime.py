@@ -100,7 +100,7 @@ class StageRuntime:
         self._split = SplitBackward()
         self._weight_passes: dict[tuple[int, int], WeightPass] = {}
         self._grad_recvs: dict[tuple[int, int], list[tuple[int, int, Tensor, _Receive]]] = {}
-        self._early: dict[tuple[int, int], list[_Posted]] = {}  # activation receives posted ahead of their forward
+        self._early: dict[tuple[int, int], list[_Posted]] = {}  # activation receives posted, until they arrive
         self._pending_sends: list[tuple[dist.Work, Tensor]] = []
         self.timeline: list[tuple[str, float, float]] | None = None  # when recording: (action, start, end)
         self._compute_start: float | None = None  # when the running action's messages arrived (see `timing`)
@@ -108,7 +108,8 @@ class StageRuntime:
         self._waiter: Waiter | None = None
         # Sends of failed batches, never waited for: kept referenced while the backend may still read their tensors.
         self._abandoned_sends: list[tuple[dist.Work, Tensor]] = []
-        self._abandoned_receives: list[_Posted] = []  # and receives posted ahead, whose buffers may still be written
+        # and their receives, still posted: (buffer, work), the buffer maybe still written
+        self._abandoned_receives: list[tuple[Tensor, _Receive]] = []
 
     @property
     def stage_index(self) -> int:
@@ -222,8 +223,9 @@ class StageRuntime:
         tensors, grads = [], []
         if loss is not None and loss.requires_grad:
             tensors, grads = [loss], [torch.ones_like(loss)]
-        grad_recvs = self._grad_recvs.pop(key, [])
+        grad_recvs = self._grad_recvs.get(key, [])
         self._wait([work for *_, work in grad_recvs], on_wait)
+        self._grad_recvs.pop(key, None)
         summed: dict[int, Tensor] = {}
         for _, value, grad, _ in grad_recvs:
             summed[value] = summed[value] + grad if value in summed else grad
@@ -267,7 +269,10 @@ class StageRuntime:
         """Drop the batch after a failure, without waiting for its sends: the peers may never receive them."""
         self._abandoned_sends += self._pending_sends
         self._pending_sends = []
-        self._abandoned_receives += [received for posted in self._early.values() for received in posted]
+        for posted in self._early.values():
+            self._abandoned_receives += [(buffer, work) for _, buffer, work in posted]
+        for grads in self._grad_recvs.values():
+            self._abandoned_receives += [(buffer, work) for *_, buffer, work in grads]
         self._drop_batch()
 
     def _drop_batch(self) -> None:
@@ -305,8 +310,12 @@ class StageRuntime:
     def _receive_activations(
         self, stage: int, microbatch: int, graph: PipelineGraph, training: bool, on_wait: Callable[[], None] | None
     ) -> dict[tuple[int, int], Tensor]:
-        works = self._early.pop((stage, microbatch), None) or self._post_activation_receives(stage, microbatch, graph)
+        key = (stage, microbatch)  # kept in `_early` until received, for `abandon_batch`
+        if key not in self._early:
+            self._early[key] = self._post_activation_receives(stage, microbatch, graph)
+        works = self._early[key]
         self._wait([work for *_, work in works], on_wait)
+        del self._early[key]
         received = {}
         for key, buffer, _ in works:
             producer, value = key

@@ -129,12 +129,22 @@ def measure_split_backward(
     input-gradient part and the weight part, each as a share of the segment's whole backward, from the fastest of
     ``repeats`` passes (None for a segment no gradient reaches). Each segment's input is cut from the graph (a leaf
     that takes a gradient), so that each part walks that segment's graph only, as a stage's parts walk the stage's.
-    The first segment's input takes no gradient: its whole backward is the weight part, as on a first stage."""
+    A segment whose input takes no gradient (the first) runs its whole backward in the weight part, as a first
+    stage does. None for every segment where a value that takes a gradient goes past a CutPoint (a bias made before
+    one and added after): cut apart, the segments would share its graph."""
     kwargs = kwargs or {}
-    with buffers_kept(module):
-        whole = [_segment_backwards(module, args, kwargs, split=False) for _ in range(repeats + 1)][1:]
-        split = [_segment_backwards(module, args, kwargs, split=True) for _ in range(repeats + 1)][1:]
-    module.zero_grad(set_to_none=True)
+    splitter = SplitBackward()
+    weights: dict[int, nn.ParameterList] = {}  # a module per segment: the splitter checks each once, untimed
+    try:
+        with buffers_kept(module):
+            whole = [_segment_backwards(module, args, kwargs) for _ in range(repeats + 1)][1:]  # the first warms up
+            split = [_segment_backwards(module, args, kwargs, (splitter, weights)) for _ in range(repeats + 1)][1:]
+    except RuntimeError as error:
+        if "backward through the graph a second time" not in str(error):
+            raise
+        return [None] * _segment_count(module, args, kwargs)
+    finally:
+        module.zero_grad(set_to_none=True)
     shares: list[tuple[float, float] | None] = []
     for i in range(len(whole[0])):
         whole_s = min(run[i][0] for run in whole)
@@ -143,35 +153,45 @@ def measure_split_backward(
     return shares
 
 
-def _segment_backwards(module: nn.Module, args: tuple, kwargs: dict, split: bool) -> list[tuple[float, float]]:
+def _segment_backwards(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    split: tuple[SplitBackward, dict[int, nn.ParameterList]] | None = None,
+) -> list[tuple[float, float]]:
     """A forward whose segments are cut apart at the CutPoints, then each segment's backward from the last, whole
-    (``split=False``: (seconds, 0)) or split (the input part's and the weight part's seconds)."""
+    (without ``split``: (seconds, 0)) or split by ``split``'s splitter (the input part's and the weight part's
+    seconds; its first pass checks each segment's split, untimed)."""
     outputs: list[Tensor] = []
     inputs: list[Tensor] = []
 
     def cut(x: Tensor) -> Tensor:
         outputs.append(x)
         inputs.append(x.detach().requires_grad_(x.requires_grad))
-        return inputs[-1]
+        return inputs[-1].clone()  # what follows may change it in place, which a leaf refuses
 
     with observe_cutpoints(module, batch_size_of((args, kwargs)), on_call=cut):
         output = module(*args, **kwargs)
     losses = [t.float().sum() for t in float_leaves(output)]
     segment_outputs = [[x] for x in outputs] + [losses]
-    segment_inputs: list[list[Tensor]] = [[], *([x] for x in inputs)]
+    segment_inputs: list[list[Tensor]] = [[], *([x] if x.requires_grad else [] for x in inputs)]
     grads: list[Tensor] = [torch.ones_like(loss) for loss in losses]
     times: list[tuple[float, float]] = []
-    splitter = SplitBackward()
     for i in reversed(range(len(segment_outputs))):
         if not grads or not any(t.requires_grad for t in segment_outputs[i]):
             times.append((0.0, 0.0))
-        elif split:
-            weights = nn.ParameterList(_parameters_reached(segment_outputs[i]))
-            start = time.perf_counter()
-            weight_pass = splitter.input_part(weights, segment_outputs[i], grads, segment_inputs[i])
-            middle = time.perf_counter()
-            weight_pass()
-            times.append((middle - start, time.perf_counter() - middle))
+        elif split is not None:
+            splitter, weights = split
+            if i not in weights:
+                weights[i] = nn.ParameterList(_parameters_reached(segment_outputs[i]))
+                splitter.input_part(weights[i], segment_outputs[i], grads, segment_inputs[i])()  # checked, untimed
+                times.append((0.0, 0.0))
+            else:
+                start = time.perf_counter()
+                weight_pass = splitter.input_part(weights[i], segment_outputs[i], grads, segment_inputs[i])
+                middle = time.perf_counter()
+                weight_pass()
+                times.append((middle - start, time.perf_counter() - middle))
         else:
             start = time.perf_counter()
             torch.autograd.backward(segment_outputs[i], grads)
@@ -179,6 +199,12 @@ def _segment_backwards(module: nn.Module, args: tuple, kwargs: dict, split: bool
         grads = [x.grad for x in segment_inputs[i] if x.grad is not None]
     module.zero_grad(set_to_none=True)
     return times[::-1]
+
+
+def _segment_count(module: nn.Module, args: tuple, kwargs: dict) -> int:
+    with torch.no_grad(), observe_cutpoints(module, batch_size_of((args, kwargs))) as order:
+        module(*args, **kwargs)
+    return len(order) + 1
 
 
 def _parameters_reached(outputs: list[Tensor]) -> list[nn.Parameter]:

@@ -39,14 +39,14 @@ def torchrun_layout(
 
 
 def choose_backend(backend: str | None, devices: list[torch.device], device: torch.device) -> str:
-    """``backend``, or by default Lightning's for ``device``; gloo where the processes of a node share a GPU
-    (``devices`` repeats it), which NCCL refuses."""
-    shared = device.type == "cuda" and devices.count(device) > 1
-    if backend == "nccl" and shared:
+    """``backend``, or by default Lightning's for ``device``; gloo where processes of the node share a GPU
+    (``devices`` repeats one), which NCCL refuses: for every process of the job alike, whichever GPU it has."""
+    shared = [d for d in dict.fromkeys(devices) if d.type == "cuda" and devices.count(d) > 1]
+    if backend is not None and "nccl" in backend and shared:
         raise ValueError(
-            f"The processes of this node share {device} (`parallel_devices` names it {devices.count(device)} times), "
-            "and NCCL refuses two ranks on one GPU: leave `process_group_backend` unset (gloo, the default where "
-            "ranks share a GPU) or give each process a GPU of its own."
+            f"The processes of this node share {shared[0]} (`parallel_devices` names it {devices.count(shared[0])} "
+            "times), and NCCL refuses two ranks on one GPU: leave `process_group_backend` unset (gloo, the default "
+            "where ranks share a GPU) or give each process a GPU of its own."
         )
     return backend or ("gloo" if shared else default_process_group_backend(device))
 
