@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_interleaved import SHAPES as INTERLEAVED_SHAPES
 from test_interleaved import trains_like_one_device
 from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, _ComputationType
 
@@ -16,22 +17,12 @@ from lightning_varuna.pipeline.topology import Topology
 ZBV = dict(schedule="zbv", epochs=2)
 
 SHAPES = {
-    # 4 stages on 2 ranks: rank 0 (position 0) holds stages 0 and 3, the tied embedding and head, which then need no
-    # cross-rank sum; micro-batches [2, 2, 2], clipping by the global norm, validation and predictions (forwards
-    # only, down the V), and a PipelineTrace of steps 1 and 2
-    "P2xD1-clip": dict(
-        pipeline_parallel_size=2,
-        data_parallel_size=1,
-        batch_size=6,
-        micro_batch_size=2,
-        clip=0.05,
-        evaluate=True,
-        trace="step1.json",
-    ),  # fmt: skip
+    # The interleaved tests' shapes of 4 stages on 2 ranks, in a V: rank 0 (position 0) holds stages 0 and 3, the tied
+    # embedding and head, which then need no cross-rank sum. Micro-batches [2, 2, 2], clipping by the global norm,
+    # validation and predictions (forwards only, down the V), and a PipelineTrace of steps 1 and 2:
+    "P2xD1-clip": INTERLEAVED_SHAPES["P2xD1-V2-clip"],
     # replicas and gradient accumulation; micro-batches [1] * 4
-    "P2xD2-accumulate": dict(
-        pipeline_parallel_size=2, data_parallel_size=2, batch_size=4, micro_batch_size=1, accumulate=2, clip=0.05
-    ),
+    "P2xD2-accumulate": INTERLEAVED_SHAPES["P2xD2-V2-accumulate"],
     # 6 stages on 3 ranks (6 blocks, 5 CutPoints); micro-batches [2, 2, 1], fewer than the V's 2P - 1 = 5
     "P3xD1": dict(pipeline_parallel_size=3, data_parallel_size=1, batch_size=5, micro_batch_size=2, blocks=6),
 }

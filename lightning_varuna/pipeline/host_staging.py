@@ -11,16 +11,14 @@ from torch import Tensor
 __all__ = ["StagedReceive", "host_copy", "host_buffer_like", "stages_through_host"]
 
 
-def stages_through_host(device: torch.device, group: dist.ProcessGroup | None) -> bool:
-    """Whether the messages of a stage on ``device`` over ``group`` must go through host memory."""
-    return device.type != "cpu" and dist.get_backend(group) == "gloo"
+def stages_through_host(device: torch.device, backend: str) -> bool:
+    """Whether the messages of a stage on ``device`` over ``backend`` must go through host memory."""
+    return device.type != "cpu" and backend == dist.Backend.GLOO
 
 
 def host_copy(tensor: Tensor) -> Tensor:
     """A pinned host copy of the device tensor ``tensor``, complete when this returns (a send may read it at once)."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor)
-    return host
+    return host_buffer_like(tensor).copy_(tensor)
 
 
 def host_buffer_like(buffer: Tensor) -> Tensor:

@@ -310,12 +310,12 @@ class StageRuntime:
     def _receive_activations(
         self, stage: int, microbatch: int, graph: PipelineGraph, training: bool, on_wait: Callable[[], None] | None
     ) -> dict[tuple[int, int], Tensor]:
-        key = (stage, microbatch)  # kept in `_early` until received, for `abandon_batch`
-        if key not in self._early:
-            self._early[key] = self._post_activation_receives(stage, microbatch, graph)
-        works = self._early[key]
+        at = (stage, microbatch)  # kept in `_early` until received, for `abandon_batch`
+        if at not in self._early:
+            self._early[at] = self._post_activation_receives(stage, microbatch, graph)
+        works = self._early[at]
         self._wait([work for *_, work in works], on_wait)
-        del self._early[key]
+        del self._early[at]
         received = {}
         for key, buffer, _ in works:
             producer, value = key
@@ -377,7 +377,7 @@ class StageRuntime:
             self._local[tag] = tensor
             return
         group = self._message_groups[phase is Phase.BACKWARD]
-        if stages_through_host(self._device, group):
+        if stages_through_host(self._device, self.waiter.backend):
             tensor = host_copy(tensor)
         work = dist.isend(tensor, peer, group=group, tag=tag)
         assert work is not None  # this rank is in the group
@@ -392,7 +392,7 @@ class StageRuntime:
         if peer == self._ranks[self.stage_index]:
             return _LocalReceive(self._local, tag, buffer)
         group = self._message_groups[phase is Phase.BACKWARD]
-        if stages_through_host(self._device, group):
+        if stages_through_host(self._device, self.waiter.backend):
             host = host_buffer_like(buffer)
             staged = dist.irecv(host, peer, group=group, tag=tag)
             assert staged is not None  # this rank is in the group

@@ -53,9 +53,9 @@ def choose_backend(backend: str | None, devices: list[torch.device], device: tor
 
 def init_process_group(
     environment: ClusterEnvironment, backend: str, device: torch.device, timeout: timedelta | None
-) -> str:
+) -> None:
     """Start the default process group of this job (once per process) for this process's ``device``, over
-    ``backend``; return the backend."""
+    ``backend`` (see `choose_backend`)."""
     kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
     # gloo's worker threads abort the process ("terminate called without an active exception") when the
     # interpreter finalises before the groups are destroyed: destroy them while it is still alive.
@@ -63,7 +63,7 @@ def init_process_group(
     atexit.register(_destroy_process_groups)
     if not isinstance(environment, TorchElasticEnvironment) or distributed_is_initialized():
         init_dist_connection(environment, backend, timeout=timeout, **kwargs)
-        return backend
+        return
     # torchrun keeps its store across the restarts of a job: key the process groups by restart (after a
     # failure) and world size (after machines joined), or the groups of a restarted job read the addresses
     # their dead predecessors left and connect to nothing.
@@ -74,7 +74,6 @@ def init_process_group(
     store = dist.PrefixStore(f"lightning_varuna/restart_{restart}/world_{world_size}", store)
     log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
-    return backend
 
 
 def _destroy_process_groups() -> None:

@@ -87,10 +87,10 @@ class MultiProcessStrategy(ParallelStrategy):
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         assert self.parallel_devices is not None
-        backend = choose_backend(self._process_group_backend, self.parallel_devices, self.root_device)
-        self._process_group_backend = init_process_group(
-            self.cluster_environment, backend, self.root_device, self._timeout
+        self._process_group_backend = choose_backend(
+            self._process_group_backend, self.parallel_devices, self.root_device
         )
+        init_process_group(self.cluster_environment, self._process_group_backend, self.root_device, self._timeout)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
