@@ -735,6 +735,11 @@ COMPARISONS = [
                 f"torch-pipelining-zbv-codegen-mb{mb}",
             ),
             (
+                f"interleaved, Trainer + VarunaStrategy, over torch's Schedule1F1B as users get it, {mb} micro-batches",
+                f"varuna-lightning-interleaved-mb{mb}",
+                "torch-pipelining-1f1b" if mb == 4 else "",
+            ),
+            (
                 f"ZBV, Trainer + VarunaStrategy, over torch's Schedule1F1B as users get it, {mb} micro-batches",
                 f"varuna-lightning-zbv-mb{mb}",
                 "torch-pipelining-1f1b" if mb == 4 else "",

@@ -248,6 +248,16 @@ def test_zero_bubble_takes_each_stage_s_split_from_the_profile():
     durations = {(s.stage, s.name[0]): round(s.end_s - s.start_s, 9) for s in timeline if s.name[0] in "BW"}
     backward = 2.0 * 2  # 2 segments of 2 s each per stage
     assert durations == {(0, "B"): 0.0, (0, "W"): backward, (1, "B"): 0.75 * backward, (1, "W"): 0.5 * backward}
+    # Calibrated: a backward's cost goes to the input parts that compute something, the weight passes take longer.
+    profile.overheads = {2: RuntimeOverheads(backward_s=0.25, weight_factor=1.5)}
+    timeline = simulate(profile, Config(2, 1, 1, "zero-bubble", 4), timeline=True).timeline
+    durations = {(s.stage, s.name[0]): round(s.end_s - s.start_s, 9) for s in timeline if s.name[0] in "BW"}
+    assert durations == {
+        (0, "B"): 0.0,
+        (0, "W"): 1.5 * backward,
+        (1, "B"): 0.75 * backward + 0.25,
+        (1, "W"): 1.5 * 0.5 * backward,
+    }
 
 
 def test_replicas_add_the_allreduce_and_share_the_cores():
@@ -342,6 +352,24 @@ def test_calibration_recovers_the_costs_a_measured_step_adds(schedule):
     assert simulate(one, measured[0]).step_s == pytest.approx(simulate(truth, measured[0]).step_s, abs=1e-5)
     calibrated.save("memory://profiles/calibrated.json")
     assert ModelProfile.load("memory://profiles/calibrated.json") == calibrated
+
+
+def test_calibration_learns_how_much_longer_deferred_weight_passes_take():
+    """A zero-bubble step "measured" with weight passes 1.5x their profiled time teaches that factor; it then
+    predicts the other split schedules, and runs without weight passes leave it unknown (as profiled)."""
+    costs = RuntimeOverheads(0.3, 0.2, 0.1, 0.5, weight_factor=1.5)
+    truth = replace(synthetic(), overheads={2: costs})
+    zero_bubble, gpipe = Config(2, 1, 1, "zero-bubble", 4), Config(2, 1, 1, "gpipe", 4)
+    calibrated = calibrate(synthetic(), [(c, simulate(truth, c, timeline=True).timeline) for c in (zero_bubble, gpipe)])
+    assert calibrated.overheads[2].weight_factor == pytest.approx(1.5, rel=1e-6)
+    zbv = Config(2, 1, 1, "zbv", 6, stages_per_rank=2)
+    assert simulate(calibrated, zbv).step_s == pytest.approx(simulate(truth, zbv).step_s, rel=1e-6)
+    assert (
+        simulate(calibrated, zbv).step_s
+        > simulate(replace(truth, overheads={2: replace(costs, weight_factor=None)}), zbv).step_s
+    )
+    unsplit = calibrate(synthetic(), [(gpipe, simulate(truth, gpipe, timeline=True).timeline)])
+    assert unsplit.overheads[2].weight_factor is None
 
 
 @pytest.mark.slow  # the CLI measures collectives between 2 processes

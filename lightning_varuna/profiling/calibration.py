@@ -6,8 +6,9 @@ measured configuration, `calibrate` fits those costs (`RuntimeOverheads`) so tha
 measured timeline: the mean forward and backward durations, the pipeline's length and the whole step. Measured
 configurations with as many processes per node are combined: the cost per forward and per backward becomes a line
 in the micro-batch size when they differ in it. Configurations with replicas then teach how long the all-reduce
-waits for the slowest replica, in proportion to the pipeline's length. The simulator adds the costs to every
-configuration run with that many processes per node.
+waits for the slowest replica, in proportion to the pipeline's length, and configurations whose schedule splits the
+backward (zero-bubble) how much longer than profiled a weight pass takes, deferred behind other work. The simulator
+adds the costs to every configuration run with that many processes per node.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
         by_processes.setdefault(config.processes_per_node, []).append((config, spans))
     combined = {}
     for processes, runs in by_processes.items():
+        # A split backward's weight passes are learned apart, with the costs the other runs teach.
+        split = [(c, spans) for c, spans in runs if _weight_durations(spans)]
+        runs = [(c, spans) for c, spans in runs if not _weight_durations(spans)] or runs
         # Replicas wait for each other at the all-reduce; the costs of a step are learned from runs without them.
         alone = [(c, spans) for c, spans in runs if c.data_parallel_size == 1] or runs
         overheads = _combine([(c.micro_batch_size, _fit(profile, c, spans)) for c, spans in alone])
@@ -42,6 +46,9 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
         if replicated:
             with_overheads = replace(profile, overheads={**profile.overheads, processes: overheads})
             overheads.replica_lag = statistics.mean(_replica_lag(with_overheads, c, spans) for c, spans in replicated)
+        if split:
+            with_overheads = replace(profile, overheads={**profile.overheads, processes: overheads})
+            overheads.weight_factor = statistics.mean(_weight_factor(with_overheads, c, spans) for c, spans in split)
         combined[processes] = overheads
     return replace(profile, overheads={**profile.overheads, **combined})
 
@@ -101,6 +108,20 @@ def _replica_lag(profile: ModelProfile, config: Config, measured: Sequence[Span]
     return max(0.0, (measured_step_s(measured) - prediction.step_s) / prediction.pipeline_s)
 
 
+def _weight_factor(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> float:
+    """How many times their profiled time the weight passes of ``config`` take, so that the simulated ones last as
+    long as the measured ones (their mean, the median over the steps)."""
+    weight = statistics.median(statistics.mean(_weight_durations(spans)) for spans in _by_step(measured))
+    overheads = profile.overheads[config.processes_per_node]
+
+    def predict(factor: float) -> Prediction:
+        costs = replace(overheads, weight_factor=factor)
+        return simulate(replace(profile, overheads={**profile.overheads, config.processes_per_node: costs}), config,
+                        timeline=True)  # fmt: skip
+
+    return _solve(lambda x: _mean_duration(predict(x), Phase.WEIGHT) - weight, high=8.0)
+
+
 def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
     """One set of costs from the fits of several micro-batch sizes: per forward and per backward a line in the rows
     (constant with one size), per message and per step the mean."""
@@ -148,6 +169,10 @@ def _measures(spans: list[Span]) -> tuple[float, float, float, float]:
         max(s.end_s for s in computed) - start,
         max(s.end_s for s in spans) - start,
     )
+
+
+def _weight_durations(spans: Sequence[Span]) -> list[float]:
+    return [s.end_s - s.start_s for s in spans if s.phase is Phase.WEIGHT]
 
 
 def _pipeline_length(prediction: Prediction) -> float:

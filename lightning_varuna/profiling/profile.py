@@ -96,9 +96,11 @@ class RuntimeOverheads:
     """What a real pipelined step costs beyond the profiled segments, learned from measured steps (`calibrate`):
     the user's step and the runtime's bookkeeping around each forward and backward (a constant and a part that
     grows with the micro-batch's rows), the delay of a message over its measured transfer time, the per-step
-    work after the last backward (sharing the logged values, Lightning's hooks), and with replicas, how long the
+    work after the last backward (sharing the logged values, Lightning's hooks), with replicas, how long the
     gradient all-reduce waits for the slowest one, as a share of the pipeline's length (replicas sharing cores
-    drift apart)."""
+    drift apart), and how many times its profiled time a weight pass of a split backward takes when it runs
+    deferred behind other work (learned from a run whose schedule splits the backward; None without one: as
+    profiled)."""
 
     forward_s: float = 0.0
     backward_s: float = 0.0
@@ -107,13 +109,15 @@ class RuntimeOverheads:
     forward_per_row_s: float = 0.0
     backward_per_row_s: float = 0.0
     replica_lag: float = 0.0
+    weight_factor: float | None = None
 
     def __str__(self) -> str:
         return (
             f"per forward {self.forward_s * 1e3:.2f} ms + {self.forward_per_row_s * 1e3:.2f} ms per row, per backward "
             f"{self.backward_s * 1e3:.2f} ms + {self.backward_per_row_s * 1e3:.2f} ms per row, per message "
             f"{self.message_s * 1e3:.2f} ms, per step {self.step_s * 1e3:.2f} ms, waiting for replicas "
-            f"{self.replica_lag:.1%} of the pipeline"
+            f"{self.replica_lag:.1%} of the pipeline, weight passes "
+            + ("as profiled" if self.weight_factor is None else f"{self.weight_factor:.2f}x their profiled time")
         )
 
     def forward(self, rows: int) -> float:

@@ -275,7 +275,9 @@ def _run_pipeline(
         if (stage, m) not in split:
             return cost.backward_s + overheads.backward(sizes[m])
         input_part, weight_part = cost.split_s
-        return input_part + overheads.backward(sizes[m]) if action.phase is Phase.BACKWARD else weight_part
+        if action.phase is Phase.BACKWARD:  # a first stage's input takes no gradient: its input part does nothing
+            return input_part + overheads.backward(sizes[m]) if input_part else 0.0
+        return weight_part * (1.0 if overheads.weight_factor is None else overheads.weight_factor)
 
     def ready_at(rank: int, action: Action) -> float | None:
         """When ``rank`` may start ``action``: its dependencies finished and their messages arrived."""
