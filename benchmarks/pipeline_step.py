@@ -28,7 +28,10 @@ fresh processes:
 A step is forward + backward + ``AdamW.step`` (the model's own optimizer) + ``zero_grad``. The Lightning variants time
 ``on_train_batch_start`` -> ``on_train_batch_end`` with a Callback; the bare variants time the same work in a loop
 (one barrier before it). The bare runtime sums the gradient of the tied embedding / LM head over the two stages
-as VarunaStrategy does; torch.distributed.pipelining has no such sync and skips it. The ``dp-accumulate`` variants
+as VarunaStrategy does; torch.distributed.pipelining has no such sync and skips it (each of its stages keeps a copy
+of the tied weight and trains it apart). The ``*-codegen-tied*`` variants add that sum to torch's schedule after each
+step (over the copies, on the ranks that hold one), as a user of it must to train this GPT as one device does: ours
+and torch's then do the same work. The ``dp-accumulate`` variants
 run one stage x 2 replicas with ``accumulate_grad_batches=4``; their step is one optimizer step (4 batches).
 The step time of a variant is the median over the timed steps after the warm-up, taken per rank; the table shows
 the slowest rank. Every process runs ``torch.set_num_threads(1)`` (and ``OMP_NUM_THREADS=1``), so 2 processes on 2
@@ -58,7 +61,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +118,9 @@ class Variant:
     microbatches: int = 0  # micro-batches per step (0: the config's)
     accumulate: int = 1  # varuna-lightning: accumulate_grad_batches; a step is then one optimizer step
     reduce_every_batch: bool = False  # varuna-lightning: all-reduce after every accumulated batch (timing only)
+    # torch-pipelining: after each step, sum the gradient of the tied embedding / LM head over the copies torch's stages
+    # keep of it (each stage its own, trained apart otherwise), as VarunaStrategy sums it over its stages.
+    tied_sum: bool = False
 
 
 VARIANTS = [
@@ -260,6 +266,15 @@ VARIANTS = [
     Variant("ddp-lightning", "ddp", 2, None, "Trainer.fit + DDP, 2 replicas x batch 8"),
     Variant("single-lightning", "single", 1, None, "Trainer.fit, 1 process, batch 16"),
     Variant("single-bare", "single-bare", 1, None, "plain PyTorch loop, 1 process, batch 16 (no Lightning)"),
+]
+# torch's schedules on our stage modules doing our work: the tied weight's gradient summed over its copies, as a user of
+# torch.distributed.pipelining must to train this GPT as one device does.
+VARIANTS += [
+    replace(
+        v, name=v.name.replace("-codegen", "-codegen-tied"), tied_sum=True, description=v.description + ", tied sum"
+    )
+    for v in VARIANTS
+    if v.codegen and v.schedule in ("1f1b", "interleaved-1f1b")
 ]
 
 
@@ -502,6 +517,7 @@ def run_torch_pipelining(cfg: Config, variant: Variant) -> dict[str, Any]:
         else range(rank, world * variant.stages_per_rank, world)
     )
     stages = [pipe.build_stage(stage, torch.device("cpu")) for stage in held]
+    tied_names = _tied_parameter_names(model)
     if variant.schedule == "zbv":
         _skip_warmup_messages_to_self(stages)
     del pipe, model
@@ -516,12 +532,45 @@ def run_torch_pipelining(cfg: Config, variant: Variant) -> dict[str, Any]:
         schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[variant.schedule]
         schedule = schedule_cls(stages[0], n_microbatches=microbatches, loss_fn=lm_loss)  # grads scaled by 1/M
     params = [p for stage in stages for p in stage.submod.parameters()]
+    sum_tied = _tied_gradient_sum(stages, tied_names) if variant.tied_sum else None
 
     def forward_backward(x: Tensor, y: Tensor) -> None:
         schedule.step(x, target=y, losses=[])
+        if sum_tied is not None:
+            sum_tied()
 
     timings = time_steps(cfg, batches, forward_backward, params)
     return {"rank": rank, **timings, "param_bytes": param_bytes(params), "boundary": boundaries_of(cfg, variant)}
+
+
+def _tied_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The names under which a parameter is used more than once (the GPT's tied embedding and LM head)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {name for group in names.values() if len(group) > 1 for name in group}
+
+
+def _tied_gradient_sum(stages: list[Any], tied_names: set[str]) -> Callable[[], None]:
+    """A function that sums the gradients of the copies torch's ``stages`` keep of the tied parameters, over the ranks
+    that hold one, and gives each copy the sum (all ranks call this set-up together)."""
+    copies = list(
+        {id(p): p for stage in stages for n, p in stage.submod.named_parameters() if n in tied_names}.values()
+    )
+    holds = [False] * dist.get_world_size()
+    dist.all_gather_object(holds, bool(copies))
+    group = dist.new_group([rank for rank, held in enumerate(holds) if held])
+
+    def sum_tied() -> None:
+        if not copies:
+            return
+        total = torch.stack([p.grad for p in copies if p.grad is not None]).sum(0)
+        if sum(holds) > 1:
+            dist.all_reduce(total, group=group)
+        for p in copies:
+            p.grad = total.clone()
+
+    return sum_tied
 
 
 def run_single_bare(cfg: Config, variant: Variant) -> dict[str, Any]:
@@ -725,6 +774,18 @@ COMPARISONS = [
                 f"torch-pipelining-interleaved-codegen-mb{mb}",
             ),
             (
+                f"interleaved: bare runtime over torch's ScheduleInterleaved1F1B on the same stage modules, with "
+                f"the tied sum, {mb} micro-batches",
+                f"varuna-runtime-interleaved-mb{mb}",
+                f"torch-pipelining-interleaved-codegen-tied-mb{mb}",
+            ),
+            (
+                f"1F1B: bare runtime over torch's Schedule1F1B on the same stage modules with the tied sum, {mb} "
+                "micro-batches",
+                "varuna-runtime-1f1b" if mb == 4 else "varuna-runtime-1f1b-mb8",
+                "torch-pipelining-1f1b-codegen-tied" if mb == 4 else "torch-pipelining-1f1b-codegen-tied-mb8",
+            ),
+            (
                 f"interleaved over 1F1B, torch on the same stage modules, {mb} micro-batches",
                 f"torch-pipelining-interleaved-codegen-mb{mb}",
                 "torch-pipelining-1f1b-codegen" if mb == 4 else "torch-pipelining-1f1b-codegen-mb8",
@@ -800,6 +861,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=Config.steps, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=Config.warmup, help="untimed steps first")
+    parser.add_argument("--dim", type=int, default=Config.dim, help="the GPT's width (a small one: per-action costs)")
+    parser.add_argument("--heads", type=int, default=Config.heads, help="attention heads (they divide --dim)")
+    parser.add_argument("--block-size", type=int, default=Config.block_size, help="tokens per window")
     parser.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS], default=[v.name for v in VARIANTS])
     parser.add_argument(
         "--rounds", type=int, default=1, help="run the variants this many times, in turn; report each one's median run"
@@ -816,7 +880,7 @@ def main() -> None:
         worker(args.worker, Config(**json.loads(args.config)), Path(args.out))
         return
 
-    cfg = Config(steps=args.steps, warmup=args.warmup)
+    cfg = Config(steps=args.steps, warmup=args.warmup, dim=args.dim, heads=args.heads, block_size=args.block_size)
     meta = header(cfg)
     print(
         f"torch {meta['torch']}, lightning {meta['lightning']}, python {meta['python']}, {meta['cpu_count']} CPUs, "
