@@ -368,8 +368,13 @@ def test_calibration_learns_how_much_longer_deferred_weight_passes_take():
         simulate(calibrated, zbv).step_s
         > simulate(replace(truth, overheads={2: replace(costs, weight_factor=None)}), zbv).step_s
     )
+    assert ModelProfile.from_json(calibrated.to_json()) == calibrated
     unsplit = calibrate(synthetic(), [(gpipe, simulate(truth, gpipe, timeline=True).timeline)])
     assert unsplit.overheads[2].weight_factor is None
+    # Runs that all split the backward teach the other costs and the weight passes' together.
+    alone = calibrate(synthetic(), [(zero_bubble, simulate(truth, zero_bubble, timeline=True).timeline)])
+    assert alone.overheads[2].weight_factor == pytest.approx(1.5, rel=1e-4)
+    assert simulate(alone, zero_bubble).step_s == pytest.approx(simulate(truth, zero_bubble).step_s, rel=1e-4)
 
 
 @pytest.mark.slow  # the CLI measures collectives between 2 processes

@@ -26,6 +26,7 @@ from lightning_varuna.profiling.trace import Span
 __all__ = ["calibrate", "calibrate_spilled", "measured_step_s"]
 
 _ROUNDS = 3  # the costs of one configuration depend on each other a little: fit them in turn, a few times
+_MAX_WEIGHT_FACTOR = 16.0
 
 
 def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[Span]]]) -> ModelProfile:
@@ -36,9 +37,11 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
         by_processes.setdefault(config.processes_per_node, []).append((config, spans))
     combined = {}
     for processes, runs in by_processes.items():
-        # A split backward's weight passes are learned apart, with the costs the other runs teach.
+        # A split backward's weight passes are learned apart, with the costs the other runs teach (if there are any
+        # others: else with those costs, in `_fit`).
         split = [(c, spans) for c, spans in runs if _weight_durations(spans)]
-        runs = [(c, spans) for c, spans in runs if not _weight_durations(spans)] or runs
+        unsplit = [(c, spans) for c, spans in runs if not _weight_durations(spans)]
+        runs = unsplit or runs
         # Replicas wait for each other at the all-reduce; the costs of a step are learned from runs without them.
         alone = [(c, spans) for c, spans in runs if c.data_parallel_size == 1] or runs
         overheads = _combine([(c.micro_batch_size, _fit(profile, c, spans)) for c, spans in alone])
@@ -46,7 +49,7 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
         if replicated:
             with_overheads = replace(profile, overheads={**profile.overheads, processes: overheads})
             overheads.replica_lag = statistics.mean(_replica_lag(with_overheads, c, spans) for c, spans in replicated)
-        if split:
+        if split and unsplit:
             with_overheads = replace(profile, overheads={**profile.overheads, processes: overheads})
             overheads.weight_factor = statistics.mean(_weight_factor(with_overheads, c, spans) for c, spans in split)
         combined[processes] = overheads
@@ -95,6 +98,9 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
         fitted.backward_s = _solve(
             lambda x: _mean_duration(predict(replace(fitted, backward_s=x)), Phase.BACKWARD) - backward
         )
+        if _weight_durations(measured):
+            with_fitted = replace(profile, overheads={**profile.overheads, config.processes_per_node: fitted})
+            fitted.weight_factor = _weight_factor(with_fitted, config, measured)
         if config.pipeline_parallel_size > 1:
             fitted.message_s = _solve(lambda x: _pipeline_length(predict(replace(fitted, message_s=x))) - pipeline)
     fitted.step_s = max(0.0, step - predict(fitted).step_s)
@@ -119,7 +125,7 @@ def _weight_factor(profile: ModelProfile, config: Config, measured: Sequence[Spa
         return simulate(replace(profile, overheads={**profile.overheads, config.processes_per_node: costs}), config,
                         timeline=True)  # fmt: skip
 
-    return _solve(lambda x: _mean_duration(predict(x), Phase.WEIGHT) - weight, high=8.0)
+    return _solve(lambda x: _mean_duration(predict(x), Phase.WEIGHT) - weight, high=_MAX_WEIGHT_FACTOR)
 
 
 def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
@@ -128,6 +134,7 @@ def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
     rows = [mb for mb, _ in fits]
     forward_s, forward_per_row_s = _line(rows, [o.forward_s for _, o in fits])
     backward_s, backward_per_row_s = _line(rows, [o.backward_s for _, o in fits])
+    weight_factors = [o.weight_factor for _, o in fits if o.weight_factor is not None]  # if fitted with the rest
     return RuntimeOverheads(
         forward_s=forward_s,
         backward_s=backward_s,
@@ -135,6 +142,7 @@ def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
         step_s=statistics.mean(o.step_s for _, o in fits),
         forward_per_row_s=forward_per_row_s,
         backward_per_row_s=backward_per_row_s,
+        weight_factor=statistics.mean(weight_factors) if weight_factors else None,
     )
 
 

@@ -276,7 +276,7 @@ def _run_pipeline(
             return cost.backward_s + overheads.backward(sizes[m])
         input_part, weight_part = cost.split_s
         if action.phase is Phase.BACKWARD:  # a first stage's input takes no gradient: its input part does nothing
-            return input_part + overheads.backward(sizes[m]) if input_part else 0.0
+            return 0.0 if stage == 0 else input_part + overheads.backward(sizes[m])
         return weight_part * (1.0 if overheads.weight_factor is None else overheads.weight_factor)
 
     def ready_at(rank: int, action: Action) -> float | None:
