@@ -517,7 +517,7 @@ def run_torch_pipelining(cfg: Config, variant: Variant) -> dict[str, Any]:
         else range(rank, world * variant.stages_per_rank, world)
     )
     stages = [pipe.build_stage(stage, torch.device("cpu")) for stage in held]
-    tied_names = _tied_parameter_names(model)
+    sum_tied = _tied_gradient_sum(pipe, stages) if variant.tied_sum else None
     if variant.schedule == "zbv":
         _skip_warmup_messages_to_self(stages)
     del pipe, model
@@ -532,7 +532,6 @@ def run_torch_pipelining(cfg: Config, variant: Variant) -> dict[str, Any]:
         schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[variant.schedule]
         schedule = schedule_cls(stages[0], n_microbatches=microbatches, loss_fn=lm_loss)  # grads scaled by 1/M
     params = [p for stage in stages for p in stage.submod.parameters()]
-    sum_tied = _tied_gradient_sum(stages, tied_names) if variant.tied_sum else None
 
     def forward_backward(x: Tensor, y: Tensor) -> None:
         schedule.step(x, target=y, losses=[])
@@ -543,32 +542,31 @@ def run_torch_pipelining(cfg: Config, variant: Variant) -> dict[str, Any]:
     return {"rank": rank, **timings, "param_bytes": param_bytes(params), "boundary": boundaries_of(cfg, variant)}
 
 
-def _tied_parameter_names(model: torch.nn.Module) -> set[str]:
-    """The names under which a parameter is used more than once (the GPT's tied embedding and LM head)."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {name for group in names.values() if len(group) > 1 for name in group}
-
-
-def _tied_gradient_sum(stages: list[Any], tied_names: set[str]) -> Callable[[], None]:
-    """A function that sums the gradients of the copies torch's ``stages`` keep of the tied parameters, over the ranks
-    that hold one, and gives each copy the sum (all ranks call this set-up together)."""
-    copies = list(
-        {id(p): p for stage in stages for n, p in stage.submod.named_parameters() if n in tied_names}.values()
-    )
-    holds = [False] * dist.get_world_size()
-    dist.all_gather_object(holds, bool(copies))
-    group = dist.new_group([rank for rank, held in enumerate(holds) if held])
+def _tied_gradient_sum(pipe: Any, stages: list[Any]) -> Callable[[], None]:
+    """A function that sums the gradients of the copies torch's stages keep of a parameter that several stages use
+    (`Pipe.replicated_params`: each stage trains its own copy otherwise) over the ranks that hold one, and gives each
+    copy the sum. All ranks call this set-up together."""
+    groups = []
+    for uses in pipe.replicated_params:  # {stage module name: the parameter's name in it}
+        modules = {id(getattr(pipe.split_gm, name)): qualname for name, qualname in uses.items()}
+        copies = [
+            stage.submod.get_parameter(modules[id(stage.submod)]) for stage in stages if id(stage.submod) in modules
+        ]
+        held = [0] * dist.get_world_size()
+        dist.all_gather_object(held, len(copies))
+        if sum(held) != len(uses):
+            raise RuntimeError(f"Found {sum(held)} copies of a parameter that {len(uses)} stages use: {uses}")
+        groups.append((copies, dist.new_group([rank for rank, n in enumerate(held) if n]), sum(map(bool, held))))
 
     def sum_tied() -> None:
-        if not copies:
-            return
-        total = torch.stack([p.grad for p in copies if p.grad is not None]).sum(0)
-        if sum(holds) > 1:
-            dist.all_reduce(total, group=group)
-        for p in copies:
-            p.grad = total.clone()
+        for copies, group, ranks in groups:
+            if not copies:
+                continue
+            total = torch.stack([p.grad for p in copies]).sum(0)
+            if ranks > 1:
+                dist.all_reduce(total, group=group)
+            for p in copies:
+                p.grad = total.clone()
 
     return sum_tied
 
