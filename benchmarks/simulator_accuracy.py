@@ -10,7 +10,9 @@ Run from the repository root (about 12 minutes on 2 CPU cores)::
    them) for every configuration in ``CONFIGS`` on a global batch of 16, in fresh processes, and takes the median
    step time (``on_train_batch_start`` -> ``on_train_batch_end`` on rank 0) after a warm-up. Before each run it
    waits for other processes to leave the CPUs idle.
-   The runs of 3. and 2. alternate, so a drift of this VM's speed touches both alike.
+   The runs of 3. and 2. alternate, so a drift of this VM's speed touches both alike; ``--repeats N`` runs them all
+   N times in turn, and each configuration's step is the median of its runs (its calibration, the median traced step
+   of all of them).
 3. Calibrates the profile (``lightning_varuna.profiling.calibration``) with the measured timelines (5 steps; the
    median counts) of two more configurations per process count and one with replicas for 2 and 4 processes
    (``CALIBRATION``, none of them among ``CONFIGS``).
@@ -37,12 +39,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from itertools import zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lightning_varuna.profiling.profile import ModelProfile
+    from lightning_varuna.profiling.trace import Span
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -97,6 +101,7 @@ SPILLED_PROFILE = RESULTS / "gpt.spilled.profile.json"
 SPILLED = [("host", 1.0), ("disk", 1.0), ("host", 1.5), ("disk", 1.5), ("host", 3.0), ("disk", 3.0)]
 # One held-out spilled configuration per tier: its measured step calibrates the tier's compute factor.
 SPILLED_CALIBRATION = [("host", 2.0), ("disk", 2.0)]
+_STEPS_APART = 10_000  # the steps of a configuration's repeats, told apart in its traces
 
 
 def worker(config: list, out: str, warmup: int, steps: int) -> None:
@@ -268,6 +273,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reuse-profile", action="store_true", help="keep an existing profile")
     parser.add_argument(
+        "--repeats", type=int, default=1, help="measure every configuration this many times, in turn (the median)"
+    )
+    parser.add_argument(
         "--quiet-wait", type=float, default=60.0, help="seconds to wait at most for idle CPUs before each run"
     )
     parser.add_argument(
@@ -311,14 +319,18 @@ def main() -> None:
     measure(CONFIGS[0], args.warmup, args.steps)  # discarded: the first run after start is slower on this VM
     configs = SCHEDULE_CONFIGS if args.only == "schedules" else CONFIGS
     calibration = CALIBRATION + SPLIT_CALIBRATION if args.only == "schedules" else CALIBRATION
-    step_s = {}
-    for config in (c for pair in zip_longest(calibration, configs) for c in pair if c):
-        step_s[config] = measure(config, args.warmup, args.steps)
-        print(f"measured {_name(config)}: {step_s[config] * 1e3:.1f} ms", flush=True)
-    measured = []
-    for config in calibration:
-        spans, metadata = read_chrome_trace((TRACES / f"{_name(config)}.measured.json").read_text())
-        measured.append((Config(**metadata["config"]), spans))
+    runs: dict[tuple, list[float]] = {}
+    traced: dict[tuple, tuple[Config, list[Span]]] = {}  # of the calibration's configurations: every repeat's steps
+    for repeat in range(args.repeats):
+        for config in (c for pair in zip_longest(calibration, configs) for c in pair if c):
+            runs.setdefault(config, []).append(measure(config, args.warmup, args.steps))
+            print(f"measured {_name(config)}: {runs[config][-1] * 1e3:.1f} ms", flush=True)
+            if config in calibration:
+                spans, metadata = read_chrome_trace((TRACES / f"{_name(config)}.measured.json").read_text())
+                _, steps = traced.setdefault(config, (Config(**metadata["config"]), []))
+                steps += [replace(span, step=repeat * _STEPS_APART + span.step) for span in spans]
+    step_s = {config: statistics.median(times) for config, times in runs.items()}
+    measured = [traced[config] for config in calibration]
     calibrated = calibrate(profile, measured)
     calibrated.save(str(CALIBRATED_PROFILE))
     print("calibrated with " + ", ".join(map(_name, calibration)) + ":", flush=True)
