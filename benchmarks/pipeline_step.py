@@ -556,14 +556,15 @@ def _tied_gradient_sum(pipe: Any, stages: list[Any]) -> Callable[[], None]:
         dist.all_gather_object(held, len(copies))
         if sum(held) != len(uses):
             raise RuntimeError(f"Found {sum(held)} copies of a parameter that {len(uses)} stages use: {uses}")
-        groups.append((copies, dist.new_group([rank for rank, n in enumerate(held) if n]), sum(map(bool, held))))
+        holders = [rank for rank, n in enumerate(held) if n]
+        groups.append((copies, dist.new_group(holders), len(holders)))
 
     def sum_tied() -> None:
-        for copies, group, ranks in groups:
+        for copies, group, holders in groups:
             if not copies:
                 continue
             total = torch.stack([p.grad for p in copies]).sum(0)
-            if ranks > 1:
+            if holders > 1:
                 dist.all_reduce(total, group=group)
             for p in copies:
                 p.grad = total.clone()

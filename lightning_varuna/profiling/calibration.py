@@ -39,18 +39,17 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
     for processes, runs in by_processes.items():
         # A split backward's weight passes are learned apart, with the costs the other runs teach (if there are any
         # others: else with those costs, in `_fit`).
-        split = [(c, spans) for c, spans in runs if _weight_durations(spans)]
-        unsplit = [(c, spans) for c, spans in runs if not _weight_durations(spans)]
+        split = [(c, spans) for c, spans in runs if _splits_backward(spans)]
+        unsplit = [(c, spans) for c, spans in runs if not _splits_backward(spans)]
         runs = unsplit or runs
         # Replicas wait for each other at the all-reduce; the costs of a step are learned from runs without them.
         alone = [(c, spans) for c, spans in runs if c.data_parallel_size == 1] or runs
         overheads = _combine([(c.micro_batch_size, _fit(profile, c, spans)) for c, spans in alone])
         replicated = [(c, spans) for c, spans in runs if c.data_parallel_size > 1]
+        with_overheads = _with_overheads(profile, processes, overheads)  # sees what is set on ``overheads`` below
         if replicated:
-            with_overheads = replace(profile, overheads={**profile.overheads, processes: overheads})
             overheads.replica_lag = statistics.mean(_replica_lag(with_overheads, c, spans) for c, spans in replicated)
         if split and unsplit:
-            with_overheads = replace(profile, overheads={**profile.overheads, processes: overheads})
             overheads.weight_factor = statistics.mean(_weight_factor(with_overheads, c, spans) for c, spans in split)
         combined[processes] = overheads
     return replace(profile, overheads={**profile.overheads, **combined})
@@ -87,8 +86,9 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
     forward, backward, pipeline, step = (statistics.median(x) for x in zip(*map(_measures, _by_step(measured))))
 
     def predict(overheads: RuntimeOverheads) -> Prediction:
-        with_overheads = replace(profile, overheads={**profile.overheads, config.processes_per_node: overheads})
-        return simulate(with_overheads, config, timeline=True)
+        return simulate(_with_overheads(profile, config.processes_per_node, overheads), config, timeline=True)
+
+    splits_backward = _splits_backward(measured)
 
     fitted = RuntimeOverheads()
     for _ in range(_ROUNDS):
@@ -98,9 +98,10 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
         fitted.backward_s = _solve(
             lambda x: _mean_duration(predict(replace(fitted, backward_s=x)), Phase.BACKWARD) - backward
         )
-        if _weight_durations(measured):
-            with_fitted = replace(profile, overheads={**profile.overheads, config.processes_per_node: fitted})
-            fitted.weight_factor = _weight_factor(with_fitted, config, measured)
+        if splits_backward:
+            fitted.weight_factor = _weight_factor(
+                _with_overheads(profile, config.processes_per_node, fitted), config, measured
+            )
         if config.pipeline_parallel_size > 1:
             fitted.message_s = _solve(lambda x: _pipeline_length(predict(replace(fitted, message_s=x))) - pipeline)
     fitted.step_s = max(0.0, step - predict(fitted).step_s)
@@ -118,12 +119,11 @@ def _weight_factor(profile: ModelProfile, config: Config, measured: Sequence[Spa
     """How many times their profiled time the weight passes of ``config`` take, so that the simulated ones last as
     long as the measured ones (their mean, the median over the steps)."""
     weight = statistics.median(statistics.mean(_weight_durations(spans)) for spans in _by_step(measured))
-    overheads = profile.overheads[config.processes_per_node]
+    processes = config.processes_per_node
 
     def predict(factor: float) -> Prediction:
-        costs = replace(overheads, weight_factor=factor)
-        return simulate(replace(profile, overheads={**profile.overheads, config.processes_per_node: costs}), config,
-                        timeline=True)  # fmt: skip
+        costs = replace(profile.overheads[processes], weight_factor=factor)
+        return simulate(_with_overheads(profile, processes, costs), config, timeline=True)
 
     return _solve(lambda x: _mean_duration(predict(x), Phase.WEIGHT) - weight, high=_MAX_WEIGHT_FACTOR)
 
@@ -181,6 +181,15 @@ def _measures(spans: list[Span]) -> tuple[float, float, float, float]:
 
 def _weight_durations(spans: Sequence[Span]) -> list[float]:
     return [s.end_s - s.start_s for s in spans if s.phase is Phase.WEIGHT]
+
+
+def _splits_backward(spans: Sequence[Span]) -> bool:
+    return any(s.phase is Phase.WEIGHT for s in spans)
+
+
+def _with_overheads(profile: ModelProfile, processes: int, overheads: RuntimeOverheads) -> ModelProfile:
+    """``profile`` with ``overheads`` for ``processes`` processes per node (the same object: later changes show)."""
+    return replace(profile, overheads={**profile.overheads, processes: overheads})
 
 
 def _pipeline_length(prediction: Prediction) -> float:
