@@ -1,36 +1,41 @@
-"""One Optuna study run three ways on D CPU devices, side by side: as Optuna users parallelize it, as a task queue
+"""One Optuna study run several ways on D CPU devices, side by side: as Optuna users parallelize it, as a task queue
 would, and with `MultiModelTrainer.optimize`.
 
-Run from the repository root (about 4 minutes on 2 CPU cores)::
+Run from the repository root (about 3 minutes on 2 CPU cores)::
 
     python benchmarks/model_selection.py
 
 The study: ``--trials`` trials (16) of `lightning_varuna.demos.MLP` regressors of unequal sizes and lengths (width
-512 or 1024, 2 to 6 layers, 40 to 160 steps, the learning rate), sampled by a seeded `RandomSampler` (the same
-parameters for trial n in every run), pruned by `SuccessiveHalvingPruner` on ``val_loss`` reported every 10 steps,
-minimized. A device is one core (one torch thread). Three ways, each in fresh processes against its own journal
-file:
+512 or 1024, 2 to 6 layers, 40 to 160 steps, the learning rate), drawn once by a seeded `RandomSampler` and enqueued
+in every way's study (trial n is the same model in every way and run), pruned by `SuccessiveHalvingPruner` on
+``val_loss`` reported every 10 steps, minimized. A device is one core (one torch thread). The ways, each in fresh
+processes against its own journal file:
 
 * ``optuna-workers``: D worker processes, each ``study.optimize(objective)`` with a plain Lightning Trainer (as
   Optuna's documentation parallelizes a study), until the study holds the trials;
 * ``task-queue``: one process, ``study.optimize(objective, n_jobs=D)``: D threads each taking the next trial, one
   trial per device as a task queue runs them;
-* ``sweep``: ``MultiModelTrainer(devices=D).optimize(study, build, ...)``: up to 2D trials at once, their forwards,
-  backwards and optimizer steps taking turns on the D devices, longest remaining time (to the trial's end) first;
-* ``sweep-expected``: the same with ``ranking="expected"``: longest expected remaining time first (the time to a
-  trial's next rung, plus a third of the rest, since the pruner promotes one trial in three).
+* ``sweep``: ``MultiModelTrainer(devices=D).optimize(study, build, ...)``: as it runs by default, D trials at once;
+* ``sweep-2x``: the same with ``max_running=2D``: 2D trials at once, their steps taking turns on the D devices,
+  longest remaining time (to the trial's end) first;
+* ``sweep-expected``: ``max_running=2D`` and ``ranking="expected"``: longest expected remaining time first (the time
+  to a trial's next rung, plus a third of the rest, since the pruner promotes one trial in three).
 
-``--ways`` runs some of them only (e.g. ``--ways sweep sweep-expected``, about 3 minutes).
+``--ways`` runs some of them only (e.g. ``--ways sweep sweep-2x sweep-expected``). ``--pruner none`` runs the study
+unpruned: every way then trains the same steps of the same trials, where with a pruner the order in which trials
+report changes which ones it stops.
 
 ``--accelerator gpu --devices 1`` runs the same study on one GPU (the trials' Trainers and the sweep on
 ``accelerator="gpu"``); the busy column is then the GPU's, sampled from NVML's utilization (the share of time a kernel
-ran) while each way runs, and each trial alone is timed in one process after a warm-up fit (on the CPU: each in a
-fresh process, as before).
+ran) while each way runs.
 
-For each: the makespan (from the first trial's start to the last one's end), trials complete and pruned, the best
-value and when it was found, and the devices' busy time; against the lower bound max(Σ tᵢ / D, max tᵢ), tᵢ being
-trial i trained alone with plain Lightning for the steps it actually ran (measured after the three runs, each
-distinct (model, steps) once). Writes ``benchmarks/results/model_selection.json``.
+For each: the makespan (from the first of its processes being ready, its imports done, to the last one's end, the
+ends of its fits included), trials complete and pruned, the best value and when it was found, and the devices' busy
+time; against the lower bound max(Σ tᵢ / D, max tᵢ), tᵢ being trial i trained alone with plain Lightning for the
+steps it actually ran (measured after the ways ran, each distinct (model, steps) once, all in one process after a
+warm-up fit: a process's first fit pays one-off costs that every way pays once, not once a trial). Writes
+``benchmarks/results/model_selection.json`` (``_unpruned``, ``_gpu`` added to the name for ``--pruner none`` and on
+a GPU).
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ from lightning_varuna.multimodel.scheduler import Ranking
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "model_selection.json"
-WAYS = ["optuna-workers", "task-queue", "sweep", "sweep-expected"]
+WAYS = ["optuna-workers", "task-queue", "sweep", "sweep-2x", "sweep-expected"]
 BATCH, VAL_EVERY = 64, 10
 QUIET: dict[str, Any] = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
 VALIDATION: dict[str, Any] = {
@@ -88,12 +93,32 @@ def model_and_loaders(width: int, layers: int, lr: float) -> tuple[MLP, DataLoad
     return MLP(width, layers, lr=lr), DataLoader(data, batch_size=BATCH), DataLoader(data, batch_size=256)
 
 
+def trial_parameters(trials: int) -> list[dict[str, Any]]:
+    """The parameters of the study's trials, drawn once by a seeded `RandomSampler`: every way enqueues them, so that
+    trial n is the same model in all of them (D workers, each with its own seeded sampler, would otherwise draw the
+    same parameters twice, and threads sharing one would draw them in a different order every run)."""
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    drawn = []
+    for _ in range(trials):
+        trial = study.ask()
+        suggest(trial)
+        drawn.append(trial.params)
+        study.tell(trial, 0.0)
+    return drawn
+
+
+PRUNERS = ["successive-halving", "none"]
+
+
 def open_study(folder: Path) -> optuna.Study:
+    """The way's study in ``folder``, pruned as ``folder / "pruner"`` names (one of `PRUNERS`)."""
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(folder / "study.log")))
+    pruner: optuna.pruners.BasePruner = optuna.pruners.NopPruner()
+    if (folder / "pruner").read_text() == "successive-halving":
+        pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=VAL_EVERY, reduction_factor=3)
     return optuna.create_study(
         study_name="select", storage=storage, load_if_exists=True, direction="minimize",
-        sampler=optuna.samplers.RandomSampler(seed=0),
-        pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=VAL_EVERY, reduction_factor=3),
+        sampler=optuna.samplers.RandomSampler(seed=0), pruner=pruner,
     )  # fmt: skip
 
 
@@ -141,7 +166,9 @@ def run_task_queue(folder: Path, trials: int, devices: int, accelerator: str) ->
     open_study(folder).optimize(functools.partial(objective, accelerator=accelerator), n_trials=trials, n_jobs=devices)
 
 
-def run_sweep(folder: Path, trials: int, devices: int, ranking: Ranking, accelerator: str) -> None:
+def run_sweep(
+    folder: Path, trials: int, devices: int, ranking: Ranking, max_running: int | None, accelerator: str
+) -> None:
     study = open_study(folder)
 
     class Times(L.Callback):
@@ -170,9 +197,21 @@ def run_sweep(folder: Path, trials: int, devices: int, ranking: Ranking, acceler
         enable_progress_bar=False,
         ranking=ranking,
     )
-    sweep.optimize(study, build, n_trials=trials, monitor="val_loss")
+    sweep.optimize(study, build, n_trials=trials, monitor="val_loss", max_running=max_running)
     busy = sum(span.end_s - span.start_s for span in sweep.spans)
     (folder / "busy.json").write_text(json.dumps({"busy_s": busy}))
+
+
+def run_worker(way: str, folder: Path, trials: int, devices: int, accelerator: str) -> None:
+    """One process of the way ``way``."""
+    if way == "optuna-workers":
+        run_optuna_worker(folder, trials, accelerator)
+    elif way == "task-queue":
+        run_task_queue(folder, trials, devices, accelerator)
+    else:
+        ranking: Ranking = "expected" if way == "sweep-expected" else "end"
+        max_running = None if way == "sweep" else 2 * devices
+        run_sweep(folder, trials, devices, ranking, max_running, accelerator)
 
 
 def run_way(way: str, folder: Path, trials: int, devices: int, accelerator: str) -> None:
@@ -211,7 +250,7 @@ def gpu_utilization(samples: list[tuple[float, int]]) -> Iterator[None]:
 
 def alone_s(keys: list[tuple[int, int, int, float]], accelerator: str) -> list[float]:
     """The wall time of training each model alone, plain Lightning, one thread, for its ``steps`` (validating as in
-    the study); on a GPU after a warm-up fit."""
+    the study), after a warm-up fit."""
     torch.set_num_threads(1)
 
     def fit(width: int, layers: int, steps: int, lr: float) -> float:
@@ -223,21 +262,16 @@ def alone_s(keys: list[tuple[int, int, int, float]], accelerator: str) -> list[f
         trainer.fit(model, train, val)
         return time.perf_counter() - start
 
-    if accelerator == "gpu":
-        fit(*keys[0])
+    fit(*keys[0])  # warm: a process's first fit pays one-off costs that a way pays once, not once a trial
     return [fit(*key) for key in keys]
 
 
 def measure_alone(keys: list[tuple], accelerator: str) -> dict[tuple, float]:
-    """`alone_s` of each key: on the CPU each in a fresh process, on a GPU all in one."""
+    """`alone_s` of each key, all in one fresh process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    batches = [[key] for key in keys] if accelerator == "cpu" else [keys]
-    alone = {}
-    for batch in batches:
-        command = [sys.executable, __file__, "--alone", json.dumps(batch), f"--accelerator={accelerator}"]
-        times = json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)
-        alone.update(zip(batch, times))
-    return alone
+    command = [sys.executable, __file__, "--alone", json.dumps(keys), f"--accelerator={accelerator}"]
+    times = json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)
+    return dict(zip(keys, times))
 
 
 def summarize(
@@ -245,8 +279,8 @@ def summarize(
 ) -> dict[str, Any]:
     study = open_study(folder)
     trials = [t for t in study.trials if "end" in t.user_attrs]
-    start = min(t.user_attrs["start"] for t in trials)
-    end = max(t.user_attrs["end"] for t in trials)
+    spans = [json.loads(path.read_text()) for path in folder.glob("span-*.json")]
+    start, end = min(span["ready"] for span in spans), max(span["done"] for span in spans)
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     best = min(complete, key=lambda t: t.value)  # type: ignore[arg-type, return-value]
     times = [alone[_key(t)] for t in trials]
@@ -284,18 +318,20 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=WAYS, help="the ways to run (default: all)")
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument(
+        "--pruner", choices=PRUNERS, default=PRUNERS[0], help="none: every way runs the same steps of the same trials"
+    )
     parser.add_argument("--worker", choices=WAYS, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--alone", help=argparse.SUPPRESS)
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if args.worker == "optuna-workers":
-        return run_optuna_worker(Path(args.folder), args.trials, args.accelerator)
-    if args.worker == "task-queue":
-        return run_task_queue(Path(args.folder), args.trials, args.devices, args.accelerator)
-    if args.worker in ("sweep", "sweep-expected"):
-        ranking: Ranking = "expected" if args.worker == "sweep-expected" else "end"
-        return run_sweep(Path(args.folder), args.trials, args.devices, ranking, args.accelerator)
+    if args.worker:
+        ready = time.time()
+        run_worker(args.worker, Path(args.folder), args.trials, args.devices, args.accelerator)
+        span = {"ready": ready, "done": time.time()}
+        (Path(args.folder) / f"span-{os.getpid()}.json").write_text(json.dumps(span))
+        return None
     if args.alone:
         print(json.dumps(alone_s([tuple(key) for key in json.loads(args.alone)], args.accelerator)))
         return None
@@ -308,8 +344,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folders = {way: Path(tmp) / way for way in args.ways}
         gpu_samples: dict[str, list[tuple[float, int]]] = {way: [] for way in args.ways}
+        parameters = trial_parameters(args.trials)
         for way, folder in folders.items():
             folder.mkdir()
+            (folder / "pruner").write_text(args.pruner)
+            study = open_study(folder)
+            for params in parameters:
+                study.enqueue_trial(params)
             started = time.perf_counter()
             with gpu_utilization(gpu_samples[way]) if args.accelerator == "gpu" else nullcontext():
                 run_way(way, folder, args.trials, args.devices, args.accelerator)
@@ -326,7 +367,8 @@ def main() -> None:
             f"| {r['busy_share']:.0%} |"
         )
     header = {"torch": torch.__version__, "lightning": L.__version__, "optuna": optuna.__version__}
-    results = RESULTS if args.accelerator == "cpu" else RESULTS.with_name("model_selection_gpu.json")
+    suffix = ("_gpu" if args.accelerator == "gpu" else "") + ("_unpruned" if args.pruner == "none" else "")
+    results = RESULTS.with_name(f"{RESULTS.stem}{suffix}.json")
     results.write_text(
         json.dumps({**header, "python": platform.python_version(), "args": vars(args), "rows": rows}, indent=2) + "\n"
     )

@@ -108,6 +108,21 @@ class FailAtStep(L.Callback):
             raise RuntimeError("this trial's step failed")
 
 
+def test_by_default_as_many_trials_train_at_once_as_there_are_devices(tmp_path):
+    """More trials at once than devices let the pruner decide with fewer trials at each rung (see
+    docs/model-selection.md): by default a worker trains one per device."""
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    running_at_build: list[int] = []
+
+    def build(trial: optuna.trial.Trial) -> dict:
+        running_at_build.append(len(study.get_trials(states=(optuna.trial.TrialState.RUNNING,))))
+        return trial_kwargs(trial, max_steps=8)
+
+    sweep = MultiModelTrainer(accelerator="cpu", devices=2, checkpoint_dir=str(tmp_path / "ckpt"))
+    sweep.optimize(study, build, n_trials=4, monitor="val_loss")
+    assert len(running_at_build) == 4 and max(running_at_build) == 2
+
+
 def test_a_trial_s_row_says_how_it_ended(tmp_path, capsys):
     """The display's row of a trial that the pruner stopped says "pruned" (not that it stopped early), and a trial
     whose fit raised says "failed"."""

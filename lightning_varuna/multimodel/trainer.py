@@ -277,7 +277,8 @@ class MultiModelTrainer:
 
         ``build(trial)`` suggests a trial's parameters and returns what `add` takes for it (``model`` and the rest
         by name, ``max_steps``, ``callbacks``, a logger...). Up to ``max_running`` trials train at once (default:
-        twice the devices, fewer while host memory would not hold another); each trial reports ``monitor`` after
+        one per device; more take turns on the devices, which helps trials that spill, but lets the pruner decide
+        with fewer trials at each rung, so that more of them go on); each trial reports ``monitor`` after
         every validation, ends at its next step boundary when the study's pruner prunes it, and its value is its
         ``"last"`` or ``"best"`` ``monitor``. SIGTERM, SIGUSR1 or Ctrl-C stop every running trial at its next step
         boundary with a checkpoint under ``checkpoint_dir``, which the next run resumes; several workers (processes,
@@ -303,11 +304,11 @@ class MultiModelTrainer:
         if value not in ("last", "best"):
             raise ValueError(f'`value={value!r}`: a trial\'s value is its "last" or "best" `{monitor}`.')
         preempted = threading.Event()
-        rows = max_running or 2 * self.devices
-        display = self._display = StudyDisplay(rows, study.study_name) if self.enable_progress_bar else None
+        max_running = max_running or self.devices
+        display = self._display = StudyDisplay(max_running, study.study_name) if self.enable_progress_bar else None
         runner = StudyRunner(
             self, study, build, n_trials, monitor, value, self.checkpoint_dir, checkpoint_interval,
-            heartbeat_interval, grace_period, max_running or 2 * self.devices, preempted, display,
+            heartbeat_interval, grace_period, max_running, preempted, display,
         )  # fmt: skip
         if not torch.cuda.is_available():
             register_cuda_device_guard()
