@@ -108,9 +108,9 @@ class FailAtStep(L.Callback):
             raise RuntimeError("this trial's step failed")
 
 
-def test_by_default_as_many_trials_train_at_once_as_there_are_devices(tmp_path):
-    """More trials at once than devices let the pruner decide with fewer trials at each rung (see
-    docs/model-selection.md): by default a worker trains one per device."""
+def optimize_counting_running(tmp_path: Path, n_trials: int) -> tuple[optuna.Study, list[int]]:
+    """A study of ``n_trials`` run on 2 devices as `optimize` runs it by default, and how many of its trials were
+    running as each was built (itself included)."""
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     running_at_build: list[int] = []
 
@@ -119,8 +119,26 @@ def test_by_default_as_many_trials_train_at_once_as_there_are_devices(tmp_path):
         return trial_kwargs(trial, max_steps=8)
 
     sweep = MultiModelTrainer(accelerator="cpu", devices=2, checkpoint_dir=str(tmp_path / "ckpt"))
-    sweep.optimize(study, build, n_trials=4, monitor="val_loss")
+    sweep.optimize(study, build, n_trials=n_trials, monitor="val_loss")
+    return study, running_at_build
+
+
+def test_by_default_as_many_trials_train_at_once_as_there_are_devices(tmp_path):
+    """More trials at once than devices let the pruner decide with fewer trials at each rung (see
+    docs/model-selection.md): by default a worker trains one per device."""
+    study, running_at_build = optimize_counting_running(tmp_path, n_trials=4)
     assert len(running_at_build) == 4 and max(running_at_build) == 2
+
+
+def test_a_trial_waits_for_host_memory_that_holds_it(tmp_path, monkeypatch, caplog):
+    """On a host with less memory available than a trial was measured to need, the next trial starts only once a
+    running one has ended, devices free or not; and the worker says why."""
+    monkeypatch.setattr("lightning_varuna.multimodel.study.available_host_bytes", lambda: 1024)
+    with caplog.at_level("INFO", logger="lightning_varuna.multimodel.study"):
+        study, running_at_build = optimize_counting_running(tmp_path, n_trials=3)
+    assert running_at_build == [1, 1, 1]
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
+    assert "1.0 KiB of host memory is available" in caplog.text and "starts once one ends" in caplog.text
 
 
 def test_a_trial_s_row_says_how_it_ended(tmp_path, capsys):

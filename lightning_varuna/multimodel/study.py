@@ -31,6 +31,8 @@ from lightning_varuna._optuna_private import frozen_trial, set_user_attr
 from lightning_varuna.checkpoint.layout import IncompleteCheckpointError, open_complete
 from lightning_varuna.multimodel.report import ModelResult, StudyDisplay
 from lightning_varuna.multimodel.trial_callback import TrialCallback
+from lightning_varuna.partition.packing import format_bytes
+from lightning_varuna.spilling.planning import available_host_bytes
 from lightning_varuna.storage import Storage, join
 
 if TYPE_CHECKING:
@@ -84,6 +86,10 @@ class Sweep(Protocol):
 
     def forget(self, trainer: pl.Trainer) -> None:
         """Drop the model of ``trainer`` (its fit has ended)."""
+        ...
+
+    def measured_bytes(self, trainer: pl.Trainer) -> int:
+        """What the model of ``trainer`` was measured to need (its parameters until its set-up measured it)."""
         ...
 
     def building(self) -> AbstractContextManager[None]:
@@ -148,6 +154,8 @@ class StudyRunner:
         self.outcomes: list[TrialOutcome] = []
         self._running: dict[int, _Running] = {}  # by trial number
         self._ended: Queue[int] = Queue()
+        self._largest_bytes = 0  # the most that a trial of this worker was measured to need
+        self._held_back = False  # whether a trial waited for host memory (said once)
         self._storage = Storage(sweep.storage_options)
 
     # ------------------------------------------------------------------------------------------------- the loop
@@ -156,12 +164,36 @@ class StudyRunner:
         with self._heartbeats():
             while True:
                 self._take_over_silent_trials()
-                while not self.preempted.is_set() and len(self._running) < self.max_running and self._start_next():
+                while (
+                    not self.preempted.is_set()
+                    and len(self._running) < self.max_running
+                    and self._memory_holds_another()
+                    and self._start_next()
+                ):
                     pass
                 if not self._running and (self.preempted.is_set() or not self._others_may_need_us()):
                     return self.outcomes
                 with contextlib.suppress(Empty):  # nothing ended: time to look for silent trials again
                     self._end(self._ended.get(timeout=self.heartbeat_interval))
+
+    def _memory_holds_another(self) -> bool:
+        """Whether host memory has room for one more trial beside those running: as much available as the most that
+        one of this worker's trials was measured to need. With none running, a trial starts whatever is available."""
+        if not self._running:
+            return True
+        running = [r.result.trainer for r in self._running.values() if r.result is not None]
+        self._largest_bytes = max([self._largest_bytes, *(self.sweep.measured_bytes(t) for t in running)])
+        available = available_host_bytes()
+        if available >= self._largest_bytes:
+            return True
+        if not self._held_back:
+            log.info(
+                f"{len(self._running)} trial(s) train while {format_bytes(available)} of host memory is available, "
+                f"less than a trial was measured to need ({format_bytes(self._largest_bytes)}): the next trial "
+                "starts once one ends."
+            )
+        self._held_back = True
+        return False
 
     def _start_next(self) -> bool:
         """Ask the study for a trial (a retry waiting to be resumed first) and start training it; False if the
@@ -225,6 +257,7 @@ class StudyRunner:
         running = self._running[number]
         result, callback = running.result, running.callback
         assert result is not None
+        self._largest_bytes = max(self._largest_bytes, self.sweep.measured_bytes(result.trainer))
         self.sweep.forget(result.trainer)
         if running.handed_over:
             self._record(running, "handed over", result.steps, result.seconds)

@@ -278,7 +278,8 @@ class MultiModelTrainer:
         ``build(trial)`` suggests a trial's parameters and returns what `add` takes for it (``model`` and the rest
         by name, ``max_steps``, ``callbacks``, a logger...). Up to ``max_running`` trials train at once (default:
         one per device; more take turns on the devices, which helps trials that spill, but lets the pruner decide
-        with fewer trials at each rung, so that more of them go on); each trial reports ``monitor`` after
+        with fewer trials at each rung, so that more of them go on; fewer while host memory would not hold another
+        trial as large as the largest measured); each trial reports ``monitor`` after
         every validation, ends at its next step boundary when the study's pruner prunes it, and its value is its
         ``"last"`` or ``"best"`` ``monitor``. SIGTERM, SIGUSR1 or Ctrl-C stop every running trial at its next step
         boundary with a checkpoint under ``checkpoint_dir``, which the next run resumes; several workers (processes,
@@ -345,6 +346,12 @@ class MultiModelTrainer:
         """While the block builds a model (a study's trial, while others train), no model of the sweep draws from
         torch's global generator or restores its state."""
         return self.scheduler.generator_held("building a model")
+
+    def measured_bytes(self, trainer: pl.Trainer) -> int:
+        """What the model of ``trainer`` was measured to need (parameters, gradients, optimizer state and the
+        activations a step keeps; its parameters alone until its set-up has measured it)."""
+        member = next(m for m in self._members if m.trainer is trainer)
+        return self.scheduler.clock(member.name).size
 
     def forget(self, trainer: pl.Trainer) -> None:
         """Drop the model of ``trainer`` from the sweep (its fit has ended), so that it can be freed."""

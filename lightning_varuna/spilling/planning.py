@@ -350,6 +350,11 @@ def _nbytes(tensor: Tensor) -> int:
 def _free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    return available_host_bytes()
+
+
+def available_host_bytes() -> int:
+    """The host memory that new allocations can take without swapping (Linux's MemAvailable)."""
     return _meminfo("MemAvailable")
 
 
