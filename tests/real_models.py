@@ -42,6 +42,9 @@ class RealModel(L.LightningModule):
         self.log("train_loss", loss, sync_dist=True)  # the mean over replicas, as under DDP
         return loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.step_loss(batch))  # what a study monitors
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # SGD as Lightning's demo Transformer uses: attention's key bias gets a gradient that is zero but for rounding,
         # which Adam would scale up into full-size steps that differ between any two ways of computing it.

@@ -173,3 +173,42 @@ def test_real_models_trained_together_each_as_if_alone():
             torch.tensor(records[name].losses), torch.tensor(expected.losses), rtol=1e-4, atol=1e-5, msg=name
         )
         assert_same_weights(model, references[name], name)
+
+
+def test_a_study_of_real_models_trains_each_trial_spilled_as_if_alone(tmp_path):
+    """`optimize` on models the project did not write: an Optuna study whose trials choose among three Hugging Face
+    models, spilled, two at once on two devices; the pruner stops every other trial at its first report. Each
+    trial's losses, for the steps it ran, and each finished trial's weights equal plain single-device training."""
+    optuna = pytest.importorskip("optuna")
+    names = ["gpt2", "bert", "resnet"]
+    budget = max(budget_for_two_or_more_shards(*build(name)) for name in names)
+    trained: dict[int, tuple[str, L.LightningModule, RecordLosses]] = {}
+
+    class PruneOddTrials(optuna.pruners.BasePruner):
+        def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+            return trial.number % 2 == 1
+
+    def trial_model(trial: optuna.trial.Trial) -> dict:
+        name = names[trial.number % len(names)]
+        model, data = build(name)
+        trained[trial.number] = name, model, RecordLosses()
+        loader = DataLoader(data, batch_size=BATCH)
+        return dict(
+            model=model, train_dataloaders=loader, val_dataloaders=loader, max_steps=4, val_check_interval=2,
+            callbacks=[trained[trial.number][2]], logger=False, enable_checkpointing=False,
+        )  # fmt: skip
+
+    study = optuna.create_study(pruner=PruneOddTrials())
+    sweep = MultiModelTrainer(devices=2, memory_budget=budget, checkpoint_dir=str(tmp_path), enable_progress_bar=False)
+    outcomes = sweep.optimize(study, trial_model, n_trials=4, monitor="val_loss")
+    assert [o.state for o in sorted(outcomes, key=lambda o: o.number)] == ["complete", "pruned"] * 2
+    assert any(len(model.trainer.strategy.shards) >= 2 for _, model, _ in trained.values())  # spilled
+    for number, (name, model, record) in trained.items():
+        reference = build(name)[0]
+        expected = fit(reference, build(name)[1], "auto", steps=len(record.losses))
+        assert len(record.losses) == (2 if number % 2 else 4), name
+        torch.testing.assert_close(
+            torch.tensor(record.losses), torch.tensor(expected.losses), rtol=1e-4, atol=1e-5, msg=name
+        )
+        if number % 2 == 0:
+            assert_same_weights(model, reference, name)
