@@ -25,6 +25,9 @@ processes against its own journal file:
 unpruned: every way then trains the same steps of the same trials, where with a pruner the order in which trials
 report changes which ones it stops.
 
+``--rounds N`` runs every way N times, the ways in turn, and shows each way's run of the median makespan (every
+run's makespan beside it): on a shared machine one run's makespan moves by several percent.
+
 ``--accelerator gpu --devices 1`` runs the same study on one GPU (the trials' Trainers and the sweep on
 ``accelerator="gpu"``); the busy column is then the GPU's, sampled from NVML's utilization (the share of time a kernel
 ran) while each way runs.
@@ -318,6 +321,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=WAYS, help="the ways to run (default: all)")
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every way, in turn; the median makespan's shown")
     parser.add_argument(
         "--pruner", choices=PRUNERS, default=PRUNERS[0], help="none: every way runs the same steps of the same trials"
     )
@@ -342,22 +346,28 @@ def main() -> None:
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:
-        folders = {way: Path(tmp) / way for way in args.ways}
-        gpu_samples: dict[str, list[tuple[float, int]]] = {way: [] for way in args.ways}
+        runs = [(way, n) for n in range(args.rounds) for way in args.ways]  # the ways in turn, round after round
+        folders = {run: Path(tmp) / f"{run[0]}-{run[1]}" for run in runs}
+        gpu_samples: dict[tuple[str, int], list[tuple[float, int]]] = {run: [] for run in runs}
         parameters = trial_parameters(args.trials)
-        for way, folder in folders.items():
+        for (way, n), folder in folders.items():
             folder.mkdir()
             (folder / "pruner").write_text(args.pruner)
             study = open_study(folder)
             for params in parameters:
                 study.enqueue_trial(params)
             started = time.perf_counter()
-            with gpu_utilization(gpu_samples[way]) if args.accelerator == "gpu" else nullcontext():
+            with gpu_utilization(gpu_samples[way, n]) if args.accelerator == "gpu" else nullcontext():
                 run_way(way, folder, args.trials, args.devices, args.accelerator)
-            print(f"  {way:<16} {time.perf_counter() - started:6.1f} s", flush=True)
+            print(f"  round {n + 1}: {way:<16} {time.perf_counter() - started:6.1f} s", flush=True)
         keys = {_key(t) for folder in folders.values() for t in open_study(folder).trials if "end" in t.user_attrs}
         alone = measure_alone(sorted(keys), args.accelerator)
-        rows = [summarize(way, folder, args.devices, alone, gpu_samples[way]) for way, folder in folders.items()]
+        runs_of = {way: [summarize(way, folders[way, n], args.devices, alone, gpu_samples[way, n]) for n in
+                         range(args.rounds)] for way in args.ways}  # fmt: skip
+    rows = []
+    for way_runs in runs_of.values():  # each way's run of the median makespan, with every run's makespan
+        median = sorted(way_runs, key=lambda r: r["makespan_s"])[(len(way_runs) - 1) // 2]
+        rows.append({**median, "makespans_s": [r["makespan_s"] for r in way_runs]})
     print("\n| way | makespan s | bound s | vs bound | complete | pruned | steps | best val_loss | found at s | busy |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -366,6 +376,9 @@ def main() -> None:
             f"| {r['pruned']} | {r['steps_ran']} | {r['best_value']:.4f} | {r['best_found_s']:.1f} "
             f"| {r['busy_share']:.0%} |"
         )
+    if args.rounds > 1:
+        for r in rows:
+            print(f"  {r['way']:<16} makespans: " + ", ".join(f"{m:.1f}" for m in r["makespans_s"]) + " s")
     header = {"torch": torch.__version__, "lightning": L.__version__, "optuna": optuna.__version__}
     suffix = ("_gpu" if args.accelerator == "gpu" else "") + ("_unpruned" if args.pruner == "none" else "")
     results = RESULTS.with_name(f"{RESULTS.stem}{suffix}.json")
