@@ -16,6 +16,7 @@ processes against its own journal file:
 * ``task-queue``: one process, ``study.optimize(objective, n_jobs=D)``: D threads each taking the next trial, one
   trial per device as a task queue runs them;
 * ``sweep``: ``MultiModelTrainer(devices=D).optimize(study, build, ...)``: as it runs by default, D trials at once;
+* ``sweep-processes``: the same with ``processes=True``: a worker of the study in each of D processes;
 * ``sweep-2x``: the same with ``max_running=2D``: 2D trials at once, their steps taking turns on the D devices,
   longest remaining time (to the trial's end) first;
 * ``sweep-expected``: ``max_running=2D`` and ``ranking="expected"``: longest expected remaining time first (the time
@@ -69,7 +70,7 @@ from lightning_varuna.multimodel.scheduler import Ranking
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "model_selection.json"
-WAYS = ["optuna-workers", "task-queue", "sweep", "sweep-2x", "sweep-expected"]
+WAYS = ["optuna-workers", "task-queue", "sweep", "sweep-processes", "sweep-2x", "sweep-expected"]
 BATCH, VAL_EVERY = 64, 10
 QUIET: dict[str, Any] = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
 VALIDATION: dict[str, Any] = {
@@ -170,7 +171,13 @@ def run_task_queue(folder: Path, trials: int, devices: int, accelerator: str) ->
 
 
 def run_sweep(
-    folder: Path, trials: int, devices: int, ranking: Ranking, max_running: int | None, accelerator: str
+    folder: Path,
+    trials: int,
+    devices: int,
+    ranking: Ranking,
+    max_running: int | None,
+    processes: bool,
+    accelerator: str,
 ) -> None:
     study = open_study(folder)
 
@@ -199,6 +206,7 @@ def run_sweep(
         checkpoint_dir=str(folder / "checkpoints"),
         enable_progress_bar=False,
         ranking=ranking,
+        processes=processes,
     )
     sweep.optimize(study, build, n_trials=trials, monitor="val_loss", max_running=max_running)
     busy = sum(span.end_s - span.start_s for span in sweep.spans)
@@ -213,8 +221,8 @@ def run_worker(way: str, folder: Path, trials: int, devices: int, accelerator: s
         run_task_queue(folder, trials, devices, accelerator)
     else:
         ranking: Ranking = "expected" if way == "sweep-expected" else "end"
-        max_running = None if way == "sweep" else 2 * devices
-        run_sweep(folder, trials, devices, ranking, max_running, accelerator)
+        max_running = None if way in ("sweep", "sweep-processes") else 2 * devices
+        run_sweep(folder, trials, devices, ranking, max_running, way == "sweep-processes", accelerator)
 
 
 def run_way(way: str, folder: Path, trials: int, devices: int, accelerator: str) -> None:
@@ -291,9 +299,9 @@ def summarize(
     during = [utilization for at, utilization in gpu_samples if start <= at <= end]
     if during:  # GPU 0's utilization over the makespan
         busy = sum(during) / 100 / len(during) * devices * (end - start)
-    elif way.startswith("sweep"):
+    elif way.startswith("sweep") and way != "sweep-processes":  # its devices' turns
         busy = json.loads((folder / "busy.json").read_text())["busy_s"]
-    else:  # a trial holds its device from its start to its end
+    else:  # a trial holds its device (its process's) from its start to its end
         busy = sum(t.user_attrs["end"] - t.user_attrs["start"] for t in trials)
     makespan = end - start
     return {

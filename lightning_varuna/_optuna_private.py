@@ -3,6 +3,10 @@
 A sweep reads and marks trials of other workers by number, which Optuna's public API does only for the trials a
 process asked itself (`optuna.trial.Trial`); the storage does it by trial id. tests/test_model_selection.py.
 
+`optimize(processes=True)` forks worker processes that share the study through its storage, which a study keeps
+private (`shareable_storage`); each drops the database connections it inherited (`forget_connections`).
+tests/test_model_selection.py.
+
 The device scheduler ranks a trial by the time to its pruner's next decision (`multimodel/pruning.py`), which needs
 the pruner's settings; Optuna keeps them in private attributes (`pruner_settings`). tests/test_multi_model.py.
 """
@@ -14,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["frozen_trial", "pruner_settings", "set_user_attr"]
+__all__ = ["forget_connections", "frozen_trial", "pruner_settings", "set_user_attr", "shareable_storage"]
 
 
 def frozen_trial(study: optuna.Study, number: int) -> optuna.trial.FrozenTrial:
@@ -25,6 +29,29 @@ def frozen_trial(study: optuna.Study, number: int) -> optuna.trial.FrozenTrial:
 def set_user_attr(study: optuna.Study, number: int, key: str, value: Any) -> None:
     """Set a user attribute of trial ``number`` (running or waiting) of ``study``; raises if it has finished."""
     study._storage.set_trial_user_attr(_trial_id(study, number), key, value)
+
+
+def shareable_storage(study: optuna.Study) -> bool:
+    """Whether other processes can share ``study`` through its storage: a journal or a database (cached or not)."""
+    import optuna
+
+    shared = (optuna.storages.JournalStorage, optuna.storages.RDBStorage)
+    return any(isinstance(storage, shared) for storage in _storages(study))
+
+
+def forget_connections(study: optuna.Study) -> None:
+    """In a forked process: drop the database connections the parent's storage holds, without closing them for the
+    parent (SQLAlchemy's advice for a pool inherited across a fork); the process opens its own."""
+    import optuna
+
+    for storage in _storages(study):
+        if isinstance(storage, optuna.storages.RDBStorage):
+            storage.engine.dispose(close=False)
+
+
+def _storages(study: optuna.Study) -> tuple[Any, ...]:
+    """The study's storage and what it wraps, if anything (a cached storage's database, a journal's backend)."""
+    return study._storage, getattr(study._storage, "_backend", None)
 
 
 def _trial_id(study: optuna.Study, number: int) -> int:

@@ -47,7 +47,7 @@ def main() -> None:
 
     sweep = MultiModelTrainer(
         accelerator="cpu", devices=config.get("devices", 1), checkpoint_dir=str(folder / "checkpoints"),
-        enable_progress_bar=False,
+        enable_progress_bar=False, processes=config.get("processes", False),
     )  # fmt: skip
     sweep.optimize(
         study, build, n_trials=config["n_trials"], monitor="val_loss", max_running=config.get("max_running"),

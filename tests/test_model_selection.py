@@ -71,6 +71,38 @@ def test_each_trial_trains_as_if_alone_and_a_pruned_trial_frees_its_place(tmp_pa
             assert trial.value == pytest.approx(trial.intermediate_values[12])
 
 
+def test_trials_train_in_worker_processes_each_as_if_alone(tmp_path):
+    """``processes=True``: each of 2 forked worker processes runs the study's trials one at a time, sharing it
+    through its journal; the odd trials are pruned at their first report. Every trial's per-step losses equal it
+    trained alone, and the outcomes of both processes come back."""
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.log")))
+    study = optuna.create_study(storage=storage, sampler=optuna.samplers.RandomSampler(seed=0), pruner=PruneOddTrials())
+
+    def build(trial: optuna.trial.Trial) -> dict:
+        trial.set_user_attr("pid", os.getpid())
+        kwargs = trial_kwargs(trial, max_steps=12)
+        kwargs["callbacks"] = [LossLog(tmp_path / "losses" / f"trial-{trial.number}.jsonl")]
+        return kwargs
+
+    sweep = MultiModelTrainer(devices=2, checkpoint_dir=str(tmp_path / "ckpt"), processes=True)
+    outcomes = sweep.optimize(study, build, n_trials=4, monitor="val_loss")
+    assert [(o.number, o.state) for o in outcomes] == [(0, "complete"), (1, "pruned"), (2, "complete"), (3, "pruned")]
+    pids = {t.user_attrs["pid"] for t in study.trials}
+    assert len(pids) == 2 and os.getpid() not in pids
+    for trial in study.trials:
+        losses, _ = train_alone(trial.params["layers"], trial.params["lr"], 12)
+        logged = logged_losses(tmp_path / "losses" / f"trial-{trial.number}.jsonl")
+        steps = 4 if trial.number % 2 else 12
+        assert sorted(logged) == list(range(1, steps + 1))
+        torch.testing.assert_close(list(logged.values()), losses[:steps], rtol=1e-5, atol=1e-6)
+
+
+def test_worker_processes_need_a_study_they_can_share(tmp_path):
+    sweep = MultiModelTrainer(devices=2, checkpoint_dir=str(tmp_path), processes=True)
+    with pytest.raises(ValueError, match="a study in memory cannot be shared"):
+        sweep.optimize(optuna.create_study(), lambda trial: {}, n_trials=1, monitor="val_loss")
+
+
 def test_running_trials_say_they_are_alive_while_a_slow_build_holds_the_worker_up(tmp_path):
     """A build that takes four heartbeats (a dataset loaded, a large model made) holds up the worker's loop, not the
     heartbeats of the trial already training: another worker would find it alive and leave it."""
@@ -227,11 +259,12 @@ def assert_every_trial_trained_as_alone(folder: Path, study: optuna.Study, max_s
 
 
 @pytest.mark.slow
-def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path):
-    """SIGTERM stops both running trials at a step boundary with a checkpoint; running the same command again
-    resumes them (their retries continue from the checkpoints), completes the study's four trials and asks no more;
-    every step equals the trial trained alone."""
-    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, seed=0)
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path, processes):
+    """SIGTERM stops both running trials at a step boundary with a checkpoint (with ``processes=True``, passed on to
+    the worker processes); running the same command again resumes them (their retries continue from the
+    checkpoints), completes the study's four trials and asks no more; every step equals the trial trained alone."""
+    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, seed=0, processes=processes)
     first = start_worker(tmp_path, **config)
     wait_for_steps(tmp_path, trials=2, steps=10)
     first.send_signal(signal.SIGTERM)

@@ -155,7 +155,3 @@ QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": 
 def test_what_worker_processes_cannot_do_is_refused():
     with pytest.raises(ValueError, match="on CPU cores"):
         MultiModelTrainer(accelerator="gpu", processes=True)
-    optuna = pytest.importorskip("optuna")
-    sweep = MultiModelTrainer(devices=2, processes=True, checkpoint_dir="unused")
-    with pytest.raises(NotImplementedError, match="without `processes=True`"):
-        sweep.optimize(optuna.create_study(), lambda trial: {}, n_trials=1, monitor="val_loss")

@@ -35,7 +35,7 @@ from lightning_varuna.multimodel.scheduler import DeviceSpan, SweepStopped
 from lightning_varuna.multimodel.signals import handled
 from lightning_varuna.strategies.callback_hooks import callbacks_of
 
-__all__ = ["WorkerCallback", "fit_in_processes"]
+__all__ = ["WorkerCallback", "ended_at_exit", "fit_in_processes", "picklable"]
 
 
 class WorkerCallback(pl.Callback):
@@ -95,7 +95,7 @@ def fit_in_processes(
             if worker.is_alive():
                 os.kill(worker.pid, signal.SIGTERM)  # type: ignore[arg-type]
 
-    with handled((signal.SIGINT, signal.SIGTERM), stop), _ended_at_exit(workers):
+    with handled((signal.SIGINT, signal.SIGTERM), stop), ended_at_exit(workers):
         while connections:
             for connection in cast(list[Connection], wait(list(connections))):
                 try:
@@ -209,7 +209,7 @@ def _fit_alone(member: SweepMember) -> bytes:
         status, error = "failed", failure
     left = {
         "status": status,
-        "error": _picklable(error),
+        "error": picklable(error),
         "seconds": time.perf_counter() - start,
         "steps": trainer.global_step - steps_before,
         "model": model.state_dict(),
@@ -249,7 +249,7 @@ def _worker_callback(trainer: pl.Trainer) -> WorkerCallback:
     return callbacks_of(trainer, WorkerCallback)[0]
 
 
-def _picklable(error: BaseException | None) -> BaseException | None:
+def picklable(error: BaseException | None) -> BaseException | None:
     """``error``, or a RuntimeError with its message and traceback where it cannot be sent to another process."""
     if error is None:
         return None
@@ -262,7 +262,7 @@ def _picklable(error: BaseException | None) -> BaseException | None:
 
 
 @contextmanager
-def _ended_at_exit(workers: Sequence[multiprocessing.process.BaseProcess]) -> Iterator[None]:
+def ended_at_exit(workers: Sequence[multiprocessing.process.BaseProcess]) -> Iterator[None]:
     """Wait for the workers as the block ends; if it raised, kill them first (none is left waiting for a model)."""
     try:
         yield

@@ -47,6 +47,7 @@ HEARTBEAT = "lightning_varuna.heartbeat"  # when the worker running the trial la
 CHECKPOINT = "lightning_varuna.checkpoint"  # the URL of the trial's checkpoint
 RESUMES = "lightning_varuna.resumes"  # of a retry: {"trial": the number it continues, "checkpoint": that one's URL}
 HANDED_OVER = "lightning_varuna.handed_over"  # of a trial continued by a retry: why ("preempted", "no heartbeat")
+IDLE_POLL_S = 0.25  # how often a worker with no trial of its own looks whether others' trials still run
 
 
 @dataclass
@@ -173,8 +174,10 @@ class StudyRunner:
                     pass
                 if not self._running and (self.preempted.is_set() or not self._others_may_need_us()):
                     return self.outcomes
-                with contextlib.suppress(Empty):  # nothing ended: time to look for silent trials again
-                    self._end(self._ended.get(timeout=self.heartbeat_interval))
+                # Nothing ended: time to look for silent trials again (soon, if this worker only waits for others').
+                wait = self.heartbeat_interval if self._running else min(self.heartbeat_interval, IDLE_POLL_S)
+                with contextlib.suppress(Empty):
+                    self._end(self._ended.get(timeout=wait))
 
     def _memory_holds_another(self) -> bool:
         """Whether host memory has room for one more trial beside those running: as much available as the most that

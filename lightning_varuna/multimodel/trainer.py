@@ -32,6 +32,7 @@ from lightning_varuna.multimodel.report import (
 from lightning_varuna.multimodel.scheduler import DeviceScheduler, DeviceSpan, Ranking, SweepStopped
 from lightning_varuna.multimodel.signals import preempted_by_signals, stopped_by_signals
 from lightning_varuna.multimodel.study import StudyRunner, TrialOutcome
+from lightning_varuna.multimodel.study_processes import optimize_in_processes
 from lightning_varuna.partition.packing import format_bytes
 from lightning_varuna.pipeline.replay import default_dtype
 from lightning_varuna.strategies.spilling import SpillingStrategy
@@ -78,7 +79,9 @@ class MultiModelTrainer:
             processes forked as `fit` starts, the most work first, instead of interleaving the models' shards in
             threads of this process: faster for small models, whose steps are mostly Python, which one process runs
             a thread at a time. `fit` loads what each fit left (weights, progress, metrics, checkpoint paths) into
-            its model and Trainer here. Not for `optimize`.
+            its model and Trainer here. `optimize` runs a worker of the study in each process (a one-device sweep,
+            without a display); the trials' models here are not trained, their checkpoints and the study hold the
+            results.
     """
 
     def __init__(
@@ -289,11 +292,6 @@ class MultiModelTrainer:
         """
         if self._members:
             raise ValueError("`optimize` runs a study in an empty sweep: make a MultiModelTrainer for it alone.")
-        if self.processes:
-            raise NotImplementedError(
-                "`optimize` runs a study's trials in threads of this process (pruned trials hand their devices over "
-                "at once); make the MultiModelTrainer without `processes=True`."
-            )
         if self.checkpoint_dir is None:
             raise ValueError(
                 "`optimize` checkpoints every trial so that a preempted or killed worker loses none: pass "
@@ -304,6 +302,23 @@ class MultiModelTrainer:
             raise ValueError(f"`optimize` runs a study of one objective (`monitor={monitor!r}`), not {objectives}.")
         if value not in ("last", "best"):
             raise ValueError(f'`value={value!r}`: a trial\'s value is its "last" or "best" `{monitor}`.')
+        if self.processes:  # a one-device sweep per process, each a worker of the study
+            each = max(1, (max_running or self.devices) // self.devices)
+            return optimize_in_processes(
+                study,
+                self.devices,
+                lambda: self._one_device_sweep().optimize(
+                    study,
+                    build,
+                    n_trials,
+                    monitor,
+                    value=value,
+                    max_running=each,
+                    checkpoint_interval=checkpoint_interval,
+                    heartbeat_interval=heartbeat_interval,
+                    grace_period=grace_period,
+                ),  # fmt: skip
+            )
         preempted = threading.Event()
         max_running = max_running or self.devices
         display = self._display = StudyDisplay(max_running, study.study_name) if self.enable_progress_bar else None
@@ -323,6 +338,14 @@ class MultiModelTrainer:
         if self._display is not None:
             self._display.close()
         return outcomes
+
+    def _one_device_sweep(self) -> MultiModelTrainer:
+        """A sweep like this one on one device (this process's first core), in threads, without a display."""
+        return MultiModelTrainer(
+            devices=1, memory_budget=self.memory_budget, spill_dir=self.spill_dir, prefetch=self.prefetch,
+            storage_options=self.storage_options, enable_progress_bar=False, keep_on_device=self.keep_on_device,
+            checkpoint_dir=self.checkpoint_dir, ranking=self.scheduler.ranking,
+        )  # fmt: skip
 
     def launch(self, trainer: pl.Trainer, ended: Callable[[ModelResult], None]) -> ModelResult:
         """Start fitting the model added with ``trainer`` (alongside those training); ``ended(result)`` runs in its
