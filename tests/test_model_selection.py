@@ -300,6 +300,28 @@ def test_a_killed_worker_s_trial_is_taken_over_by_another_from_its_checkpoint(tm
 
 
 @pytest.mark.slow
+def test_a_killed_worker_process_s_trial_is_taken_over_by_its_sibling(tmp_path):
+    """``processes=True``: one of the two worker processes is killed (SIGKILL) while its trial trains with a
+    checkpoint. The other, after the grace period, resumes that trial from its checkpoint; the call returns as the
+    study completes its four trials, none run twice, every step as alone."""
+    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, processes=True, seed=0)
+    worker = start_worker(tmp_path, heartbeat=0.5, grace_period=3, checkpoint_interval=0.5, **config)
+    wait_for_steps(tmp_path, trials=2, steps=10)
+    wait_for_checkpoint(tmp_path / "checkpoints" / "trial-0")
+    wait_for_checkpoint(tmp_path / "checkpoints" / "trial-1")
+    children = Path(f"/proc/{worker.pid}/task/{worker.pid}/children").read_text().split()
+    assert len(children) == 2
+    os.kill(int(children[0]), signal.SIGKILL)
+    output = finish(worker)
+    assert "died (exit code -9)" in output
+    study = study_in(tmp_path)
+    assert len([t for t in study.trials if t.user_attrs.get(HANDED_OVER) == "no heartbeat"]) == 1
+    counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
+    assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
+    assert_every_trial_trained_as_alone(tmp_path, study, 300)
+
+
+@pytest.mark.slow
 def test_a_slurm_job_array_runs_one_study_and_a_preempted_task_s_trial_continues_on_the_other(tmp_path, slurm):
     """The script of docs/model-selection.md as a SLURM job array of two tasks (``srun`` in each) against one journal:
     they run one study. SLURM's notice of a preemption (SIGUSR1) to one task checkpoints its trial and hands it over;
