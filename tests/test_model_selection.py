@@ -71,10 +71,10 @@ def test_each_trial_trains_as_if_alone_and_a_pruned_trial_frees_its_place(tmp_pa
             assert trial.value == pytest.approx(trial.intermediate_values[12])
 
 
-def test_trials_train_in_worker_processes_each_as_if_alone(tmp_path):
+def test_trials_train_in_worker_processes_each_as_if_alone(tmp_path, capsys):
     """``processes=True``: each of 2 forked worker processes runs the study's trials one at a time, sharing it
     through its journal; the odd trials are pruned at their first report. Every trial's per-step losses equal it
-    trained alone, and the outcomes of both processes come back."""
+    trained alone, the outcomes of both processes come back, and the display's line says how the study ended."""
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.log")))
     study = optuna.create_study(storage=storage, sampler=optuna.samplers.RandomSampler(seed=0), pruner=PruneOddTrials())
 
@@ -87,6 +87,8 @@ def test_trials_train_in_worker_processes_each_as_if_alone(tmp_path):
     sweep = MultiModelTrainer(devices=2, checkpoint_dir=str(tmp_path / "ckpt"), processes=True)
     outcomes = sweep.optimize(study, build, n_trials=4, monitor="val_loss")
     assert [(o.number, o.state) for o in outcomes] == [(0, "complete"), (1, "pruned"), (2, "complete"), (3, "pruned")]
+    shown = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", capsys.readouterr().err)
+    assert re.search(r"study .*: 2 complete, 2 pruned; best val_loss", shown), shown[-2000:]
     pids = {t.user_attrs["pid"] for t in study.trials}
     assert len(pids) == 2 and os.getpid() not in pids
     for trial in study.trials:
@@ -219,6 +221,21 @@ def wait_for_steps(folder: Path, trials: int, steps: int, timeout: float = 120) 
     raise TimeoutError(f"no {trials} trials reached {steps} steps in {timeout} s")
 
 
+def wait_for_running(folder: Path, trials: int, steps: int, timeout: float = 120) -> None:
+    """Until ``trials`` trials still running have logged ``steps`` steps each."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            running = [t.number for t in study_in(folder).trials if t.state.name == "RUNNING"]
+        except KeyError:  # the worker has not created the study yet
+            running = []
+        logs = [folder / "losses" / f"trial-{number}.jsonl" for number in running]
+        if sum(p.exists() and len(p.read_text().splitlines()) >= steps for p in logs) >= trials:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"no {trials} running trials reached {steps} steps in {timeout} s")
+
+
 def wait_for_checkpoint(url: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not list(url.glob("v*/COMMITTED.json")):
@@ -264,9 +281,9 @@ def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path, 
     """SIGTERM stops both running trials at a step boundary with a checkpoint (with ``processes=True``, passed on to
     the worker processes); running the same command again resumes them (their retries continue from the
     checkpoints), completes the study's four trials and asks no more; every step equals the trial trained alone."""
-    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, seed=0, processes=processes)
+    config = dict(n_trials=4, max_steps=600, devices=2, max_running=2, seed=0, processes=processes)
     first = start_worker(tmp_path, **config)
-    wait_for_steps(tmp_path, trials=2, steps=10)
+    wait_for_running(tmp_path, trials=2, steps=10)
     first.send_signal(signal.SIGTERM)
     finish(first)
     interrupted = [t for t in study_in(tmp_path).trials if t.user_attrs.get(HANDED_OVER) == "preempted"]
@@ -275,7 +292,7 @@ def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path, 
     study = study_in(tmp_path)
     counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
-    assert_every_trial_trained_as_alone(tmp_path, study, 300)
+    assert_every_trial_trained_as_alone(tmp_path, study, 600)
 
 
 @pytest.mark.slow
@@ -304,21 +321,26 @@ def test_a_killed_worker_process_s_trial_is_taken_over_by_its_sibling(tmp_path):
     """``processes=True``: one of the two worker processes is killed (SIGKILL) while its trial trains with a
     checkpoint. The other, after the grace period, resumes that trial from its checkpoint; the call returns as the
     study completes its four trials, none run twice, every step as alone."""
-    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, processes=True, seed=0)
-    worker = start_worker(tmp_path, heartbeat=0.5, grace_period=3, checkpoint_interval=0.5, **config)
+    config = dict(n_trials=4, max_steps=600, devices=2, max_running=2, processes=True, seed=0)
+    worker = start_worker(tmp_path, heartbeat=0.5, grace_period=10, checkpoint_interval=0.2, **config)
+    children = Path(f"/proc/{worker.pid}/task/{worker.pid}/children")
     wait_for_steps(tmp_path, trials=2, steps=10)
-    wait_for_checkpoint(tmp_path / "checkpoints" / "trial-0")
-    wait_for_checkpoint(tmp_path / "checkpoints" / "trial-1")
-    children = Path(f"/proc/{worker.pid}/task/{worker.pid}/children").read_text().split()
-    assert len(children) == 2
-    os.kill(int(children[0]), signal.SIGKILL)
+    assert len(children.read_text().split()) == 2
+    deadline = time.monotonic() + 120
+    while True:  # a trial still training that has checkpointed: kill the process that trains it
+        running = [t for t in study_in(tmp_path).trials if t.state.name == "RUNNING"]
+        checkpointed = [t for t in running if list((tmp_path / "checkpoints" / f"trial-{t.number}").glob("v*/COMMIT*"))]
+        if checkpointed or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    os.kill(checkpointed[0].user_attrs["pid"], signal.SIGKILL)
     output = finish(worker)
     assert "died (exit code -9)" in output
     study = study_in(tmp_path)
     assert len([t for t in study.trials if t.user_attrs.get(HANDED_OVER) == "no heartbeat"]) == 1
     counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
-    assert_every_trial_trained_as_alone(tmp_path, study, 300)
+    assert_every_trial_trained_as_alone(tmp_path, study, 600)
 
 
 @pytest.mark.slow

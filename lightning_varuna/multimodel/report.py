@@ -136,6 +136,10 @@ class StudyDisplay(SweepDisplay):
             bar.refresh()
             self._free.append(bar)
 
+    def has_free_row(self) -> bool:
+        """Whether a trial that has not started yet has a row to start on."""
+        return bool(self._free)
+
     def summary(self, text: str) -> None:
         """The study's line: its trials so far and its best value."""
         self._study.set_description_str(text)

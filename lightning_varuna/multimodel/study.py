@@ -39,7 +39,17 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     import optuna
 
-__all__ = ["CHECKPOINT", "HANDED_OVER", "HEARTBEAT", "RESUMES", "StudyRunner", "Sweep", "TrialOutcome"]
+__all__ = [
+    "CHECKPOINT",
+    "HANDED_OVER",
+    "HEARTBEAT",
+    "RESUMES",
+    "StudyRunner",
+    "Sweep",
+    "TrialOutcome",
+    "progress_line",
+    "row_name",
+]
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +226,7 @@ class StudyRunner:
             ckpt_path = self._resume_point(trial, resumes, callback)
             model = kwargs.pop("model")
             kwargs["callbacks"] = [*(kwargs.pop("callbacks", None) or []), callback]
-            name = _row_name(trial)
+            name = row_name(trial)
             trainer = self.sweep.add(
                 model, ckpt_path=ckpt_path, name=name, next_decision=callback.next_decision, **kwargs
             )
@@ -301,20 +311,11 @@ class StudyRunner:
         self.outcomes.append(TrialOutcome(trial.number, dict(trial.params), state, value, steps, seconds))
         del self._running[trial.number]
         if self.display is not None:
-            self.display.ended(_row_name(trial), state)  # its row says how it ended: "pruned", "failed"...
+            self.display.ended(row_name(trial), state)  # its row says how it ended: "pruned", "failed"...
             self.display.summary(self._progress())
 
     def _progress(self) -> str:
-        """The study's line of the display: its trials by state, and its best value so far."""
-        counts: dict[str, int] = {}
-        for outcome in self.outcomes:
-            counts[outcome.state] = counts.get(outcome.state, 0) + 1
-        done = [o for o in self.outcomes if o.state == "complete" and o.value is not None]
-        best = (min if self.minimize else max)(done, key=lambda o: o.value, default=None)  # type: ignore[arg-type, return-value]
-        text = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
-        if best is not None:
-            text += f"; best {self.monitor} {best.value:.4g} (trial {best.number})"
-        return f"study {self.study.study_name}: {text}"
+        return progress_line(self.study.study_name, self.outcomes, self.monitor, self.minimize)
 
     # ------------------------------------------------------------------------------------------- handing over
     def _hand_over(self, number: int, why: str, params: dict[str, Any], checkpoint: str) -> bool:
@@ -385,6 +386,20 @@ class StudyRunner:
         return any(CHECKPOINT in trial.user_attrs for trial in running) or self._waiting()
 
 
-def _row_name(trial: optuna.trial.Trial) -> str:
+def progress_line(study_name: str, outcomes: list[TrialOutcome], monitor: str, minimize: bool) -> str:
+    """The study's line of the display: its trials by state, and its best value so far."""
+    counts: dict[str, int] = {}
+    for outcome in outcomes:
+        counts[outcome.state] = counts.get(outcome.state, 0) + 1
+    done = [o for o in outcomes if o.state == "complete" and o.value is not None]
+    best = (min if minimize else max)(done, key=lambda o: o.value, default=None)  # type: ignore[arg-type, return-value]
+    text = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    if best is not None:
+        text += f"; best {monitor} {best.value:.4g} (trial {best.number})"
+    return f"study {study_name}: {text}"
+
+
+def row_name(trial: optuna.trial.Trial | optuna.trial.FrozenTrial) -> str:
+    """A trial's row in the display: its number and parameters."""
     params = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items())
     return f"trial {trial.number} ({params})" if params else f"trial {trial.number}"

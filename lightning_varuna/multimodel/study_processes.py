@@ -10,14 +10,16 @@ import multiprocessing
 import os
 import signal
 from collections.abc import Callable
-from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from contextlib import nullcontext
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any, cast
 
 from lightning_varuna._optuna_private import forget_connections, shareable_storage
 from lightning_varuna.multimodel.devices import cores_for
 from lightning_varuna.multimodel.processes import ended_at_exit, picklable
+from lightning_varuna.multimodel.report import StudyDisplay
 from lightning_varuna.multimodel.signals import handled
-from lightning_varuna.multimodel.study import TrialOutcome
+from lightning_varuna.multimodel.study import HANDED_OVER, TrialOutcome, progress_line, row_name
 
 if TYPE_CHECKING:
     import optuna
@@ -27,11 +29,20 @@ __all__ = ["optimize_in_processes"]
 log = logging.getLogger(__name__)
 
 
+SHOWN_EVERY_S = 0.5  # how often the display reads the study's storage
+
+
 def optimize_in_processes(
-    study: optuna.Study, devices: int, run_worker: Callable[[], list[TrialOutcome]]
+    study: optuna.Study,
+    devices: int,
+    run_worker: Callable[[], list[TrialOutcome]],
+    monitor: str,
+    rows: int,
 ) -> list[TrialOutcome]:
     """Run ``run_worker`` (a one-device sweep's `optimize` of ``study``) in each of ``devices`` forked processes;
-    return how the trials they ran ended. SIGTERM, SIGUSR1 and Ctrl-C are passed on to them."""
+    return how the trials they ran ended. SIGTERM, SIGUSR1 and Ctrl-C are passed on to them. With ``rows``, a
+    display shows the study as its storage has it: that many rows for running trials (their steps and ``monitor``
+    as of their last report), and the study's line."""
     if not shareable_storage(study):
         raise ValueError(
             "`processes=True` trains the trials in worker processes that share the study through its storage, and a "
@@ -58,24 +69,81 @@ def optimize_in_processes(
 
     outcomes: list[TrialOutcome] = []
     errors: list[BaseException] = []
-    with handled((signal.SIGINT, signal.SIGTERM, signal.SIGUSR1), pass_on), ended_at_exit(workers):
-        for k, (receiving, _) in enumerate(pipes):
-            try:
-                kind, payload = receiving.recv()
-            except EOFError:  # it died without a word (killed): the other workers take over its trials
-                workers[k].join()
-                log.warning(
-                    f"Study worker process {k} died (exit code {workers[k].exitcode}); the other workers take over "
-                    "its running trials after the grace period, from their last checkpoints (or the next run does)."
-                )
-                continue
-            if kind == "outcomes":
-                outcomes.extend(payload)
-            else:
-                errors.append(payload)
+    display = StudyDisplay(rows, study.study_name) if rows else None
+    view = _StoredStudyView(study, display, monitor) if display is not None else None
+    waiting = {receiving: k for k, (receiving, _) in enumerate(pipes)}
+    with (
+        handled((signal.SIGINT, signal.SIGTERM, signal.SIGUSR1), pass_on),
+        ended_at_exit(workers),
+        display.logs_above() if display is not None else nullcontext(),
+    ):
+        while waiting:
+            for receiving in cast(list[Connection], wait(list(waiting), timeout=SHOWN_EVERY_S)):
+                k = waiting.pop(receiving)
+                try:
+                    kind, payload = receiving.recv()
+                except EOFError:  # it died without a word (killed): the other workers take over its trials
+                    workers[k].join()
+                    log.warning(
+                        f"Study worker process {k} died (exit code {workers[k].exitcode}); the other workers take "
+                        "over its running trials after the grace period, from their last checkpoints (or the next "
+                        "run does)."
+                    )
+                    continue
+                if kind == "outcomes":
+                    outcomes.extend(payload)
+                else:
+                    errors.append(payload)
+            if view is not None:
+                view.show()
+    if display is not None:
+        display.close()
     if errors:
         raise errors[0]
     return sorted(outcomes, key=lambda outcome: outcome.number)
+
+
+class _StoredStudyView:
+    """Shows on ``display`` what the study's storage says: a row per running trial (its steps and ``monitor`` as of
+    its last report), how each shown trial ended, and the study's line."""
+
+    def __init__(self, study: optuna.Study, display: StudyDisplay, monitor: str) -> None:
+        import optuna
+
+        self.study, self.display, self.monitor, self._states = study, display, monitor, optuna.trial.TrialState
+        self.minimize = study.direction == optuna.study.StudyDirection.MINIMIZE
+        self.shown: dict[int, str] = {}  # trial number -> its row's name
+
+    def show(self) -> None:
+        trials = self.study.get_trials(deepcopy=False)
+        for trial in trials:
+            if trial.state == self._states.RUNNING:
+                self._running(trial)
+            elif trial.number in self.shown:
+                self.display.ended(self.shown.pop(trial.number), self._ended_as(trial))
+        finished = [self._outcome(t) for t in trials if t.state.is_finished()]
+        self.display.summary(progress_line(self.study.study_name, finished, self.monitor, self.minimize))
+
+    def _running(self, trial: optuna.trial.FrozenTrial) -> None:
+        name = row_name(trial)
+        if trial.number not in self.shown:
+            if not self.display.has_free_row():
+                return
+            self.shown[trial.number] = name
+            self.display.started(name, float("inf"), 0)
+        reported = trial.intermediate_values
+        last_step = max(reported, default=0)
+        self.display.watch(name, self.monitor, lambda: reported.get(last_step))
+        self.display.stepped(name, last_step, None)
+
+    def _ended_as(self, trial: optuna.trial.FrozenTrial) -> str:
+        if trial.state == self._states.FAIL:
+            return "handed over" if HANDED_OVER in trial.user_attrs else "failed"
+        return trial.state.name.lower()
+
+    def _outcome(self, trial: optuna.trial.FrozenTrial) -> TrialOutcome:
+        steps = max(trial.intermediate_values, default=0)
+        return TrialOutcome(trial.number, trial.params, self._ended_as(trial), trial.value, steps, 0.0)
 
 
 def _work(

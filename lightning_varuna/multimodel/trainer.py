@@ -79,9 +79,9 @@ class MultiModelTrainer:
             processes forked as `fit` starts, the most work first, instead of interleaving the models' shards in
             threads of this process: faster for small models, whose steps are mostly Python, which one process runs
             a thread at a time. `fit` loads what each fit left (weights, progress, metrics, checkpoint paths) into
-            its model and Trainer here. `optimize` runs a worker of the study in each process (a one-device sweep,
-            without a display); the trials' models here are not trained, their checkpoints and the study hold the
-            results.
+            its model and Trainer here. `optimize` runs a worker of the study in each process (a one-device sweep;
+            this process shows the study as its storage has it); the trials' models here are not trained, their
+            checkpoints and the study hold the results.
     """
 
     def __init__(
@@ -304,21 +304,16 @@ class MultiModelTrainer:
             raise ValueError(f'`value={value!r}`: a trial\'s value is its "last" or "best" `{monitor}`.')
         if self.processes:  # a one-device sweep per process, each a worker of the study
             each = max(1, (max_running or self.devices) // self.devices)
-            return optimize_in_processes(
-                study,
-                self.devices,
-                lambda: self._one_device_sweep().optimize(
-                    study,
-                    build,
-                    n_trials,
-                    monitor,
-                    value=value,
-                    max_running=each,
-                    checkpoint_interval=checkpoint_interval,
-                    heartbeat_interval=heartbeat_interval,
+
+            def worker() -> list[TrialOutcome]:  # in its process: its sweep pins to that process's core
+                return self._one_device_sweep().optimize(
+                    study, build, n_trials, monitor, value=value, max_running=each,
+                    checkpoint_interval=checkpoint_interval, heartbeat_interval=heartbeat_interval,
                     grace_period=grace_period,
-                ),  # fmt: skip
-            )
+                )  # fmt: skip
+
+            rows = each * self.devices if self.enable_progress_bar else 0
+            return optimize_in_processes(study, self.devices, worker, monitor, rows)
         preempted = threading.Event()
         max_running = max_running or self.devices
         display = self._display = StudyDisplay(max_running, study.study_name) if self.enable_progress_bar else None
