@@ -276,12 +276,11 @@ def assert_every_trial_trained_as_alone(folder: Path, study: optuna.Study, max_s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
-def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path, processes):
-    """SIGTERM stops both running trials at a step boundary with a checkpoint (with ``processes=True``, passed on to
-    the worker processes); running the same command again resumes them (their retries continue from the
-    checkpoints), completes the study's four trials and asks no more; every step equals the trial trained alone."""
-    config = dict(n_trials=4, max_steps=600, devices=2, max_running=2, seed=0, processes=processes)
+def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path):
+    """SIGTERM stops both running trials at a step boundary with a checkpoint; running the same command again
+    resumes them (their retries continue from the checkpoints), completes the study's four trials and asks no more;
+    every step equals the trial trained alone."""
+    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, seed=0)
     first = start_worker(tmp_path, **config)
     wait_for_running(tmp_path, trials=2, steps=10)
     first.send_signal(signal.SIGTERM)
@@ -292,7 +291,7 @@ def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path, 
     study = study_in(tmp_path)
     counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
-    assert_every_trial_trained_as_alone(tmp_path, study, 600)
+    assert_every_trial_trained_as_alone(tmp_path, study, 300)
 
 
 @pytest.mark.slow
