@@ -95,7 +95,13 @@ def optimize_in_processes(
                 else:
                     errors.append(payload)
             if view is not None:
-                view.show()
+                try:
+                    view.show()
+                except Exception as error:  # noqa: BLE001 - the display must not end the study
+                    # Forked workers write to the journal under this process's worker id: a log this process would
+                    # never write (an update of a finished trial) reads here as its own mistake.
+                    log.warning(f"The study's display stops: reading its storage failed ({error}).")
+                    view = None
     if display is not None:
         display.close()
     if errors:
