@@ -4,7 +4,9 @@ A sweep reads and marks trials of other workers by number, which Optuna's public
 process asked itself (`optuna.trial.Trial`); the storage does it by trial id. tests/test_model_selection.py.
 
 `optimize(processes=True)` forks worker processes that share the study through its storage, which a study keeps
-private (`shareable_storage`); each drops the database connections it inherited (`forget_connections`).
+private (`shareable_storage`); each becomes a worker of its own (`as_new_worker`): a journal names each log's writer
+by an id its storage draws once, which a forked process would otherwise share with its parent (and read the
+parent's logs as its own), and a database's connections must not be shared.
 tests/test_model_selection.py.
 
 The device scheduler ranks a trial by the time to its pruner's next decision (`multimodel/pruning.py`), which needs
@@ -13,12 +15,13 @@ the pruner's settings; Optuna keeps them in private attributes (`pruner_settings
 
 from __future__ import annotations
 
+import uuid
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["forget_connections", "frozen_trial", "pruner_settings", "set_user_attr", "shareable_storage"]
+__all__ = ["as_new_worker", "frozen_trial", "pruner_settings", "set_user_attr", "shareable_storage"]
 
 
 def frozen_trial(study: optuna.Study, number: int) -> optuna.trial.FrozenTrial:
@@ -39,13 +42,19 @@ def shareable_storage(study: optuna.Study) -> bool:
     return any(isinstance(storage, shared) for storage in _storages(study))
 
 
-def forget_connections(study: optuna.Study) -> None:
-    """In a forked process: drop the database connections the parent's storage holds, without closing them for the
-    parent (SQLAlchemy's advice for a pool inherited across a fork); the process opens its own."""
+def as_new_worker(study: optuna.Study) -> None:
+    """In a forked process: make the study's storage this process's own. A journal gets a worker id of its own (the
+    parent's would make each process take the other's logs for its own), and the database connections of the
+    parent's pool are dropped without closing them for the parent (SQLAlchemy's advice for a pool inherited across
+    a fork); the process opens its own."""
     import optuna
 
     for storage in _storages(study):
-        if isinstance(storage, optuna.storages.RDBStorage):
+        if isinstance(storage, optuna.storages.JournalStorage):
+            with storage._thread_lock:
+                storage._worker_id_prefix = storage._replay_result._worker_id_prefix = f"{uuid.uuid4()}-"
+                storage._replay_result._worker_id_to_owned_trial_id = {}
+        elif isinstance(storage, optuna.storages.RDBStorage):
             storage.engine.dispose(close=False)
 
 

@@ -6,11 +6,13 @@ taken over by another worker from their last checkpoint."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,12 @@ import torch
 
 optuna = pytest.importorskip("optuna", reason="model selection needs Optuna: pip install lightning-varuna[optuna]")
 from conftest import clean_env  # noqa: E402
-from study_models import LossLog, logged_losses, train_alone, trial_kwargs  # noqa: E402
+from study_models import LossLog, fit_kwargs, logged_losses, regression_mlp, train_alone, trial_kwargs  # noqa: E402
 
 from lightning_varuna import MultiModelTrainer  # noqa: E402
+from lightning_varuna._optuna_private import as_new_worker, set_user_attr  # noqa: E402
 from lightning_varuna.multimodel.study import HANDED_OVER, HEARTBEAT, RESUMES  # noqa: E402
+from lightning_varuna.multimodel.trial_callback import TrialCallback  # noqa: E402
 
 RUNNER = str(Path(__file__).with_name("run_study.py"))
 
@@ -105,6 +109,26 @@ def test_worker_processes_need_a_study_they_can_share(tmp_path):
         sweep.optimize(optuna.create_study(), lambda trial: {}, n_trials=1, monitor="val_loss")
 
 
+def _touch_a_finished_trial(study: optuna.Study) -> None:
+    as_new_worker(study)
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+        set_user_attr(study, 0, "late", True)  # written to the journal, refused when this process reads it back
+
+
+def test_a_forked_worker_s_refused_updates_are_not_its_parent_s_mistakes(tmp_path):
+    """A worker process forked from the sweep's writes to the journal as a worker of its own: an update it makes to a
+    finished trial (a heartbeat of a trial another worker has handed over) is its own refused update, and the parent
+    reading the journal afterwards is not told it made it."""
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.log")))
+    study = optuna.create_study(storage=storage)
+    study.tell(study.ask(), 1.0)
+    worker = multiprocessing.get_context("fork").Process(target=_touch_a_finished_trial, args=(study,))
+    worker.start()
+    worker.join()
+    assert worker.exitcode == 0
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE"]
+
+
 def test_running_trials_say_they_are_alive_while_a_slow_build_holds_the_worker_up(tmp_path):
     """A build that takes four heartbeats (a dataset loaded, a large model made) holds up the worker's loop, not the
     heartbeats of the trial already training: another worker would find it alive and leave it."""
@@ -122,6 +146,29 @@ def test_running_trials_say_they_are_alive_while_a_slow_build_holds_the_worker_u
     sweep.optimize(study, build, n_trials=2, monitor="val_loss", max_running=2, heartbeat_interval=0.5)
     ((state, silent_s),) = seen
     assert state == "RUNNING" and silent_s < 1.5
+
+
+def test_a_trial_handed_over_while_it_trains_ends_leaving_its_checkpoint_as_it_was(tmp_path):
+    """Another worker hands over a trial that still trains (its heartbeats came too late): when the trial comes to
+    checkpoint next, it finds itself told and ends there instead, so the checkpoint its retry resumes from is not
+    replaced while the retry reads it."""
+    study = optuna.create_study()
+    trial = study.ask()
+    url = str(tmp_path / "trial-0.ckpt")
+    callback = TrialCallback(trial, "val_loss", url, 0.0, threading.Event(), minimize=True)
+
+    class HandedOverAtStep3(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step == 3:
+                study.tell(trial.number, state=optuna.trial.TrialState.FAIL)  # as the other worker does
+
+    kwargs = fit_kwargs(max_steps=10)
+    loaders = {name: kwargs.pop(name) for name in ("train_dataloaders", "val_dataloaders")}
+    callbacks = [HandedOverAtStep3(), callback]
+    trainer = L.Trainer(accelerator="cpu", callbacks=callbacks, enable_progress_bar=False, **kwargs)
+    trainer.fit(regression_mlp(2, 0.01), **loaders)
+    assert trainer.global_step == 3 and callback.handed_over
+    assert torch.load(url, weights_only=False)["global_step"] == 2, "the checkpoint of step 3 was not written"
 
 
 def test_a_trial_that_fails_is_marked_failed_and_the_others_go_on(tmp_path):
@@ -276,11 +323,12 @@ def assert_every_trial_trained_as_alone(folder: Path, study: optuna.Study, max_s
 
 
 @pytest.mark.slow
-def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path):
-    """SIGTERM stops both running trials at a step boundary with a checkpoint; running the same command again
-    resumes them (their retries continue from the checkpoints), completes the study's four trials and asks no more;
-    every step equals the trial trained alone."""
-    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, seed=0)
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path, processes):
+    """SIGTERM stops both running trials at a step boundary with a checkpoint (with ``processes=True``, passed on to
+    the worker processes); running the same command again resumes them (their retries continue from the
+    checkpoints), completes the study's four trials and asks no more; every step equals the trial trained alone."""
+    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, seed=0, processes=processes)
     first = start_worker(tmp_path, **config)
     wait_for_running(tmp_path, trials=2, steps=10)
     first.send_signal(signal.SIGTERM)

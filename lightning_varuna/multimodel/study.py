@@ -57,7 +57,8 @@ HEARTBEAT = "lightning_varuna.heartbeat"  # when the worker running the trial la
 CHECKPOINT = "lightning_varuna.checkpoint"  # the URL of the trial's checkpoint
 RESUMES = "lightning_varuna.resumes"  # of a retry: {"trial": the number it continues, "checkpoint": that one's URL}
 HANDED_OVER = "lightning_varuna.handed_over"  # of a trial continued by a retry: why ("preempted", "no heartbeat")
-IDLE_POLL_S = 0.25  # how often a worker with no trial of its own looks whether others' trials still run
+IDLE_POLL_S = 0.1  # how often a worker with no trial of its own looks whether others' trials still run (the study
+# ends this late after its last trial at most: a worker that has nothing to do waits for the others' trials to end)
 
 
 @dataclass
@@ -114,7 +115,6 @@ class _Running:
     trial: optuna.trial.Trial
     callback: TrialCallback
     result: ModelResult | None = None  # set as its fit starts
-    handed_over: bool = False  # by another worker, which found no heartbeat
 
 
 class StudyRunner:
@@ -239,7 +239,7 @@ class StudyRunner:
         if self.display is not None:
             self.display.watch(name, self.monitor, lambda: callback.last)
         running.result = self.sweep.launch(trainer, lambda result: self._ended.put(trial.number))
-        if running.handed_over:  # taken over by another worker while it was built: its heartbeat found it told
+        if callback.handed_over:  # taken over by another worker while it was built: its heartbeat found it told
             running.result.trainer.should_stop = True
         return True
 
@@ -272,7 +272,7 @@ class StudyRunner:
         assert result is not None
         self._largest_bytes = max(self._largest_bytes, self.sweep.measured_bytes(result.trainer))
         self.sweep.forget(result.trainer)
-        if running.handed_over:
+        if callback.handed_over:
             self._record(running, "handed over", result.steps, result.seconds)
         elif callback.interrupted or result.status == "stopped":
             self._hand_over(running.trial.number, "preempted", running.trial.params, callback.checkpoint_url)
@@ -368,7 +368,7 @@ class StudyRunner:
             try:
                 running.trial.set_user_attr(HEARTBEAT, now)
             except Exception:  # noqa: BLE001 - finished: another worker handed it over
-                running.handed_over = True
+                running.callback.handed_over = True
                 if running.result is not None:
                     running.result.trainer.should_stop = True
 

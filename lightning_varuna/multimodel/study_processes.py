@@ -14,7 +14,7 @@ from contextlib import nullcontext
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, cast
 
-from lightning_varuna._optuna_private import forget_connections, shareable_storage
+from lightning_varuna._optuna_private import as_new_worker, shareable_storage
 from lightning_varuna.multimodel.devices import cores_for
 from lightning_varuna.multimodel.processes import ended_at_exit, picklable
 from lightning_varuna.multimodel.report import StudyDisplay
@@ -98,8 +98,6 @@ def optimize_in_processes(
                 try:
                     view.show()
                 except Exception as error:  # noqa: BLE001 - the display must not end the study
-                    # Forked workers write to the journal under this process's worker id: a log this process would
-                    # never write (an update of a finished trial) reads here as its own mistake.
                     log.warning(f"The study's display stops: reading its storage failed ({error}).")
                     view = None
     if display is not None:
@@ -165,7 +163,7 @@ def _work(
         end.close()  # so that each worker's pipe reads as closed once that worker has ended
     if cores is not None:
         os.sched_setaffinity(0, {cores[k]})
-    forget_connections(study)
+    as_new_worker(study)
     try:
         sending.send(("outcomes", run_worker()))
     except BaseException as error:  # noqa: BLE001 - sent to the sweep's process, which raises it

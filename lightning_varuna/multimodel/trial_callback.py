@@ -1,6 +1,7 @@
 """A trial of an Optuna study, inside its model's Trainer: its ``monitor`` reported after each validation, pruned at
 the next step boundary when the study's pruner says so, checkpointed now and then, and stopped with a checkpoint at a
-step boundary when the sweep is preempted."""
+step boundary when the sweep is preempted. A trial that another worker handed over (it heard from it too late) ends at
+its next step boundary, neither reporting nor checkpointing again: its retry carries on from its checkpoint."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_varuna._optuna_private import frozen_trial
 from lightning_varuna.multimodel.pruning import next_decision, next_validation
 
 __all__ = ["TrialCallback"]
@@ -41,13 +43,17 @@ class TrialCallback(pl.Callback):
         preempted: threading.Event,
         minimize: bool,
     ) -> None:
+        import optuna
+
         self.trial, self.monitor = trial, monitor
+        self._told_already = optuna.exceptions.UpdateFinishedTrialError
         self.checkpoint_url, self.checkpoint_interval = checkpoint_url, checkpoint_interval
         self.preempted, self.minimize = preempted, minimize
         self.last: float | None = None
         self.best: float | None = None
         self.pruned = False
         self.interrupted = False  # stopped by the preemption, with a checkpoint
+        self.handed_over = False  # told by another worker, which found it silent: it ends at its next step boundary
         self.reported_steps: set[int] = set()
         self._checkpointed_s = time.monotonic()
         self._step_seen = 0
@@ -58,7 +64,7 @@ class TrialCallback(pl.Callback):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or self.handed_over:
             return
         logged = trainer.callback_metrics.get(self.monitor)
         if logged is None:
@@ -69,7 +75,11 @@ class TrialCallback(pl.Callback):
             self.best = value
         step = trainer.global_step
         if step not in self.reported_steps:  # Optuna keeps one value per step
-            self.trial.report(value, step)
+            try:
+                self.trial.report(value, step)
+            except self._told_already:  # handed over since its last heartbeat: the retry reports from here
+                self.handed_over = trainer.should_stop = True
+                return
             self.reported_steps.add(step)
         if self.trial.should_prune():
             self.pruned = True
@@ -88,7 +98,12 @@ class TrialCallback(pl.Callback):
             self.save(trainer)
 
     def save(self, trainer: pl.Trainer) -> None:
-        """Checkpoint the trial now (its newest complete checkpoint is what a resumed trial continues from)."""
+        """Checkpoint the trial now (its newest complete checkpoint is what a resumed trial continues from); but if
+        another worker has handed it over meanwhile (it had not heard from it for too long), end it instead: its
+        retry resumes from the checkpoint there, which a new save would replace while the retry reads it."""
+        if self.handed_over or frozen_trial(self.trial.study, self.trial.number).state.is_finished():
+            self.handed_over = trainer.should_stop = True
+            return
         trainer.save_checkpoint(self.checkpoint_url)
         self._checkpointed_s = time.monotonic()
 
