@@ -323,12 +323,12 @@ def assert_every_trial_trained_as_alone(folder: Path, study: optuna.Study, max_s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
-def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path, processes):
-    """SIGTERM stops both running trials at a step boundary with a checkpoint (with ``processes=True``, passed on to
-    the worker processes); running the same command again resumes them (their retries continue from the
-    checkpoints), completes the study's four trials and asks no more; every step equals the trial trained alone."""
-    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, seed=0, processes=processes)
+def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path):
+    """SIGTERM, passed on to the worker processes of ``processes=True`` (each a threaded one-device sweep, as without
+    it), stops both running trials at a step boundary with a checkpoint; running the same command again resumes them
+    (their retries continue from the checkpoints), completes the study's four trials and asks no more; every step
+    equals the trial trained alone. (A threaded sweep's preempted trial resumed by another worker: the SLURM test.)"""
+    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, seed=0, processes=True)
     first = start_worker(tmp_path, **config)
     wait_for_running(tmp_path, trials=2, steps=10)
     first.send_signal(signal.SIGTERM)
