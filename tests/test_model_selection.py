@@ -171,6 +171,26 @@ def test_a_trial_handed_over_while_it_trains_ends_leaving_its_checkpoint_as_it_w
     assert torch.load(url, weights_only=False)["global_step"] == 2, "the checkpoint of step 3 was not written"
 
 
+def test_a_trial_told_by_another_worker_as_it_ends_is_recorded_as_handed_over(tmp_path):
+    """Another worker hands a trial over after its last report, as it ends (its heartbeats came too late): the trial is
+    recorded as handed over, not as complete with a value that the study does not hold, and the study goes on."""
+    study = optuna.create_study()
+
+    class ToldAsItEnds(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            study.tell(0, state=optuna.trial.TrialState.FAIL)  # as the other worker's hand-over does
+
+    def build(trial: optuna.trial.Trial) -> dict:
+        return {**trial_kwargs(trial, max_steps=8), "callbacks": [ToldAsItEnds()] if trial.number == 0 else []}
+
+    sweep = MultiModelTrainer(accelerator="cpu", devices=1, checkpoint_dir=str(tmp_path), enable_progress_bar=False)
+    outcomes = sweep.optimize(study, build, n_trials=2, monitor="val_loss")
+    assert [(o.number, o.state, o.value is None) for o in outcomes] == [
+        (0, "handed over", True),
+        (1, "complete", False),
+    ]
+
+
 def test_a_trial_that_fails_is_marked_failed_and_the_others_go_on(tmp_path):
     study, outcomes, _ = optimize_in_process(
         tmp_path, n_trials=3, max_steps=4, pruner=optuna.pruners.NopPruner(), failing=1

@@ -239,8 +239,6 @@ class StudyRunner:
         if self.display is not None:
             self.display.watch(name, self.monitor, lambda: callback.last)
         running.result = self.sweep.launch(trainer, lambda result: self._ended.put(trial.number))
-        if callback.handed_over:  # taken over by another worker while it was built: its heartbeat found it told
-            running.result.trainer.should_stop = True
         return True
 
     def _resume_point(self, trial: optuna.trial.Trial, resumes: dict | None, callback: TrialCallback) -> str | None:
@@ -285,26 +283,38 @@ class StudyRunner:
             self._tell(running, "complete", result.steps, result.seconds)
 
     def _tell(self, running: _Running, state: str, steps: int, seconds: float) -> None:
-        TrialState = self._optuna.trial.TrialState
-        trial, value = running.trial, running.callback.value(self.value)
+        value = running.callback.value(self.value)
         if state == "complete" and value is None:
             self._fail(
                 running, ValueError(f"the trial logged no `{self.monitor}` (no validation ran?)"), steps, seconds
             )
-            return
-        if state == "pruned":
-            self.study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
+        elif state == "pruned":
+            self._finish(running, state, steps, seconds, state=self._optuna.trial.TrialState.PRUNED)
         else:
-            self.study.tell(trial, value, skip_if_finished=True)
-        self._record(running, state, steps, seconds, value)
+            self._finish(running, state, steps, seconds, value, values=value)
 
     def _fail(self, running: _Running, error: BaseException | None, steps: int, seconds: float) -> None:
         message = f"{type(error).__name__}: {error}"
-        log.warning(f"Trial {running.trial.number} failed: {message}")
         with contextlib.suppress(Exception):  # finished meanwhile (handed over): the reason is not needed then
             running.trial.set_user_attr("fail_reason", message)
-        self.study.tell(running.trial, state=self._optuna.trial.TrialState.FAIL, skip_if_finished=True)
-        self._record(running, "failed", steps, seconds)
+        if self._finish(running, "failed", steps, seconds, state=self._optuna.trial.TrialState.FAIL):
+            log.warning(f"Trial {running.trial.number} failed: {message}")
+
+    def _finish(
+        self, running: _Running, ended_as: str, steps: int, seconds: float, value: float | None = None, **tell: Any
+    ) -> bool:
+        """Tell the study that the trial ended as ``ended_as`` (``tell``: `optuna.Study.tell`'s arguments) and record
+        it; False if another worker had told it first (handed it over, having heard from it too late): it is recorded
+        as handed over then, its retry carrying on."""
+        try:
+            self.study.tell(running.trial, **tell)
+        except (self._optuna.exceptions.UpdateFinishedTrialError, ValueError):  # the storage's or Optuna's refusal
+            if not frozen_trial(self.study, running.trial.number).state.is_finished():
+                raise
+            self._record(running, "handed over", steps, seconds)
+            return False
+        self._record(running, ended_as, steps, seconds, value)
+        return True
 
     def _record(self, running: _Running, state: str, steps: int, seconds: float, value: float | None = None) -> None:
         trial = running.trial
@@ -368,14 +378,15 @@ class StudyRunner:
             try:
                 running.trial.set_user_attr(HEARTBEAT, now)
             except Exception:  # noqa: BLE001 - finished: another worker handed it over
-                running.callback.handed_over = True
-                if running.result is not None:
-                    running.result.trainer.should_stop = True
+                running.callback.handed_over = True  # it ends at its next step boundary
 
     # ---------------------------------------------------------------------------------------------- counting
     def _size(self) -> int:
-        """The study's trials that count toward ``n_trials``: all but those handed over to a retry."""
-        return sum(1 for t in self.study.get_trials(deepcopy=False) if HANDED_OVER not in t.user_attrs)
+        """The study's trials that count toward ``n_trials``: all but those handed over to a retry (one marked for
+        it that its own worker told first does count)."""
+        FAIL = self._optuna.trial.TrialState.FAIL
+        trials = self.study.get_trials(deepcopy=False)
+        return sum(1 for t in trials if HANDED_OVER not in t.user_attrs or t.state != FAIL)
 
     def _waiting(self) -> bool:
         return bool(self.study.get_trials(deepcopy=False, states=(self._optuna.trial.TrialState.WAITING,)))

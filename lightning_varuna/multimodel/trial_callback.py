@@ -61,6 +61,8 @@ class TrialCallback(pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._checkpointed_s, self._step_seen = time.monotonic(), trainer.global_step
+        if self.handed_over:  # while it was built and set up: it ends before its first step
+            trainer.should_stop = True
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -90,7 +92,9 @@ class TrialCallback(pl.Callback):
         if trainer.global_step == self._step_seen:
             return  # a batch that accumulates: not a step boundary
         self._step_seen = trainer.global_step
-        if self.preempted.is_set() and not self.interrupted:
+        if self.handed_over:  # set by its worker's heartbeat, which found it told
+            trainer.should_stop = True
+        elif self.preempted.is_set() and not self.interrupted:
             self.interrupted = True
             self.save(trainer)
             trainer.should_stop = True
