@@ -239,10 +239,9 @@ class DeviceScheduler:
     def queue(self) -> list[str]:
         """The models waiting for a device, longest remaining time (next served) first."""
         with self._lock:
-            return [r.clock.name for r in self._by_priority()]
+            return [r.clock.name for r in self._by_priority(self._per_byte_step())]
 
-    def _by_priority(self) -> list[_Request]:
-        rate = self._per_byte_step()
+    def _by_priority(self, rate: float) -> list[_Request]:
         # Holds without a device first (see module), then longest remaining time, then earliest arrival.
         return sorted(self._waiting, key=lambda r: (r.needs_device, -self._remaining_s(r.clock, rate), r.order))
 
@@ -469,13 +468,13 @@ class DeviceScheduler:
         """Give the free devices to the waiting requests, longest remaining time first (earlier arrivals first among
         equals; one model at a time holds the generator; while a model runs `alone`, to none but it), except those
         held for the D longest models that are between two turns; wake those served."""
-        if self._stopped is not None:
+        if self._stopped is not None or not self._waiting:  # (a turn given back with none waiting: the usual case)
             return
         rate, now = self._per_byte_step(), time.perf_counter()
         running = [c for c in self._clocks.values() if not c.finished]
         longest = sorted(running, key=lambda c: -self._remaining_s(c, rate))[: self.devices]
         held = sum(1 for c in longest if c.turns == 0 and now - c.released_s < HOLD_S)
-        for request in self._by_priority():
+        for request in self._by_priority(rate):
             if request.needs_generator and self._generator_holder not in (None, request.clock.name):
                 continue
             if request.needs_device:
