@@ -59,6 +59,7 @@ class WholeModel:
 
     def __init__(self, module: nn.Module) -> None:
         self.module, self._forward = module, module.forward  # its own forward, not one a step patches on later
+        self._kv_cache_configs = kv_cache_configs(module)
         self._params = {name for name, _ in module.named_parameters()}
         self._buffers = {name for name, _ in module.named_buffers()}
         self._by_inputs: dict[TreeSpec, tuple[PipelineGraph, list[nn.Module]]] = {}
@@ -70,23 +71,27 @@ class WholeModel:
             inputs = [Source(None, i) for i in range(len(leaves))]
             # The outputs' shapes are what running the model gives: nothing is sent between stages here.
             graph = PipelineGraph([inputs], [[]], [Source(0, 0)], [self._params], _ONE_VALUE, [self._buffers])
-            self._by_inputs[spec] = (graph, [_OwnForward(self.module, self._forward, spec)])
+            self._by_inputs[spec] = (graph, [_OwnForward(self, spec)])
         return self._by_inputs[spec]
+
+    def run(self, args: tuple, kwargs: dict) -> object:
+        """The model's output for these inputs, from its own forward (without a key-value cache, as when cut: its
+        output has the same structure)."""
+        with without_kv_cache(self._kv_cache_configs):
+            return self._forward(*args, **kwargs)
 
 
 _, _ONE_VALUE = tree_flatten(0)  # the structure of a single value
 
 
 class _OwnForward(nn.Module):
-    """Run ``forward`` (``model``'s own) on the leaves of inputs of structure ``input_spec``; return its output as
-    the one value of a tuple."""
+    """Run ``whole``'s model on the leaves of inputs of structure ``input_spec``; return its output as the one value
+    of a tuple."""
 
-    def __init__(self, model: nn.Module, forward: Callable[..., object], input_spec: TreeSpec) -> None:
+    def __init__(self, whole: WholeModel, input_spec: TreeSpec) -> None:
         super().__init__()
-        self.model, self._model_forward, self._input_spec = model, forward, input_spec
-        self._kv_cache_configs = kv_cache_configs(model)
+        self.model, self._whole, self._input_spec = whole.module, whole, input_spec
 
     def forward(self, *leaves: object) -> tuple:
         args, kwargs = tree_unflatten(list(leaves), self._input_spec)
-        with without_kv_cache(self._kv_cache_configs):  # as when cut: its output has the same structure
-            return (self._model_forward(*args, **kwargs),)
+        return (self._whole.run(args, kwargs),)

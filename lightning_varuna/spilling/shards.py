@@ -242,7 +242,11 @@ class ShardedModel:
     # -------------------------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output, computed shard by shard. With gradients enabled, the last shard stays on the device
-        with its autograd graph; the outputs of the others are leaves whose ``.grad`` `backward` reads."""
+        with its autograd graph; the outputs of the others are leaves whose ``.grad`` `backward` reads. A whole
+        model that stays on the device runs its own forward in a turn: nothing crosses a shard's edge to keep."""
+        if self.stays and isinstance(self.segments, WholeModel):
+            with self._turn("forward", 0):
+                return self.segments.run(args, kwargs)
         training = torch.is_grad_enabled()
         graph, modules = self.segments.for_inputs(args, kwargs)
         dtypes = DtypeState.current(self.store.device.type)
