@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from lightning_varuna._optuna_private import as_new_worker, shareable_storage
 from lightning_varuna.multimodel.devices import cores_for
-from lightning_varuna.multimodel.processes import ended_at_exit, picklable
+from lightning_varuna.multimodel.processes import ended_at_exit, picklable, start_forked
 from lightning_varuna.multimodel.report import StudyDisplay
 from lightning_varuna.multimodel.signals import handled
 from lightning_varuna.multimodel.study import HANDED_OVER, TrialOutcome, progress_line, row_name
@@ -57,8 +57,7 @@ def optimize_in_processes(
         context.Process(target=_work, args=(study, run_worker, k, cores, pipes), name=f"study worker {k}")
         for k in range(devices)
     ]
-    for worker in workers:
-        worker.start()
+    start_forked(workers)
     for _, sending in pipes:
         sending.close()
 
