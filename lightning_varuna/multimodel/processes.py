@@ -36,7 +36,7 @@ from lightning_varuna.multimodel.scheduler import DeviceSpan, SweepStopped
 from lightning_varuna.multimodel.signals import handled
 from lightning_varuna.strategies.callback_hooks import callbacks_of
 
-__all__ = ["WorkerCallback", "ended_at_exit", "fit_in_processes", "picklable", "start_forked"]
+__all__ = ["WorkerCallback", "ended_at_exit", "fit_in_processes", "own_end", "picklable", "start_forked"]
 
 
 class WorkerCallback(pl.Callback):
@@ -175,9 +175,7 @@ def _expected_work(member: SweepMember) -> float:
 
 def _work(pipes: list[tuple[Connection, Connection]], device: int, members: list[SweepMember]) -> None:
     """Worker process ``device``: fit the model the sweep names next, alone on one thread, until it names none."""
-    connection = pipes[device][1]
-    for end in (end for pipe in pipes for end in pipe if end is not connection):
-        end.close()  # so that each worker's end reads as closed once that worker has ended
+    connection = own_end(pipes, device)
     torch.set_num_threads(1)
     callbacks = [_worker_callback(member.trainer) for member in members]
 
@@ -271,6 +269,15 @@ def start_forked(workers: Sequence[multiprocessing.process.BaseProcess]) -> None
             worker.start()
     finally:
         gc.unfreeze()
+
+
+def own_end(pipes: list[tuple[Connection, Connection]], k: int) -> Connection:
+    """In forked worker ``k``: its end of its pipe to the calling process (the second); every other end it inherited
+    is closed, so that each worker's pipe reads as closed in the calling process once that worker has ended."""
+    own = pipes[k][1]
+    for end in (end for pipe in pipes for end in pipe if end is not own):
+        end.close()
+    return own
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from lightning_varuna._optuna_private import as_new_worker, shareable_storage
 from lightning_varuna.multimodel.devices import cores_for
-from lightning_varuna.multimodel.processes import ended_at_exit, picklable, start_forked
+from lightning_varuna.multimodel.processes import ended_at_exit, own_end, picklable, start_forked
 from lightning_varuna.multimodel.report import StudyDisplay
 from lightning_varuna.multimodel.signals import handled
 from lightning_varuna.multimodel.study import HANDED_OVER, TrialOutcome, progress_line, row_name
@@ -157,9 +157,7 @@ def _work(
     pipes: list[tuple[Connection, Connection]],
 ) -> None:
     """Worker process ``k``: pinned to ``cores[k]``, run the study; send back how its trials ended (or its error)."""
-    sending = pipes[k][1]
-    for end in (end for pipe in pipes for end in pipe if end is not sending):
-        end.close()  # so that each worker's pipe reads as closed once that worker has ended
+    sending = own_end(pipes, k)
     if cores is not None:
         os.sched_setaffinity(0, {cores[k]})
     as_new_worker(study)
