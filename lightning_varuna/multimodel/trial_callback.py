@@ -105,7 +105,7 @@ class TrialCallback(pl.Callback):
         """Checkpoint the trial now (its newest complete checkpoint is what a resumed trial continues from); but if
         another worker has handed it over meanwhile (it had not heard from it for too long), end it instead: its
         retry resumes from the checkpoint there, which a new save would replace while the retry reads it."""
-        if self.handed_over or frozen_trial(self.trial.study, self.trial.number).state.is_finished():
+        if frozen_trial(self.trial.study, self.trial.number).state.is_finished():
             self.handed_over = trainer.should_stop = True
             return
         trainer.save_checkpoint(self.checkpoint_url)

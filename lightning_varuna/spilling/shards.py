@@ -102,7 +102,7 @@ class ShardedModel:
             while the other computes), and which keep their activations for backward.
         store: where spilled shards wait.
         activation_bytes: what each shard's forward keeps for its backward, as measured.
-        stays: keep every shard on the device, never spilled (a model that fits its budget in one shard).
+        stays: keep the model on the device, never spilled (a whole model, `WholeModel`, that fits its budget).
         turn: each piece of a shard's work (its forward, its backward, its optimizer step) runs inside
             ``turn(work, shard)``: a sweep of models (`MultiModelTrainer`) waits there for a device. The turn yields
             whether it holds torch's global generator: only then is a forward's random state kept to be replayed by
@@ -119,6 +119,8 @@ class ShardedModel:
         stays: bool = False,
         turn: Turn = any_time,
     ) -> None:
+        if stays and not isinstance(segments, WholeModel):
+            raise ValueError("Only a model that runs whole (one shard, uncut) stays on the device.")
         self.segments, self.store, self.packing = segments, store, packing
         self.stays, self._turn = stays, turn
         self._activation_bytes = activation_bytes
@@ -244,7 +246,7 @@ class ShardedModel:
         """The model's output, computed shard by shard. With gradients enabled, the last shard stays on the device
         with its autograd graph; the outputs of the others are leaves whose ``.grad`` `backward` reads. A whole
         model that stays on the device runs its own forward in a turn: nothing crosses a shard's edge to keep."""
-        if self.stays and isinstance(self.segments, WholeModel):
+        if self.stays and isinstance(self.segments, WholeModel):  # (only a whole model stays: see __init__)
             with self._turn("forward", 0):
                 return self.segments.run(args, kwargs)
         training = torch.is_grad_enabled()
@@ -266,7 +268,7 @@ class ShardedModel:
         """Whether ``shard``'s forward in this call keeps its activations for backward: planned so where the budget
         has room, and while the calls of this step so far leave that room (a step may call the model twice)."""
         last = shard.index == len(self.shards) - 1
-        if self.stays or last and not self._calls:
+        if last and not self._calls:
             return True
         if not (last or self.packing.keeps[shard.index]):
             return False
@@ -291,7 +293,7 @@ class ShardedModel:
         # In training, with autograd on even where the graph is then dropped: a value crossing to the next shard
         # needs a gradient only where it would in the whole model, and kernels choose by it (attention takes
         # another kernel for a mask that needs a gradient, which rounds differently).
-        saved = parameters_saved_by_reference(shard.params) if keeps and not self.stays else nullcontext()
+        saved = parameters_saved_by_reference(shard.params) if keeps else nullcontext()
         with self._fetching(shard.index, shard.index + 1, ()), saved:
             produced = self._run(call, shard, training)
         if run.random_state is not None:
