@@ -1,11 +1,12 @@
 """How well the simulator predicts real step times, and whether AutoConfig picks the fastest configuration.
 
-Run from the repository root (about 12 minutes on 2 CPU cores)::
+Run from the repository root (about 14 minutes on 2 CPU cores)::
 
     python benchmarks/simulator_accuracy.py
 
 1. Profiles examples/gpt.py's GPT (8 layers, dim 128, block 64) with ``lightning-varuna profile`` (micro-batch sizes
-   1, 2, 4, 8; communication with 2 to 4 processes) into ``benchmarks/results/gpt.profile.json``.
+   1, 2, 4, 8; communication with 2 to 4 processes; a few training steps with 1 to 4 processes, which calibrate it)
+   into ``benchmarks/results/gpt.profile.json``: "the profile alone" below.
 2. Trains it with ``Trainer.fit`` + ``VarunaStrategy(profile=...)`` (so the stages are cut where the simulator cuts
    them) for every configuration in ``CONFIGS`` on a global batch of 16, in fresh processes, and takes the median
    step time (``on_train_batch_start`` -> ``on_train_batch_end`` on rank 0) after a warm-up. Before each run it

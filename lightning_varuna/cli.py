@@ -59,6 +59,7 @@ def _profile(args: argparse.Namespace) -> None:
     from lightning_varuna.profiling.profile import ModelProfile
     from lightning_varuna.profiling.profiler import default_thread_counts, profile_model
     from lightning_varuna.spilling.bandwidth import measure_spill_tiers
+    from lightning_varuna.step_runs import calibrate_with_steps
 
     storage = _storage(args)
     model = load_model(args.model, args.init_args)
@@ -87,6 +88,17 @@ def _profile(args: argparse.Namespace) -> None:
     profile_network(profile, list(range(2, args.devices + 1)))
     profile.spill = measure_spill_tiers(next(model.parameters()).device, args.spill_dir)
     profile.save(args.output, storage)
+    untimed = [n for n in range(1, args.devices + 1) if n not in profile.overheads]
+    if untimed and not args.no_step_runs and profile.device == "cpu":
+        try:
+            profile = calibrate_with_steps(profile, model, forward_args, forward_kwargs, process_counts=untimed)
+        except Exception as error:
+            raise SystemExit(
+                f"The training steps that calibrate the profile failed ({type(error).__name__}: {error}); "
+                f"{args.output} holds the profile without them. `--update` runs only them again; `--no-step-runs` "
+                "leaves them out."
+            ) from error
+        profile.save(args.output, storage)
     print(f"Wrote {args.output}: {len(profile.segments)} segments, micro-batch sizes {profile.micro_batch_sizes}.")
 
 
@@ -176,9 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     merge.set_defaults(run=_consolidate)
     profile = commands.add_parser(
         "profile",
-        help="measure each CutPoint segment and the network; write a JSON profile for autoconfig",
+        help="measure each CutPoint segment, the network and a few training steps; write a JSON profile for autoconfig",
         description="Measure each CutPoint segment of a model (time, activation and parameter memory, optimizer step) "
-        "and the network between processes; write a JSON profile for autoconfig and VarunaStrategy(profile=...).",
+        "and the network between processes, and time a few training steps of it per process count (on a CPU: what a "
+        "step costs beyond its segments, as `calibrate` learns it); write a JSON profile for autoconfig and "
+        "VarunaStrategy(profile=...).",
     )
     profile.add_argument("model", help="`package.module:Class` or `path/to/file.py:Class`; needs example_input_array")
     profile.add_argument("--init-args", help="constructor arguments as JSON, e.g. '{\"layers\": 8}'")
@@ -194,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--devices", type=int, default=1, help="processes per node to measure communication with")
     profile.add_argument("--output", required=True, help="where to write the profile (any fsspec URL)")
     profile.add_argument("--update", action="store_true", help="keep what the profile at --output already has")
+    profile.add_argument(
+        "--no-step-runs",
+        action="store_true",
+        help="leave out the few training steps per process count that calibrate the profile (on a GPU they are left "
+        "out: calibrate with `lightning-varuna calibrate` from a PipelineTrace of a real run instead)",
+    )
     profile.add_argument(
         "--spill-dir",
         help="a folder on the disk SpillingStrategy will spill to, where the disk tier is timed (default: the system's "

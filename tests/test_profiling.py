@@ -32,6 +32,7 @@ from lightning_varuna.profiling.profiler import profile_model, resize_batch
 from lightning_varuna.profiling.segments import measure_split_backward
 from lightning_varuna.profiling.simulator import Config, simulate
 from lightning_varuna.profiling.trace import read_chrome_trace
+from lightning_varuna.step_runs import step_run_configs
 
 
 def tokens(rows: int) -> torch.Tensor:
@@ -377,16 +378,41 @@ def test_calibration_learns_how_much_longer_deferred_weight_passes_take():
     assert simulate(alone, zero_bubble).step_s == pytest.approx(simulate(truth, zero_bubble).step_s, rel=1e-4)
 
 
-@pytest.mark.slow  # the CLI measures collectives between 2 processes
+def test_step_runs_cover_each_process_count_s_schedules_and_replicas():
+    """Per process count: a pipeline of as many stages at the smallest, a middle and the largest micro-batch size,
+    its backward split at the middle one, and replicas; replicas of the whole model where the stages do not divide
+    the processes evenly."""
+
+    def runs(profile: ModelProfile, processes: int) -> list[tuple]:
+        configs = step_run_configs(profile, processes)
+        assert all(c.world_size == processes and c.global_batch_size % (c.micro_batch_size * processes) == 0
+                   for c in configs)  # fmt: skip
+        return [(c.pipeline_parallel_size, c.data_parallel_size, c.micro_batch_size, c.schedule) for c in configs]
+
+    profile = synthetic(segments=4)
+    assert profile.micro_batch_sizes == [1, 2]
+    assert runs(profile, 1) == [(1, 1, 1, "1f1b"), (1, 1, 2, "1f1b")]
+    assert runs(profile, 2) == [(2, 1, 1, "1f1b"), (2, 1, 2, "1f1b"), (2, 1, 2, "zero-bubble"), (1, 2, 2, "1f1b")]
+    assert runs(profile, 4)[-1] == (1, 4, 2, "1f1b")
+    assert runs(synthetic(segments=2), 3) == [(1, 3, 1, "1f1b"), (1, 3, 2, "1f1b")]
+
+
+@pytest.mark.slow  # the CLI measures collectives between 2 processes, and trains a few steps at each count
 def test_cli_profiles_and_autoconfigures(tmp_path, capsys):
     out = tmp_path / "tiny.json"
     model = f"{os.path.dirname(__file__)}/models.py:TinyLM"
-    cli(
-        ["profile", model, "--input-shape", f"4x{SEQ}", "--input-dtype", "int64"]
-        + ["--micro-batch-sizes", "1", "2", "--devices", "2", "--output", str(out)]
-    )
+    command = ["profile", model, "--input-shape", f"4x{SEQ}", "--input-dtype", "int64"]
+    command += ["--micro-batch-sizes", "1", "2", "--devices", "2", "--output", str(out)]
+    cli([*command, "--no-step-runs"])
     profile = ModelProfile.load(str(out))
     assert profile.micro_batch_sizes == [1, 2] and 2 in profile.p2p and 2 in profile.allreduce[2]
+    assert not profile.overheads
+    # What it lacks: a few training steps per process count, which calibrate it.
+    cli([*command, "--update"])
+    profile = ModelProfile.load(str(out))
+    assert sorted(profile.overheads) == [1, 2]
+    assert profile.overheads[2].weight_factor is not None  # a zero-bubble run was among them
+    assert profile.overheads[2].replica_lag > 0 or profile.overheads[2].step_s > 0
     trace = tmp_path / "t.json"
     cli(
         [

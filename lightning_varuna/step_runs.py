@@ -1,0 +1,188 @@
+"""Time a few real training steps of a model on this machine, and calibrate its profile with them.
+
+The profile times each segment alone; a real step also runs the pipeline runtime around every forward and backward,
+its messages, the gradient sums and Lightning's loop, and the optimizer finds its state out of the caches. Here the
+model trains for a few steps with `VarunaStrategy` at a few configurations per process count (`step_run_configs`).
+Its step sums the model's outputs on its example inputs (the profiler knows neither the user's data nor the loss).
+The measured timelines (`PipelineTrace`) then calibrate the profile (`calibrate`), so that it predicts steps as this
+machine runs them without a run of the user's own (on examples/gpt.py's GPT on 2 CPU cores, the profile alone
+under-predicted every configuration by 12-39% before; benchmarks/README.md, "Simulator accuracy").
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import multiprocessing
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from lightning_varuna.callbacks.pipeline_trace import PipelineTrace
+from lightning_varuna.profiling.calibration import calibrate
+from lightning_varuna.profiling.profile import ModelProfile
+from lightning_varuna.profiling.profiler import optimizer_of, resize_batch
+from lightning_varuna.profiling.segments import float_leaves
+from lightning_varuna.profiling.simulator import Config
+from lightning_varuna.profiling.trace import Span, read_chrome_trace
+from lightning_varuna.strategies.varuna import VarunaStrategy
+
+__all__ = ["calibrate_with_steps", "step_run_configs"]
+
+_MICROBATCHES = 4  # per pipeline stage and step: enough for the schedule to reach its steady state
+
+
+def step_run_configs(profile: ModelProfile, processes: int) -> list[Config]:
+    """The configurations run with ``processes`` processes: a pipeline of as many stages (if the model has the
+    segments for them; else replicas of the whole model) at the smallest, a middle and the largest profiled
+    micro-batch size, at the middle size with its backward split (zero-bubble: how long a deferred weight pass
+    takes), and replicas of the whole model (how long they wait for each other at the all-reduce)."""
+    sizes = profile.micro_batch_sizes
+    middle = sizes[len(sizes) // 2]
+    stages = min(processes, len(profile.segments))
+    stages = stages if processes % stages == 0 else 1
+    replicas = processes // stages
+
+    def config(micro_batch_size: int, schedule: str, stages: int = stages, replicas: int = replicas) -> Config:
+        rows = micro_batch_size * _MICROBATCHES * stages * replicas
+        return Config(stages, replicas, micro_batch_size, schedule, rows)
+
+    configs = [config(mb, "1f1b") for mb in dict.fromkeys((sizes[0], middle, sizes[-1]))]
+    if stages > 1:
+        configs.append(config(middle, "zero-bubble"))
+    if replicas == 1 and processes > 1:
+        configs.append(config(middle, "1f1b", 1, processes))
+    return configs
+
+
+def calibrate_with_steps(
+    profile: ModelProfile,
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    process_counts: Sequence[int] = (1,),
+    steps: int = 4,
+    warmup: int = 3,
+    progress: bool = True,
+) -> ModelProfile:
+    """A copy of ``profile`` calibrated with a few training steps of ``module`` (a copy of it: the module is left as
+    it was) at the configurations of `step_run_configs` for each of ``process_counts``, in CPU processes started by
+    a fork server (a fork of this process, which has computed with several threads, could hang in OpenMP).
+
+    Args:
+        args, kwargs: one batch of forward inputs (resized to each configuration's batch, as the profiler does).
+        steps: steps timed per configuration (the median one counts), after ``warmup`` steps.
+    """
+    configs = [config for n in sorted(set(process_counts)) for config in step_run_configs(profile, n)]
+    # The runs' processes start from a fork server that imported these (and left Lightning's start-up lines out).
+    multiprocessing.set_forkserver_preload(["lightning_varuna.quiet_ranks", __name__])
+    measured: list[tuple[Config, list[Span]]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        profile_path = str(Path(tmp) / "profile.json")
+        _as_wrapped(profile).save(profile_path)
+        for config in tqdm(configs, desc="Timing training steps", disable=not progress, unit="run"):
+            trace = Path(tmp) / "trace.json"
+            with _quiet():
+                _train(config, module, args, kwargs or {}, profile_path, str(trace), steps, warmup)
+            spans, metadata = read_chrome_trace(trace.read_text())
+            measured.append((Config(**metadata["config"]), spans))
+    return calibrate(profile, measured)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Lightning's start-up lines and warnings (about this machine, the data loading) left out: the runs are the
+    profiler's, not the user's."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_varuna")]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.WARNING)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
+class _Repeated(Dataset):
+    """``times`` items, each ``batch``: a DataLoader of ``batch_size=None`` yields it as a batch."""
+
+    def __init__(self, batch: Any, times: int) -> None:
+        self.batch, self.times = batch, times
+
+    def __len__(self) -> int:
+        return self.times
+
+    def __getitem__(self, index: int) -> Any:
+        return self.batch
+
+
+def _as_wrapped(profile: ModelProfile) -> ModelProfile:
+    """``profile`` as of `_SummedOutputs` holding the model: its CutPoints are the model's, under ``model.``."""
+    cutpoints = set(profile.cutpoints)
+    renamed = [replace(s, name=f"model.{s.name}") if s.name in cutpoints else s for s in profile.segments]
+    return replace(profile, segments=renamed)
+
+
+class _SummedOutputs(pl.LightningModule):
+    """A training step that sums the model's outputs, with the model's own optimizer."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def training_step(self, batch: tuple[tuple, dict], batch_idx: int) -> Tensor:
+        args, kwargs = batch
+        return torch.stack([t.float().sum() for t in float_leaves(self(*args, **kwargs))]).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        optimizer_cls, defaults = optimizer_of(self.model)
+        return optimizer_cls(self.parameters(), **defaults)
+
+
+def _train(
+    config: Config, module: nn.Module, args: tuple, kwargs: dict, profile: str, trace: str, steps: int, warmup: int
+) -> None:
+    replica_batch = resize_batch((args, kwargs), config.replica_batch_size)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=config.world_size,
+        strategy=VarunaStrategy(
+            pipeline_parallel_size=config.pipeline_parallel_size,
+            micro_batch_size=config.micro_batch_size,
+            schedule=config.schedule,
+            profile=profile,
+            start_method="forkserver",
+        ),
+        max_steps=warmup + steps,
+        callbacks=[PipelineTrace(trace, step=warmup, steps=steps)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    port_before = os.environ.get("MASTER_PORT")
+    data = DataLoader(_Repeated(replica_batch, (warmup + steps) * config.data_parallel_size), batch_size=None)
+    try:
+        trainer.fit(_SummedOutputs(copy.deepcopy(module)), data)
+    finally:
+        if port_before is None:  # the launcher chose a free port: the next run chooses its own
+            os.environ.pop("MASTER_PORT", None)
