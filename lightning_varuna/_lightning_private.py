@@ -38,6 +38,13 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as 
 # `ckpt_path="last"` as VarunaStrategy's launchers do. tests/test_checkpoint_storage.py.
 from lightning.pytorch.strategies.launchers.launcher import _Launcher as LauncherBase
 
+# Each rank's own copy of the model's tensors, as Lightning's launcher makes it under "spawn" on the CPU (the
+# launcher's `_wrapping_function` is extended to make it under "forkserver" too).
+# tests/test_parity.py::test_replicas_started_by_multiprocessing_train_like_one_device.
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _disable_module_memory_sharing as disable_module_memory_sharing,
+)
+
 # Lightning's checkpoint connector, extended for `ckpt_path="last"` over sharded checkpoints, and the arguments a
 # DataLoader was made with. tests/test_checkpoint_resume.py, tests/test_morph.py.
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector as CheckpointConnector
@@ -79,6 +86,7 @@ resolve_checkpoint_dir = ModelCheckpoint._ModelCheckpoint__resolve_ckpt_dir  # t
 
 __all__ = [
     "CheckpointConnector",
+    "disable_module_memory_sharing",
     "LauncherBase",
     "MultiProcessingLauncherBase",
     "SubprocessScriptLauncherBase",

@@ -95,8 +95,8 @@ def _profile(args: argparse.Namespace) -> None:
         except Exception as error:
             raise SystemExit(
                 f"The training steps that calibrate the profile failed ({type(error).__name__}: {error}); "
-                f"{args.output} holds the profile without them. `--update` runs only them again; `--no-step-runs` "
-                "leaves them out."
+                f"{args.output} holds the profile without them. `--update` keeps what it has and runs them again; "
+                "`--no-step-runs` leaves them out."
             ) from error
         profile.save(args.output, storage)
     print(f"Wrote {args.output}: {len(profile.segments)} segments, micro-batch sizes {profile.micro_batch_sizes}.")

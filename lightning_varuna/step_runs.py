@@ -6,7 +6,7 @@ model trains for a few steps with `VarunaStrategy` at a few configurations per p
 Its step sums the model's outputs on its example inputs (the profiler knows neither the user's data nor the loss).
 The measured timelines (`PipelineTrace`) then calibrate the profile (`calibrate`), so that it predicts steps as this
 machine runs them without a run of the user's own (on examples/gpt.py's GPT on 2 CPU cores, the profile alone
-under-predicted every configuration by 12-39% before; benchmarks/README.md, "Simulator accuracy").
+under-predicted every configuration by 5-39% before; benchmarks/README.md, "Simulator accuracy").
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
@@ -44,14 +45,13 @@ _MICROBATCHES = 4  # per pipeline stage and step: enough for the schedule to rea
 
 
 def step_run_configs(profile: ModelProfile, processes: int) -> list[Config]:
-    """The configurations run with ``processes`` processes: a pipeline of as many stages (if the model has the
-    segments for them; else replicas of the whole model) at the smallest, a middle and the largest profiled
+    """The configurations run with ``processes`` processes: a pipeline of as many stages (as many as the model has
+    segments for and divide the processes, the rest replicas) at the smallest, a middle and the largest profiled
     micro-batch size, at the middle size with its backward split (zero-bubble: how long a deferred weight pass
     takes), and replicas of the whole model (how long they wait for each other at the all-reduce)."""
     sizes = profile.micro_batch_sizes
     middle = sizes[len(sizes) // 2]
-    stages = min(processes, len(profile.segments))
-    stages = stages if processes % stages == 0 else 1
+    stages = max(n for n in range(1, min(processes, len(profile.segments)) + 1) if processes % n == 0)
     replicas = processes // stages
 
     def config(micro_batch_size: int, schedule: str, stages: int = stages, replicas: int = replicas) -> Config:
@@ -81,19 +81,21 @@ def calibrate_with_steps(
     it was) at the configurations of `step_run_configs` for each of ``process_counts``, in CPU processes started by
     a fork server (a fork of this process, which has computed with several threads, could hang in OpenMP).
 
+    The model and its inputs are sent to those processes: they must pickle, their classes importable by name (not
+    defined in a notebook), and a script calling this needs an ``if __name__ == "__main__":`` guard.
+
     Args:
         args, kwargs: one batch of forward inputs (resized to each configuration's batch, as the profiler does).
         steps: steps timed per configuration (the median one counts), after ``warmup`` steps.
     """
     configs = [config for n in sorted(set(process_counts)) for config in step_run_configs(profile, n)]
-    # The runs' processes start from a fork server that imported these (and left Lightning's start-up lines out).
-    multiprocessing.set_forkserver_preload(["lightning_varuna.quiet_ranks", __name__])
+    multiprocessing.set_forkserver_preload(["__main__", __name__])  # the runs' processes start with these imported
     measured: list[tuple[Config, list[Span]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         profile_path = str(Path(tmp) / "profile.json")
         _as_wrapped(profile).save(profile_path)
         for config in tqdm(configs, desc="Timing training steps", disable=not progress, unit="run"):
-            trace = Path(tmp) / "trace.json"
+            trace = Path(tmp) / f"{len(measured)}.json"
             with _quiet():
                 _train(config, module, args, kwargs or {}, profile_path, str(trace), steps, warmup)
             spans, metadata = read_chrome_trace(trace.read_text())
@@ -145,6 +147,11 @@ class _SummedOutputs(pl.LightningModule):
         super().__init__()
         self.model = model
 
+    def __setstate__(self, state: dict) -> None:
+        """As each of the run's processes receives the model: Lightning's start-up lines left out there too."""
+        super().__setstate__(state)
+        _quiet().__enter__()  # for the rest of the process, which ends with the run
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
 
@@ -157,11 +164,26 @@ class _SummedOutputs(pl.LightningModule):
         return optimizer_cls(self.parameters(), **defaults)
 
 
+_ATTEMPTS = 3
+
+
 def _train(
     config: Config, module: nn.Module, args: tuple, kwargs: dict, profile: str, trace: str, steps: int, warmup: int
 ) -> None:
     replica_batch = resize_batch((args, kwargs), config.replica_batch_size)
-    trainer = pl.Trainer(
+    data = DataLoader(_Repeated(replica_batch, (warmup + steps) * config.data_parallel_size), batch_size=None)
+    for attempt in range(_ATTEMPTS):
+        try:
+            with _own_port():
+                _trainer(config, profile, trace, steps, warmup).fit(_SummedOutputs(copy.deepcopy(module)), data)
+            return
+        except Exception as error:  # another process took the free port found for the run: another one, twice
+            if "EADDRINUSE" not in str(error) or attempt == _ATTEMPTS - 1:
+                raise
+
+
+def _trainer(config: Config, profile: str, trace: str, steps: int, warmup: int) -> pl.Trainer:
+    return pl.Trainer(
         accelerator="cpu",
         devices=config.world_size,
         strategy=VarunaStrategy(
@@ -169,6 +191,7 @@ def _train(
             micro_batch_size=config.micro_batch_size,
             schedule=config.schedule,
             profile=profile,
+            cluster_environment=LightningEnvironment(),  # this machine's processes, under SLURM or torchrun too
             start_method="forkserver",
         ),
         max_steps=warmup + steps,
@@ -179,10 +202,15 @@ def _train(
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    port_before = os.environ.get("MASTER_PORT")
-    data = DataLoader(_Repeated(replica_batch, (warmup + steps) * config.data_parallel_size), batch_size=None)
+
+
+@contextmanager
+def _own_port() -> Iterator[None]:
+    """A run on a free port of its own: the launcher finds one and sets ``MASTER_PORT``; set as it was afterwards."""
+    before = os.environ.pop("MASTER_PORT", None)
     try:
-        trainer.fit(_SummedOutputs(copy.deepcopy(module)), data)
+        yield
     finally:
-        if port_before is None:  # the launcher chose a free port: the next run chooses its own
-            os.environ.pop("MASTER_PORT", None)
+        os.environ.pop("MASTER_PORT", None)
+        if before is not None:
+            os.environ["MASTER_PORT"] = before

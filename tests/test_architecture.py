@@ -38,7 +38,7 @@ LAYERS: dict[str, int] = {
     "spilling": 6,
     "callbacks": 7,
     "strategies": 8,
-    **dict.fromkeys(["multimodel", "grad_norm", "cli", "demos", "comparing", "step_runs", "quiet_ranks"], 9),
+    **dict.fromkeys(["multimodel", "grad_norm", "cli", "demos", "comparing", "step_runs"], 9),
     "__init__": 10,
 }
 

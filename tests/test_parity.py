@@ -126,6 +126,41 @@ def test_pipelined_training_matches_single_device(tmp_path, name):
     assert_matches_single_device(result, shards, config)
 
 
+STARTED_BY_MULTIPROCESSING = """
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from models import model_for, token_dataset
+from lightning_varuna import VarunaStrategy
+
+config, out = {config!r}, {out!r}
+L.seed_everything(0)
+model = model_for(config)
+strategy = VarunaStrategy(micro_batch_size=config["micro_batch_size"], start_method={method!r})
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=config["epochs"], logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model, DataLoader(token_dataset(config["rows"]), batch_size=config["batch_size"]))
+torch.save(dict(model.named_parameters()), out)  # rank 0's weights, which the launcher hands back
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_replicas_started_by_multiprocessing_train_like_one_device(tmp_path, start_method):
+    """Ranks that Lightning's launcher starts from the script's process, the model sent to each: 2 replicas train the
+    same model as one device, under "forkserver" too, where the model arrives in memory that every rank shares (and
+    both replicas stepped the one copy)."""
+    config = dict(pipeline_parallel_size=1, data_parallel_size=2, batch_size=3, micro_batch_size=3, epochs=2)
+    config.update(rows=3 * 2 * 3, schedule="gpipe")
+    out = tmp_path / "weights.pt"
+    code = STARTED_BY_MULTIPROCESSING.format(config=config, out=str(out), method=start_method)
+    env = {**clean_env(), "PYTHONPATH": os.path.dirname(__file__), "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    _, reference = train_reference(config)
+    for name, value in torch.load(out).items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_srun_job_trains_like_one_device(tmp_path, slurm):
     """Started by ``srun`` in a SLURM batch job (one task per rank, as Lightning runs under SLURM), a (2, 2) run
     trains the same model as one device."""

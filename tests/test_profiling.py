@@ -350,6 +350,12 @@ def test_calibration_recovers_the_costs_a_measured_step_adds(schedule):
     one = calibrate(synthetic(), [(measured[0], simulate(truth, measured[0], timeline=True).timeline)])
     assert one.overheads[2].forward_per_row_s == one.overheads[2].backward_per_row_s == 0
     assert one.overheads[2].replica_lag == 0  # nothing measured with replicas
+    # Calibrated again with that one run, a profile keeps what the run does not teach (the profile's own step runs
+    # taught it): the replicas' wait and the weight passes' factor.
+    taught = replace(synthetic(), overheads={2: replace(costs, weight_factor=1.5)})
+    again = calibrate(taught, [(measured[0], simulate(truth, measured[0], timeline=True).timeline)])
+    assert again.overheads[2].replica_lag == 0.25 and again.overheads[2].weight_factor == 1.5
+    assert again.overheads[2].forward_s == pytest.approx(one.overheads[2].forward_s)  # the rest, learned anew
     assert simulate(one, measured[0]).step_s == pytest.approx(simulate(truth, measured[0]).step_s, abs=1e-5)
     calibrated.save("memory://profiles/calibrated.json")
     assert ModelProfile.load("memory://profiles/calibrated.json") == calibrated
@@ -380,8 +386,8 @@ def test_calibration_learns_how_much_longer_deferred_weight_passes_take():
 
 def test_step_runs_cover_each_process_count_s_schedules_and_replicas():
     """Per process count: a pipeline of as many stages at the smallest, a middle and the largest micro-batch size,
-    its backward split at the middle one, and replicas; replicas of the whole model where the stages do not divide
-    the processes evenly."""
+    its backward split at the middle one, and replicas; with fewer segments than processes, as many stages as there
+    are segments that divide the processes, the rest replicas."""
 
     def runs(profile: ModelProfile, processes: int) -> list[tuple]:
         configs = step_run_configs(profile, processes)
@@ -395,6 +401,7 @@ def test_step_runs_cover_each_process_count_s_schedules_and_replicas():
     assert runs(profile, 2) == [(2, 1, 1, "1f1b"), (2, 1, 2, "1f1b"), (2, 1, 2, "zero-bubble"), (1, 2, 2, "1f1b")]
     assert runs(profile, 4)[-1] == (1, 4, 2, "1f1b")
     assert runs(synthetic(segments=2), 3) == [(1, 3, 1, "1f1b"), (1, 3, 2, "1f1b")]
+    assert runs(synthetic(segments=3), 4) == [(2, 2, 1, "1f1b"), (2, 2, 2, "1f1b"), (2, 2, 2, "zero-bubble")]
 
 
 @pytest.mark.slow  # the CLI measures collectives between 2 processes, and trains a few steps at each count

@@ -31,7 +31,9 @@ _MAX_WEIGHT_FACTOR = 16.0
 
 def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[Span]]]) -> ModelProfile:
     """A copy of ``profile`` whose overheads make the simulation of each measured configuration match its timeline
-    (a `PipelineTrace`; of several steps, the median one). Overheads of other process counts are kept."""
+    (a `PipelineTrace`; of several steps, the median one). Overheads of other process counts are kept, and of a
+    process count measured again, what its new runs do not teach: the replicas' wait without a run with replicas, the
+    weight passes' factor without a run that splits the backward."""
     by_processes: dict[int, list[tuple[Config, Sequence[Span]]]] = {}
     for config, spans in measured:
         by_processes.setdefault(config.processes_per_node, []).append((config, spans))
@@ -47,10 +49,15 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
         overheads = _combine([(c.micro_batch_size, _fit(profile, c, spans)) for c, spans in alone])
         replicated = [(c, spans) for c, spans in runs if c.data_parallel_size > 1]
         with_overheads = _with_overheads(profile, processes, overheads)  # sees what is set on ``overheads`` below
+        before = profile.overheads.get(processes, RuntimeOverheads())  # what the new runs do not teach is kept
         if replicated:
             overheads.replica_lag = statistics.mean(_replica_lag(with_overheads, c, spans) for c, spans in replicated)
+        else:
+            overheads.replica_lag = before.replica_lag
         if split and unsplit:
             overheads.weight_factor = statistics.mean(_weight_factor(with_overheads, c, spans) for c, spans in split)
+        elif not split:
+            overheads.weight_factor = before.weight_factor
         combined[processes] = overheads
     return replace(profile, overheads={**profile.overheads, **combined})
 

@@ -30,6 +30,7 @@ from lightning_varuna._lightning_private import (
     LauncherBase,
     MultiProcessingLauncherBase,
     SubprocessScriptLauncherBase,
+    disable_module_memory_sharing,
     resolve_checkpoint_dir,
 )
 from lightning_varuna.callbacks.morph import MorphCallback
@@ -167,4 +168,14 @@ class SubprocessScriptLauncher(_PrepareTrainer, ReportFirstFailure, SubprocessSc
 
 
 class MultiProcessingLauncher(_PrepareTrainer, MultiProcessingLauncherBase):
-    """Lightning's spawn/fork launcher, with the trainer prepared as described above."""
+    """Lightning's spawn/fork/forkserver launcher, with the trainer prepared as described above. Under "forkserver" on
+    the CPU each rank copies the model's tensors, as Lightning's does under "spawn": the model arrives in memory that
+    every rank shares, and replicas (or the stages holding a tied weight) would all update that one copy."""
+
+    def _wrapping_function(
+        self, process_idx: int, trainer: Any, function: Any, args: Any, kwargs: Any, *rest: Any
+    ) -> Any:
+        on_cpu = isinstance(self._strategy.accelerator, pl.accelerators.CPUAccelerator)
+        if self._start_method == "forkserver" and on_cpu:
+            args, kwargs = disable_module_memory_sharing((args, kwargs))
+        return super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
