@@ -103,20 +103,27 @@ def calibrate_with_steps(
     return calibrate(profile, measured)
 
 
+def _silence_lightning() -> list[tuple[logging.Logger, int]]:
+    """Leave out Lightning's start-up lines and warnings (about this machine, the data loading): the runs are the
+    profiler's, not the user's. Returns the loggers' levels before (some of Lightning's set one of their own)."""
+    names = ["lightning.pytorch", "lightning.fabric", "lightning_varuna", *logging.Logger.manager.loggerDict]
+    loggers = [logging.getLogger(name) for name in names if name.startswith(("lightning.", "lightning_varuna"))]
+    levels = [(logger, logger.level) for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    warnings.simplefilter("ignore")
+    return levels
+
+
 @contextmanager
 def _quiet() -> Iterator[None]:
-    """Lightning's start-up lines and warnings (about this machine, the data loading) left out: the runs are the
-    profiler's, not the user's."""
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_varuna")]
-    levels = [logger.level for logger in loggers]
+    """Lightning silenced inside the block (`_silence_lightning`)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for logger in loggers:
-            logger.setLevel(logging.WARNING)
+        levels = _silence_lightning()
         try:
             yield
         finally:
-            for logger, level in zip(loggers, levels):
+            for logger, level in levels:
                 logger.setLevel(level)
 
 
@@ -150,7 +157,7 @@ class _SummedOutputs(pl.LightningModule):
     def __setstate__(self, state: dict) -> None:
         """As each of the run's processes receives the model: Lightning's start-up lines left out there too."""
         super().__setstate__(state)
-        _quiet().__enter__()  # for the rest of the process, which ends with the run
+        _silence_lightning()  # for the rest of the process, which ends with the run
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
