@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -114,6 +115,23 @@ def test_discover_cutpoints_on_tinylm(model, idx):
 def test_discover_cutpoints_returns_execution_order_and_warns_of_uncalled():
     with pytest.warns(UserWarning, match=r"`unused`: CutPoint\(s\) that `Reordered.forward` never calls"):
         assert discover_cutpoints(Reordered(), (torch.randn(2, 3),)) == ["second", "first"]
+
+
+def test_a_cutpoint_on_the_forward_s_output_is_left_out_without_a_warning():
+    """A CutPoint whose output is the model's (``cut_after`` on every layer) has no work after it: it is called, so
+    nothing warns that the forward never calls it, and it begins no stage."""
+
+    class EndsCut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.middle, self.end = nn.Linear(3, 3), nn.Linear(3, 3), CutPoint(), CutPoint()
+
+        def forward(self, x):
+            return self.end(self.b(self.middle(self.a(x))))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert discover_cutpoints(EndsCut(), (torch.randn(2, 3),)) == ["middle"]
 
 
 def test_discover_cutpoints_accepts_kwargs():

@@ -82,9 +82,8 @@ def discover_cutpoints(module: nn.Module, args: tuple, kwargs: dict | None = Non
         observe_cutpoints(module, batch_size_of((args, kwargs)), seen.append) as order,
     ):
         output = module(*args, **(kwargs or {}))
-    if order and output is seen[-1]:
-        order.pop()
-    uncalled = [name for name, m in module.named_modules() if isinstance(m, CutPoint) and name not in order]
+    last = order.pop() if order and output is seen[-1] else None  # called, with nothing after it
+    uncalled = [n for n, m in module.named_modules() if isinstance(m, CutPoint) and n not in order and n != last]
     if uncalled:
         rank_zero_warn(
             f"{', '.join(f'`{name}`' for name in uncalled)}: CutPoint(s) that `{type(module).__name__}.forward` "
