@@ -10,6 +10,10 @@ import sys
 
 import torch
 
+# The module whose `_canonical_mask` `nn.MultiheadAttention` passes its masks through: `partition.tracing` wraps it
+# while a model is traced, so that a float mask meets attention in the queries' dtype. tests/test_partition.py.
+import torch.nn.functional as functional_module
+
 # The module of nn.Transformer and its encoder and decoder, whose `_detect_is_causal_mask` compares a mask's values
 # (a data-dependent guard torch.export cannot trace): `partition.tracing` replaces it while a model is traced.
 # tests/test_real_models.py.
@@ -146,6 +150,7 @@ __all__ = [
     "storage_users",
     "take_flat_inputs",
     "transformer_module",
+    "functional_module",
     "unflatten_dense_tensors",
     "unscale_and_find_inf",
 ]

@@ -9,8 +9,10 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from models import DIM, SEQ, VOCAB, TinyLM
 from torch import nn
+from torch.nn.functional import _canonical_mask as canonical_mask
 from torch.nn.modules.transformer import _detect_is_causal_mask as detect_is_causal_mask
 
 import lightning_varuna.partition.split
@@ -622,6 +624,39 @@ def test_causal_mask_check_is_traceable_and_named_without_the_patch(monkeypatch)
     assert f"line {line_of(CausalEncoder.forward, 'self.encoder(')} of {__file__}" in message
     assert f"inside line {line_of(detect_is_causal_mask, 'make_causal = bool(')} of " in message
     assert "as `is_causal=` does for an attention mask" in message
+
+
+def test_a_float32_causal_mask_meets_a_float64_model_s_attention_in_float64():
+    """Traced, the decoder applies ``generate_square_subsequent_mask``'s float32 mask rather than its causal shortcut
+    (which takes no mask): widened to the queries' float64, which torch's CPU attention kernel reads right (given the
+    float32 mask beside float64 queries it computed other outputs: a 64-true run trained another model)."""
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.TransformerDecoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+            self.decoder, self.cut = nn.TransformerDecoder(layer, num_layers=2), CutPoint()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=torch.float32)
+            return self.decoder(self.cut(x), x, tgt_mask=mask)
+
+    torch.manual_seed(0)
+    module, x = Decoder().double(), torch.randn(2, 5, 8, dtype=torch.float64)
+    graph, stages = split_into_all_stages(module, ModelSkeleton(module), real_tensors(module), (x,), {}, ["cut"])
+    masks = [
+        node.args[3].meta["val"].dtype
+        for stage in stages
+        for sub in stage.modules()
+        if isinstance(getattr(sub, "graph", None), torch.fx.Graph)
+        for node in sub.graph.nodes
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default and len(node.args) > 3
+    ]
+    assert masks == [torch.float64, torch.float64]  # each layer's self-attention; none for the cross-attention
+    assert F._canonical_mask is canonical_mask  # patched only while tracing
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        expected = module(x)
+    torch.testing.assert_close(run_by_hand(graph, stages, [x])[0][0], expected)
 
 
 def test_forward_hooks_run_in_the_stages_and_backward_hooks_are_named_in_a_warning(model, idx):

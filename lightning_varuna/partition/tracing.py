@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from lightning_varuna._torch_private import transformer_module
+from lightning_varuna._torch_private import functional_module, transformer_module
 
 __all__ = [
     "changes_grad_mode",
@@ -37,6 +37,19 @@ def _is_causal_as_given(mask: torch.Tensor | None, is_causal: bool | None = None
     return is_causal is True
 
 
+def _in_attention_dtype(canonical_mask: Callable[..., torch.Tensor | None]) -> Callable[..., torch.Tensor | None]:
+    """``nn.MultiheadAttention``'s mask conversion, which also widens a float mask to the queries' dtype."""
+
+    def canonical(mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        mask = canonical_mask(mask, *args, **kwargs)
+        target = kwargs["target_type"] if "target_type" in kwargs else args[3]
+        if mask is not None and mask.is_floating_point() and mask.dtype.itemsize < target.itemsize:
+            return mask.to(target)
+        return mask
+
+    return canonical
+
+
 @contextmanager
 def traceable_torch_modules() -> Iterator[None]:
     """Make ``nn.Transformer``, ``nn.TransformerEncoder`` and ``nn.TransformerDecoder`` traceable.
@@ -44,13 +57,19 @@ def traceable_torch_modules() -> Iterator[None]:
     Given a mask and no ``is_causal``, they compare the mask's values with a causal mask to decide whether attention
     may take its causal shortcut: a guard on data that ``torch.export`` cannot trace. While tracing, the mask is
     simply applied as given (``is_causal`` stays what the caller said): the same attention, computed from the mask.
+    A float mask narrower than the queries (``generate_square_subsequent_mask``'s float32 in a float64 model) is
+    widened to their dtype, which is exact: torch's CPU attention kernel misreads such a mask (seen with torch 2.13:
+    wrong outputs, no error), where the causal shortcut it replaces takes no mask at all.
     """
     detect = transformer_module._detect_is_causal_mask
+    canonical_mask = functional_module._canonical_mask
     transformer_module._detect_is_causal_mask = _is_causal_as_given
+    functional_module._canonical_mask = _in_attention_dtype(canonical_mask)
     try:
         yield
     finally:
         transformer_module._detect_is_causal_mask = detect
+        functional_module._canonical_mask = canonical_mask
 
 
 def kv_cache_configs(module: nn.Module) -> list[Any]:
