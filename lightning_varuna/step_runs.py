@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from lightning_varuna.callbacks.pipeline_trace import PipelineTrace
 from lightning_varuna.profiling.calibration import calibrate
+from lightning_varuna.profiling.processes import retried_on_port_clash
 from lightning_varuna.profiling.profile import ModelProfile
 from lightning_varuna.profiling.profiler import optimizer_of, resize_batch
 from lightning_varuna.profiling.segments import float_leaves
@@ -171,22 +172,17 @@ class _SummedOutputs(pl.LightningModule):
         return optimizer_cls(self.parameters(), **defaults)
 
 
-_ATTEMPTS = 3
-
-
 def _train(
     config: Config, module: nn.Module, args: tuple, kwargs: dict, profile: str, trace: str, steps: int, warmup: int
 ) -> None:
     replica_batch = resize_batch((args, kwargs), config.replica_batch_size)
     data = DataLoader(_Repeated(replica_batch, (warmup + steps) * config.data_parallel_size), batch_size=None)
-    for attempt in range(_ATTEMPTS):
-        try:
-            with _own_port():
-                _trainer(config, profile, trace, steps, warmup).fit(_SummedOutputs(copy.deepcopy(module)), data)
-            return
-        except Exception as error:  # another process took the free port found for the run: another one, twice
-            if "EADDRINUSE" not in str(error) or attempt == _ATTEMPTS - 1:
-                raise
+
+    def fit() -> None:
+        with _own_port():
+            _trainer(config, profile, trace, steps, warmup).fit(_SummedOutputs(copy.deepcopy(module)), data)
+
+    retried_on_port_clash(fit)
 
 
 def _trainer(config: Config, profile: str, trace: str, steps: int, warmup: int) -> pl.Trainer:

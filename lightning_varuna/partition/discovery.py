@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,10 +18,17 @@ __all__ = ["buffers_kept", "discover_cutpoints", "observe_cutpoints"]
 
 
 @contextmanager
-def observe_cutpoints(module: nn.Module, batch_size: int, on_call: Any = None) -> Iterator[list[str]]:
+def observe_cutpoints(
+    module: nn.Module, batch_size: int, on_call: Any = None, only: Collection[str] | None = None
+) -> Iterator[list[str]]:
     """Record the names of the cutpoints called during a forward, checking each call's input; ``on_call(x)`` runs
-    at each (a tensor it returns goes on in ``x``'s place)."""
-    names = {cut: name for name, cut in module.named_modules() if isinstance(cut, CutPoint)}
+    at each (a tensor it returns goes on in ``x``'s place). With ``only`` (`discover_cutpoints`'s list), the
+    others are not observed: a segment's measurement then ends where the stage or shard it belongs to ends."""
+    names = {
+        cut: name
+        for name, cut in module.named_modules()
+        if isinstance(cut, CutPoint) and (only is None or name in only)
+    }
     order: list[str] = []
 
     def observe(cut: CutPoint, x: object) -> Tensor | None:

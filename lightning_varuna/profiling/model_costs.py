@@ -114,7 +114,7 @@ class ModelCosts:
             ValueError: the profile is of a model with other CutPoints than ``cutpoints``.
         """
         if self.url is None:
-            timed = measure_segments(module, args, kwargs, repeats=self._repeats) if dist.get_rank() == 0 else None
+            timed = measure_segments(module, args, kwargs, self._repeats, cutpoints) if dist.get_rank() == 0 else None
             return _from_rank_zero(segment_costs(timed) if timed is not None else None)
         profile = self.profile
         if profile.cutpoints != cutpoints:

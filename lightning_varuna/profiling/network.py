@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from tqdm.auto import tqdm
 
 from lightning_varuna.pipeline.gradients import sum_gradients
-from lightning_varuna.profiling.processes import wait_all
+from lightning_varuna.profiling.processes import retried_on_port_clash, wait_all
 from lightning_varuna.profiling.profile import LinearCost, ModelProfile
 
 __all__ = ["profile_network"]
@@ -46,24 +47,30 @@ def profile_network(
     boundary = sorted(set(boundary) | {min(boundary) // 8 or 1, max(boundary) * 4})
     todo = [n for n in sorted(set(process_counts)) if n > 1 and n not in profile.p2p]
     for n in tqdm(todo, desc="Profiling network", disable=not progress, unit="run"):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "network.json"
-            job = json.dumps([n, boundary, reduce_sizes, repeats, backend, str(out)])
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
-            logs = [Path(tmp) / f"rank{rank}.log" for rank in range(n)]
-            procs = []
-            for rank, log in enumerate(logs):
-                with open(log, "wb") as sink:
-                    command = [sys.executable, "-m", __name__, str(rank), job]
-                    procs.append(subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT))
-            wait_all(procs, logs, timeout_s, f"Profiling the network with {n} processes")
-            measured = json.loads(out.read_text())
+        job = [n, boundary, reduce_sizes, repeats, backend]
+        measured = retried_on_port_clash(partial(_measured_by_processes, job, timeout_s))
         profile.p2p[n] = LinearCost.fit(measured["p2p"])
         profile.allreduce[n] = {
             int(d): LinearCost.fit([tuple(s) for s in samples]) for d, samples in measured["allreduce"].items()
         }
         profile.object_broadcast[n] = {int(d): seconds for d, seconds in measured["object_broadcast"].items()}
     return profile
+
+
+def _measured_by_processes(job: list, timeout_s: float) -> dict:
+    """``job``'s measurements, by ``job[0]`` processes on a free port of this machine."""
+    n = job[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "network.json"
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
+        logs = [Path(tmp) / f"rank{rank}.log" for rank in range(n)]
+        procs = []
+        for rank, log in enumerate(logs):
+            with open(log, "wb") as sink:
+                command = [sys.executable, "-m", __name__, str(rank), json.dumps([*job, str(out)])]
+                procs.append(subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT))
+        wait_all(procs, logs, timeout_s, f"Profiling the network with {n} processes")
+        return json.loads(out.read_text())
 
 
 def _measure(

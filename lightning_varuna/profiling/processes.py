@@ -1,12 +1,17 @@
-"""Wait for the processes of a multi-process job, stopping all of them when one fails."""
+"""Wait for the processes of a multi-process job, stopping all of them when one fails; start one again when
+another process took its port."""
 
 from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-__all__ = ["wait_all"]
+__all__ = ["retried_on_port_clash", "wait_all"]
+
+T = TypeVar("T")
 
 
 def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float, what: str) -> None:
@@ -28,3 +33,16 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float, 
     ]
     if failed:
         raise RuntimeError(f"{what} failed or took over {timeout_s:.0f} s:\n" + "\n".join(failed))
+
+
+def retried_on_port_clash(run: Callable[[], T], attempts: int = 3) -> T:
+    """``run()``, again (``attempts`` in all) when it fails with ``EADDRINUSE``: a free port is found, then bound by
+    the job's first process, and another process on a busy machine may take it in between. ``run`` must look for a
+    free port of its own each time."""
+    for attempt in range(attempts):
+        try:
+            return run()
+        except Exception as error:
+            if "EADDRINUSE" not in str(error) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from tqdm.auto import tqdm
 
 from lightning_varuna.data.microbatch import batch_size_of
-from lightning_varuna.partition.discovery import buffers_kept, observe_cutpoints
+from lightning_varuna.partition.discovery import buffers_kept, discover_cutpoints, observe_cutpoints
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_stages
 from lightning_varuna.pipeline.batch_norm import normalizes_over_the_batch, one_value_per_channel_refused
@@ -79,8 +79,9 @@ def profile_model(
     if micro_batch_sizes is None:
         micro_batch_sizes = (2, 4, 8) if normalizes_over_the_batch(module) else (1, 2, 4, 8)
     thread_counts = sorted(set(thread_counts or default_thread_counts(1)))
+    cutpoints = discover_cutpoints(module, args, kwargs)
     with buffers_kept(module):
-        segments, segment_params = _describe_segments(module, args, kwargs)
+        segments, segment_params = _describe_segments(module, args, kwargs, cutpoints)
     fingerprints = [s.fingerprint for s in segments]
     same_model = previous is not None and [s.fingerprint for s in previous.segments] == fingerprints
     if previous is not None and same_model:
@@ -108,8 +109,8 @@ def profile_model(
                     _time_optimizer_steps(module, segments, segment_params, threads, between)
                     continue
                 mb_args, mb_kwargs = resize_batch((args, kwargs), mb)
-                timings = measure_segments(module, mb_args, mb_kwargs, repeats)  # eager first: clearer errors
-                splits = measure_split_backward(module, mb_args, mb_kwargs, repeats)
+                timings = measure_segments(module, mb_args, mb_kwargs, repeats, cutpoints)  # eager: clearer errors
+                splits = measure_split_backward(module, mb_args, mb_kwargs, repeats, cutpoints)
                 timings = [replace(timing, split_shares=split) for timing, split in zip(timings, splits)]
                 if mb not in traced:
                     traced[mb] = _trace_as_one_stage(module, mb_args, mb_kwargs)
@@ -138,7 +139,7 @@ def profile_model(
 
 # ------------------------------------------------------------------------------------------------ segments
 def _describe_segments(
-    module: nn.Module, args: tuple, kwargs: dict
+    module: nn.Module, args: tuple, kwargs: dict, cutpoints: list[str]
 ) -> tuple[list[ProfiledSegment], list[list[Tensor]]]:
     """The parameters each segment uses (those of every module it calls) and its fingerprint: the modules,
     parameter shapes and the shape of one input row, so a changed model or sequence length is measured again."""
@@ -152,7 +153,7 @@ def _describe_segments(
     try:
         with (
             torch.no_grad(),
-            observe_cutpoints(module, batch_size_of((args, kwargs)), on_call=lambda x: None) as order,
+            observe_cutpoints(module, batch_size_of((args, kwargs)), lambda x: None, cutpoints) as order,
         ):
             module(*args, **kwargs)
     finally:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_varuna.data.microbatch import batch_size_of
-from lightning_varuna.partition.discovery import buffers_kept, observe_cutpoints
+from lightning_varuna.partition.discovery import buffers_kept, discover_cutpoints, observe_cutpoints
 from lightning_varuna.pipeline.split_backward import SplitBackward
 from lightning_varuna.profiling.memory import SavedTensorMeter
 from lightning_varuna.profiling.profile import SegmentTiming
@@ -40,8 +40,15 @@ def float_leaves(output: Any) -> list[Tensor]:
     return [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
 
 
-def timed_pass(module: nn.Module, args: tuple, kwargs: dict, meter: SavedTensorMeter | None = None) -> TimedPass:
-    """One forward + backward, timed at every CutPoint (with ``meter``: the bytes autograd saves, too)."""
+def timed_pass(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    meter: SavedTensorMeter | None = None,
+    cutpoints: list[str] | None = None,
+) -> TimedPass:
+    """One forward + backward, timed at every CutPoint (``cutpoints``: at those only; with ``meter``: the bytes
+    autograd saves, too)."""
     marks: list[float] = []
     saved_at: list[int] = []
     outputs: list[int] = []
@@ -56,7 +63,7 @@ def timed_pass(module: nn.Module, args: tuple, kwargs: dict, meter: SavedTensorM
         if x.requires_grad:
             x.register_hook(lambda grad: backward_marks.append(time.perf_counter()))
 
-    with measuring, observe_cutpoints(module, batch_size_of((args, kwargs)), on_call=at_cutpoint):
+    with measuring, observe_cutpoints(module, batch_size_of((args, kwargs)), at_cutpoint, cutpoints):
         start = time.perf_counter()
         output = module(*args, **kwargs)
         forward_end = time.perf_counter()
@@ -83,20 +90,26 @@ def timed_pass(module: nn.Module, args: tuple, kwargs: dict, meter: SavedTensorM
 
 
 def measure_segments(
-    module: nn.Module, args: tuple, kwargs: dict | None = None, repeats: int = 3
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    repeats: int = 3,
+    cutpoints: list[str] | None = None,
 ) -> list[SegmentTiming]:
     """Each segment's timings from the fastest of ``repeats`` passes (the machine's speed when nothing else
     interferes: a busy neighbour slows some passes, never speeds one up) and the bytes it keeps and sends.
+    The segments lie between ``cutpoints`` (by default `discover_cutpoints`'s).
 
     The model's buffers (BatchNorm's running statistics) are as before afterwards.
     """
     kwargs = kwargs or {}
+    cutpoints = discover_cutpoints(module, args, kwargs) if cutpoints is None else cutpoints
     weights = [*module.parameters(), *module.buffers()]
     with buffers_kept(module):
-        sized = timed_pass(module, args, kwargs, SavedTensorMeter(exclude=weights))  # also the warm-up
-        runs = [timed_pass(module, args, kwargs) for _ in range(repeats)]  # timed without the meter's overhead
+        sized = timed_pass(module, args, kwargs, SavedTensorMeter(exclude=weights), cutpoints)  # also the warm-up
+        runs = [timed_pass(module, args, kwargs, None, cutpoints) for _ in range(repeats)]  # without the meter
         fastest = min(runs, key=lambda run: run.total_s)
-        fastest_no_grad = min((_forward_no_grad(module, args, kwargs) for _ in range(repeats)), key=sum)
+        fastest_no_grad = min((_forward_no_grad(module, args, kwargs, cutpoints) for _ in range(repeats)), key=sum)
     return [
         SegmentTiming(
             forward_s=fastest.forward_s[i],
@@ -109,12 +122,13 @@ def measure_segments(
     ]
 
 
-def _forward_no_grad(module: nn.Module, args: tuple, kwargs: dict) -> list[float]:
+def _forward_no_grad(module: nn.Module, args: tuple, kwargs: dict, cutpoints: list[str]) -> list[float]:
     marks: list[float] = []
-    with (
-        torch.no_grad(),
-        observe_cutpoints(module, batch_size_of((args, kwargs)), on_call=lambda x: marks.append(time.perf_counter())),
-    ):
+
+    def mark(x: Tensor) -> None:
+        marks.append(time.perf_counter())
+
+    with torch.no_grad(), observe_cutpoints(module, batch_size_of((args, kwargs)), mark, cutpoints):
         start = time.perf_counter()
         module(*args, **kwargs)
         end = time.perf_counter()
@@ -123,7 +137,11 @@ def _forward_no_grad(module: nn.Module, args: tuple, kwargs: dict) -> list[float
 
 
 def measure_split_backward(
-    module: nn.Module, args: tuple, kwargs: dict | None = None, repeats: int = 3
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    repeats: int = 3,
+    cutpoints: list[str] | None = None,
 ) -> list[tuple[float, float] | None]:
     """Each segment's backward split in two as the zero-bubble schedules split a stage's (`SplitBackward`): the
     input-gradient part and the weight part, each as a share of the segment's whole backward, from the fastest of
@@ -131,18 +149,23 @@ def measure_split_backward(
     that takes a gradient), so that each part walks that segment's graph only, as a stage's parts walk the stage's.
     A segment whose input takes no gradient (the first) runs its whole backward in the weight part, as a first
     stage does. None for every segment where a value that takes a gradient goes past a CutPoint (a bias made before
-    one and added after): cut apart, the segments would share its graph."""
+    one and added after): cut apart, the segments would share its graph. The segments lie between ``cutpoints``
+    (by default `discover_cutpoints`'s)."""
     kwargs = kwargs or {}
+    cutpoints = discover_cutpoints(module, args, kwargs) if cutpoints is None else cutpoints
     splitter = SplitBackward()
     weights: dict[int, nn.ParameterList] = {}  # a module per segment: the splitter checks each once, untimed
     try:
         with buffers_kept(module):
-            whole = [_segment_backwards(module, args, kwargs) for _ in range(repeats + 1)][1:]  # the first warms up
-            split = [_segment_backwards(module, args, kwargs, (splitter, weights)) for _ in range(repeats + 1)][1:]
+            passes = repeats + 1  # the first of each warms up
+            whole = [_segment_backwards(module, args, kwargs, cutpoints) for _ in range(passes)][1:]
+            split = [_segment_backwards(module, args, kwargs, cutpoints, (splitter, weights)) for _ in range(passes)][
+                1:
+            ]
     except RuntimeError as error:
         if "backward through the graph a second time" not in str(error):
             raise
-        return [None] * _segment_count(module, args, kwargs)
+        return [None] * (len(cutpoints) + 1)
     finally:
         module.zero_grad(set_to_none=True)
     shares: list[tuple[float, float] | None] = []
@@ -157,6 +180,7 @@ def _segment_backwards(
     module: nn.Module,
     args: tuple,
     kwargs: dict,
+    cutpoints: list[str],
     split: tuple[SplitBackward, dict[int, nn.ParameterList]] | None = None,
 ) -> list[tuple[float, float]]:
     """A forward whose segments are cut apart at the CutPoints, then each segment's backward from the last, whole
@@ -170,7 +194,7 @@ def _segment_backwards(
         inputs.append(x.detach().requires_grad_(x.requires_grad))
         return inputs[-1].clone()  # what follows may change it in place, which a leaf refuses
 
-    with observe_cutpoints(module, batch_size_of((args, kwargs)), on_call=cut):
+    with observe_cutpoints(module, batch_size_of((args, kwargs)), cut, cutpoints):
         output = module(*args, **kwargs)
     losses = [t.float().sum() for t in float_leaves(output)]
     segment_outputs = [[x] for x in outputs] + [losses]
@@ -199,12 +223,6 @@ def _segment_backwards(
         grads = [x.grad for x in segment_inputs[i] if x.grad is not None]
     module.zero_grad(set_to_none=True)
     return times[::-1]
-
-
-def _segment_count(module: nn.Module, args: tuple, kwargs: dict) -> int:
-    with torch.no_grad(), observe_cutpoints(module, batch_size_of((args, kwargs))) as order:
-        module(*args, **kwargs)
-    return len(order) + 1
 
 
 def _parameters_reached(outputs: list[Tensor]) -> list[nn.Parameter]:

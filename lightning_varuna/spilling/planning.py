@@ -104,7 +104,11 @@ def plan_shards(
     try:
         # A whole model that stays on the device has no next shard to fetch beside it: it may use all the room.
         fetched_beside = prefetch and not whole_stays
-        whole = None if meta else _measure_if_one_shard(module, args, kwargs, device, budget, fetched_beside, measuring)
+        whole = (
+            None
+            if meta
+            else _measure_if_one_shard(module, args, kwargs, cutpoints, device, budget, fetched_beside, measuring)
+        )
         if whole is not None:
             segments: Segments | WholeModel = WholeModel(module)
             memory, kept, parked = [whole[0]], whole[1], None
@@ -268,6 +272,7 @@ def _measure_if_one_shard(
     module: nn.Module,
     args: tuple,
     kwargs: dict,
+    cutpoints: list[str],
     device: torch.device,
     budget: int,
     fetched_beside: bool,
@@ -292,7 +297,9 @@ def _measure_if_one_shard(
             meter.measuring(),
             measuring.grad_mode(),
             buffers_kept(module),
-            observe_cutpoints(module, batch_size_of((args, kwargs)), lambda x: at_cutpoints.append(_nbytes(x))),
+            observe_cutpoints(
+                module, batch_size_of((args, kwargs)), lambda x: at_cutpoints.append(_nbytes(x)), cutpoints
+            ),
         ):
             module(*args, **kwargs)
     except torch.OutOfMemoryError:
