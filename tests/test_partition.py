@@ -642,7 +642,7 @@ def test_a_float32_causal_mask_meets_a_float64_model_s_attention_in_float64():
             return self.decoder(self.cut(x), x, tgt_mask=mask)
 
     torch.manual_seed(0)
-    module, x = Decoder().double(), torch.randn(2, 5, 8, dtype=torch.float64)
+    module, x = Decoder().double(), torch.randn(2, 16, 8, dtype=torch.float64)  # from 8 tokens the kernel erred
     graph, stages = split_into_all_stages(module, ModelSkeleton(module), real_tensors(module), (x,), {}, ["cut"])
     masks = [
         node.args[3].meta["val"].dtype
