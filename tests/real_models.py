@@ -7,6 +7,8 @@
 * ``bert``: Hugging Face ``BertForMaskedLM`` fed dict batches (``input_ids``, a padded ``attention_mask``,
   ``labels``): several tensor inputs, a submodule named ``self``.
 * ``gpt2``: Hugging Face ``GPT2LMHeadModel``, its LM head tied to the token embedding.
+* ``llama``: Hugging Face ``LlamaForCausalLM`` (rotary positions, grouped-query attention, RMSNorm), its LM head tied
+  to the token embedding.
 * ``demo_transformer``: Lightning's own ``lightning.pytorch.demos.Transformer`` (``nn.Transformer``, two inputs).
 * ``causal_encoder``: ``nn.TransformerEncoder`` with a causal mask from
   ``nn.Transformer.generate_square_subsequent_mask``.
@@ -145,6 +147,34 @@ class HFGPT2(RealModel):
         return F.cross_entropy(self(ids).logits.flatten(0, 1), targets.flatten())
 
 
+class HFLlama(RealModel):
+    """Hugging Face's ``LlamaForCausalLM`` from a small config: 4 query heads sharing 2 key/value heads, tied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=50,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=True,
+        )
+        self.model = LlamaForCausalLM(config)
+        cut_after(self.model.model.layers)
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        return self.model(input_ids=input_ids)
+
+    def step_loss(self, batch: Any) -> torch.Tensor:
+        ids, targets = batch
+        return F.cross_entropy(self(ids).logits.flatten(0, 1), targets.flatten())
+
+
 class DemoTransformer(RealModel):
     def __init__(self) -> None:
         super().__init__()
@@ -212,6 +242,7 @@ MODELS: dict[str, tuple[type[RealModel], Callable[[torch.Generator, int], Any]]]
     "resnet": (HFResNet, lambda g, i: (torch.randn(3, 16, 16, generator=g), torch.randint(0, 4, (), generator=g))),
     "bert": (HFBert, _masked_tokens),
     "gpt2": (HFGPT2, _tokens(50, 8)),
+    "llama": (HFLlama, _tokens(50, 8)),
     "demo_transformer": (DemoTransformer, _tokens(33, 8)),
     "causal_encoder": (CausalEncoder, _tokens(33, 8)),
 }
