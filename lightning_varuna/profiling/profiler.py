@@ -105,9 +105,8 @@ def profile_model(
             for threads, mb in tqdm(todo, desc="Profiling segments", disable=not progress, unit="run"):
                 torch.set_num_threads(threads)
                 if mb is None:
-                    between = partial(
-                        timed_pass, module, *resize_batch((args, kwargs), min(micro_batch_sizes)), None, cutpoints
-                    )
+                    small_args, small_kwargs = resize_batch((args, kwargs), min(micro_batch_sizes))
+                    between = partial(timed_pass, module, small_args, small_kwargs, cutpoints=cutpoints)
                     _time_optimizer_steps(module, segments, segment_params, threads, between)
                     continue
                 mb_args, mb_kwargs = resize_batch((args, kwargs), mb)
