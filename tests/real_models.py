@@ -9,6 +9,8 @@
 * ``gpt2``: Hugging Face ``GPT2LMHeadModel``, its LM head tied to the token embedding.
 * ``llama``: Hugging Face ``LlamaForCausalLM`` (rotary positions, grouped-query attention, RMSNorm), its LM head tied
   to the token embedding.
+* ``t5``: Hugging Face ``T5ForConditionalGeneration`` (encoder and decoder, one embedding shared by both and the LM
+  head, a relative position bias each stack's first block makes and its other blocks read).
 * ``demo_transformer``: Lightning's own ``lightning.pytorch.demos.Transformer`` (``nn.Transformer``, two inputs).
 * ``causal_encoder``: ``nn.TransformerEncoder`` with a causal mask from
   ``nn.Transformer.generate_square_subsequent_mask``.
@@ -175,6 +177,35 @@ class HFLlama(RealModel):
         return F.cross_entropy(self(ids).logits.flatten(0, 1), targets.flatten())
 
 
+class HFT5(RealModel):
+    """Hugging Face's ``T5ForConditionalGeneration`` from a small config, a CutPoint after each block of both stacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        config = T5Config(
+            vocab_size=50,
+            d_model=16,
+            d_kv=8,
+            d_ff=32,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=2,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+        self.model = T5ForConditionalGeneration(config)
+        cut_after([*self.model.encoder.block, *self.model.decoder.block])
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        return self.model(input_ids=input_ids, labels=labels)
+
+    def step_loss(self, batch: Any) -> torch.Tensor:
+        return self(*batch).loss
+
+
 class DemoTransformer(RealModel):
     def __init__(self) -> None:
         super().__init__()
@@ -243,6 +274,7 @@ MODELS: dict[str, tuple[type[RealModel], Callable[[torch.Generator, int], Any]]]
     "bert": (HFBert, _masked_tokens),
     "gpt2": (HFGPT2, _tokens(50, 8)),
     "llama": (HFLlama, _tokens(50, 8)),
+    "t5": (HFT5, _tokens(50, 8)),
     "demo_transformer": (DemoTransformer, _tokens(33, 8)),
     "causal_encoder": (CausalEncoder, _tokens(33, 8)),
 }

@@ -37,9 +37,9 @@ SHAPES = {
     (2, 1, "1f1b"): ["bn_mlp", "resnet", "bert", "gpt2", "demo_transformer", "causal_encoder"],
     (2, 2, "1f1b"): ["bn_mlp", "bert", "demo_transformer", "llama"],
     (1, 2, "1f1b"): ["resnet", "causal_encoder"],
-    (3, 1, "1f1b"): ["gpt2"],
+    (3, 1, "1f1b"): ["gpt2", "t5"],
     (2, 1, "varuna"): ["bn_mlp", "resnet"],
-    (2, 1, "zero-bubble"): ["gpt2"],
+    (2, 1, "zero-bubble"): ["gpt2", "t5"],
     (2, 1, "interleaved-1f1b"): ["gpt2", "demo_transformer"],  # two stages per rank (`STAGES_PER_RANK`)
     (2, 1, "zbv"): ["gpt2", "causal_encoder", "llama"],  # in a V: the tied embedding and head on one rank
 }

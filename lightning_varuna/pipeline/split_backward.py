@@ -60,7 +60,11 @@ class SplitBackward:
 
 
 def _weight_part(weights: list[nn.Parameter], param_groups: list[dict]) -> None:
-    stage_backward_weight(iter(weights), param_groups)
+    # Each group of parameters takes its gradients in a backward of its own, and two groups may share the part of the
+    # graph below the nodes where they meet the inputs' paths (T5's decoder: its embedding and self-attention before
+    # the cross-attention reads the encoder's output). Freed by the first, it would fail the second: the graph is kept
+    # until the weight pass ends, and freed with it.
+    stage_backward_weight(iter(weights), param_groups, retain_graph=True)
 
 
 def _nothing() -> None:
