@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_varuna.pipeline.split_backward import SplitBackward
+from lightning_varuna.pipeline.split_backward import SplitBackward, _disjoint
 
 
 class Block(nn.Module):
@@ -74,3 +74,16 @@ def test_a_parameter_reaching_an_output_without_the_input_still_gets_its_gradien
     module = Block(alone=True)
     for _ in range(2):
         assert_same_as_one_backward(module, torch.randn(3, 4, requires_grad=True), split)
+
+
+def test_parameter_groups_that_share_a_parameter_or_a_node_become_one():
+    """torch's grouping can leave one parameter in two groups (T5's decoder): each would take its gradient twice."""
+    groups = [
+        {"params": {"embedding"}, "intermediates": ["add"], "grads": [("g_add",)]},
+        {"params": {"head"}, "intermediates": ["matmul"], "grads": [("g_matmul",)]},
+        {"params": {"embedding", "query"}, "intermediates": ["add", "scores"], "grads": [("g_add",), ("g_scores",)]},
+    ]
+    merged = _disjoint(groups)
+    assert sorted(sorted(g["params"]) for g in merged) == [["embedding", "query"], ["head"]]
+    together = next(g for g in merged if "query" in g["params"])
+    assert dict(zip(together["intermediates"], together["grads"])) == {"add": ("g_add",), "scores": ("g_scores",)}

@@ -56,15 +56,34 @@ class SplitBackward:
         # take a received tensor sent on as it came out of the graph).
         outputs = [t.clone() if t._is_view() or t.is_leaf else t for t in outputs]
         _, param_groups = stage_backward_input(list(outputs), list(grads), list(inputs), iter(weights))
-        return lambda: _weight_part(weights, param_groups)
+        disjoint = _disjoint(param_groups)
+        return lambda: _weight_part(weights, disjoint)
 
 
 def _weight_part(weights: list[nn.Parameter], param_groups: list[dict]) -> None:
-    # Each group of parameters takes its gradients in a backward of its own, and two groups may share the part of the
-    # graph below the nodes where they meet the inputs' paths (T5's decoder: its embedding and self-attention before
-    # the cross-attention reads the encoder's output). Freed by the first, it would fail the second: the graph is kept
-    # until the weight pass ends, and freed with it.
+    # Each group takes its gradients in a backward of its own; groups can still meet below their nodes (T5's decoder),
+    # where the first would free what the second needs. The graph is kept until the pass ends, and freed with it.
     stage_backward_weight(iter(weights), param_groups, retain_graph=True)
+
+
+def _disjoint(param_groups: list[dict]) -> list[dict]:
+    """torch's parameter groups (each parameter's nodes where its paths meet the inputs', with their gradients from
+    the input part) merged until no two share a parameter or a node.
+
+    torch groups the parameters by those nodes, but a parameter that meets two groups' nodes merges the first into
+    the second and leaves the first in the list too (T5's decoder, whose embedding and self-attention meet the
+    encoder's output at several places): that parameter then took its gradient twice, in the order the nodes came out
+    of a set (a weight 2e-5 off in float64, differing run to run), or the second backward found the graph the first
+    had freed ("backward through the graph a second time")."""
+    merged: list[tuple[set, dict]] = []
+    for group in param_groups:
+        grads = group.get("grads") or [None] * len(group["intermediates"])
+        params, nodes = set(group["params"]), dict(zip(group["intermediates"], grads))
+        for other in [m for m in merged if m[0] & params or m[1].keys() & nodes.keys()]:
+            merged.remove(other)
+            params, nodes = params | other[0], {**other[1], **nodes}
+        merged.append((params, nodes))
+    return [{"params": params, "intermediates": list(nodes), "grads": list(nodes.values())} for params, nodes in merged]
 
 
 def _nothing() -> None:
