@@ -138,6 +138,7 @@ __all__ = [
     "default_store",
     "flatten_dense_tensors",
     "foreach_norm",
+    "functional_module",
     "generated_code_modules",
     "grad_node",
     "has_backward_hooks",
@@ -150,7 +151,6 @@ __all__ = [
     "storage_users",
     "take_flat_inputs",
     "transformer_module",
-    "functional_module",
     "unflatten_dense_tensors",
     "unscale_and_find_inf",
 ]

@@ -40,11 +40,17 @@ def _is_causal_as_given(mask: torch.Tensor | None, is_causal: bool | None = None
 def _in_attention_dtype(canonical_mask: Callable[..., torch.Tensor | None]) -> Callable[..., torch.Tensor | None]:
     """``nn.MultiheadAttention``'s mask conversion, which also widens a float mask to the queries' dtype."""
 
-    def canonical(mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> torch.Tensor | None:
-        mask = canonical_mask(mask, *args, **kwargs)
-        target = kwargs["target_type"] if "target_type" in kwargs else args[3]
-        if mask is not None and mask.is_floating_point() and mask.dtype.itemsize < target.itemsize:
-            return mask.to(target)
+    def canonical(
+        mask: torch.Tensor | None,
+        mask_name: str,
+        other_type: torch.dtype | None,
+        other_name: str,
+        target_type: torch.dtype,
+        check_other: bool = True,
+    ) -> torch.Tensor | None:
+        mask = canonical_mask(mask, mask_name, other_type, other_name, target_type, check_other)
+        if mask is not None and mask.is_floating_point() and mask.dtype.itemsize < target_type.itemsize:
+            return mask.to(target_type)
         return mask
 
     return canonical

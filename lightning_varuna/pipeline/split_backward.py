@@ -77,8 +77,7 @@ def _disjoint(param_groups: list[dict]) -> list[dict]:
     had freed ("backward through the graph a second time")."""
     merged: list[tuple[set, dict]] = []
     for group in param_groups:
-        grads = group.get("grads") or [None] * len(group["intermediates"])
-        params, nodes = set(group["params"]), dict(zip(group["intermediates"], grads))
+        params, nodes = set(group["params"]), dict(zip(group["intermediates"], group["grads"]))
         for other in [m for m in merged if m[0] & params or m[1].keys() & nodes.keys()]:
             merged.remove(other)
             params, nodes = params | other[0], {**other[1], **nodes}

@@ -157,11 +157,9 @@ def measure_split_backward(
     weights: dict[int, nn.ParameterList] = {}  # a module per segment: the splitter checks each once, untimed
     try:
         with buffers_kept(module):
-            passes = repeats + 1  # the first of each warms up
+            passes, splitting = repeats + 1, (splitter, weights)  # the first pass of each warms up
             whole = [_segment_backwards(module, args, kwargs, cutpoints) for _ in range(passes)][1:]
-            split = [_segment_backwards(module, args, kwargs, cutpoints, (splitter, weights)) for _ in range(passes)][
-                1:
-            ]
+            split = [_segment_backwards(module, args, kwargs, cutpoints, splitting) for _ in range(passes)][1:]
     except RuntimeError as error:
         if "backward through the graph a second time" not in str(error):
             raise
