@@ -1,25 +1,27 @@
 """Train `TinyLM` with the callbacks that watch a validation metric, then test and predict from the best checkpoint:
-``python run_monitored_fit.py OUT_DIR one|pipelined``. Writes ``OUT_DIR/result.json`` (rank 0) with the step losses,
-the learning rate at each epoch's end, where `EarlyStopping` stopped, the checkpoints `ModelCheckpoint` kept, the
-test metrics and the predictions."""
+``python run_monitored_fit.py OUT_DIR MODE``, MODE one of `STRATEGIES`. Writes ``OUT_DIR/result.json`` (rank 0)
+with the step losses, the learning rate at each epoch's end, where `EarlyStopping` stopped, the checkpoints
+`ModelCheckpoint` kept, the test metrics, the predictions and the spilled shards."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.strategies import Strategy
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import RecordLosses, TinyLM, token_dataset  # noqa: E402
 
-from lightning_varuna import VarunaStrategy  # noqa: E402
+from lightning_varuna import SpillingStrategy, VarunaStrategy  # noqa: E402
 
 
 class PlateauLM(TinyLM):
@@ -43,7 +45,15 @@ class EpochLearningRates(L.Callback):
         self.rates.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
-def main(out: str, pipelined: bool) -> None:
+STRATEGIES: dict[str, Callable[[], Strategy | str]] = {  # one device, 2 stages, 3 shards
+    "one": lambda: "auto",
+    "pipelined": lambda: VarunaStrategy(pipeline_parallel_size=2),
+    "spilled": lambda: SpillingStrategy(memory_budget="95KB"),  # 3 shards of TinyLM
+}
+
+
+def main(out: str, mode: str) -> None:
+    pipelined = mode == "pipelined"
     L.seed_everything(0)
     data, held_out = token_dataset(64), token_dataset(32, seed=2)
     sampler = None if pipelined else DistributedSampler(data, 1, 0, seed=0)  # VarunaStrategy's order on one device
@@ -52,12 +62,13 @@ def main(out: str, pipelined: bool) -> None:
     stop = EarlyStopping(monitor="val_loss", min_delta=0.001, patience=1)
     trainer = L.Trainer(
         accelerator="cpu", devices=2 if pipelined else 1,
-        strategy=VarunaStrategy(pipeline_parallel_size=2) if pipelined else "auto",
+        strategy=STRATEGIES[mode](),
         max_epochs=30, callbacks=[losses, rates, best, stop], logger=False, enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip
     model = PlateauLM(lr=0.05)
     trainer.fit(model, DataLoader(data, batch_size=8, sampler=sampler), DataLoader(held_out, batch_size=8))
+    shards = len(trainer.strategy.shards) if isinstance(trainer.strategy, SpillingStrategy) else None  # of the fit
     tested = trainer.test(model, DataLoader(held_out, batch_size=8), ckpt_path="best", verbose=False)
     predicted = trainer.predict(model, DataLoader(held_out, batch_size=8), ckpt_path="best")
     if trainer.global_rank == 0:
@@ -69,10 +80,11 @@ def main(out: str, pipelined: bool) -> None:
             "kept": sorted(os.path.basename(path) for path in best.best_k_models),
             "tested": tested,
             "predicted": [p.tolist() for p in predicted],
+            "shards": shards,
         }
         with open(os.path.join(out, "result.json"), "w") as file:
             json.dump(result, file)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] == "pipelined")
+    main(sys.argv[1], sys.argv[2])

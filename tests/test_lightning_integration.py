@@ -325,19 +325,23 @@ def test_frozen_and_unused_tensors_are_kept_and_saved_pipelined_as_on_one_device
         torch.testing.assert_close(pipelined[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_callbacks_that_watch_the_validation_loss_act_pipelined_as_on_one_device(tmp_path):
+def test_callbacks_that_watch_the_validation_loss_act_pipelined_and_spilled_as_on_one_device(tmp_path):
     """`EarlyStopping`, `ReduceLROnPlateau` and a top-k `ModelCheckpoint` on ``val_loss`` (which the last stage
     computes) stop, halve the learning rate and keep checkpoints at the epochs one device does; testing and
-    predicting from the best checkpoint give one device's metrics and predictions (`run_monitored_fit`)."""
+    predicting from the best checkpoint give one device's metrics and predictions (`run_monitored_fit`): at 2 stages
+    and spilled in 3 shards."""
     results = {}
-    for mode, ranks in (("one", 1), ("pipelined", 2)):
+    for mode, ranks in (("one", 1), ("pipelined", 2), ("spilled", 1)):
         proc = run_ranks([os.path.join(os.path.dirname(__file__), "run_monitored_fit.py"), str(tmp_path / mode), mode],
                          ranks, tmp_path, timeout=300)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
         results[mode] = json.loads((tmp_path / mode / "result.json").read_text())
-    one, pipelined = results["one"], results["pipelined"]
+    one = results.pop("one")
+    assert results["spilled"]["shards"] == 3
     assert one["rates"][0] > one["rates"][-1] and 0 < one["stopped_epoch"] < 29  # the callbacks acted
-    for key in ("rates", "stopped_epoch", "best", "kept", "predicted"):
-        assert pipelined[key] == one[key], key
-    torch.testing.assert_close(torch.tensor(pipelined["losses"]), torch.tensor(one["losses"]), rtol=1e-4, atol=1e-5)
-    assert pipelined["tested"][0]["test_loss"] == pytest.approx(one["tested"][0]["test_loss"], rel=1e-4)
+    for mode, result in results.items():
+        for key in ("rates", "stopped_epoch", "best", "kept", "predicted"):
+            assert result[key] == one[key], (mode, key)
+        losses = torch.tensor(result["losses"])
+        torch.testing.assert_close(losses, torch.tensor(one["losses"]), rtol=1e-4, atol=1e-5, msg=mode)
+        assert result["tested"][0]["test_loss"] == pytest.approx(one["tested"][0]["test_loss"], rel=1e-4), mode
