@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import clean_env, run_job
-from models import TinyLM, token_dataset
+from models import RecordLosses, TinyLM, token_dataset
 from ports import free_port
 from reference import train_reference
 from torch.utils.data import DataLoader, DistributedSampler
@@ -423,3 +423,42 @@ def test_a_failed_requeue_says_how_to_resume(slurm, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.warns(UserWarning, match=r"`scontrol requeue 999999` failed \(.*No such file.*" + resume):
         requeue_job("/ckpts/morph-step=3.ckpt")
+
+
+class SignalAfterBatch(L.Callback):
+    """Sends this process ``signum`` after the first epoch's batch ``batch_idx``."""
+
+    def __init__(self, signum: int, batch_idx: int) -> None:
+        self.signum, self.batch_idx = signum, batch_idx
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        if trainer.current_epoch == 0 and args[-1] == self.batch_idx:
+            os.kill(os.getpid(), self.signum)
+
+
+def test_a_morph_asked_for_between_the_batches_of_an_accumulated_step_waits_for_the_step(tmp_path):
+    """Steps of 3 batches: a signal after batch 3 (one batch into the second step) morphs after batch 5, where the
+    step ends, so the checkpoint loses no gradients and the resumed run trains as the uninterrupted one (one
+    process, a real signal)."""
+
+    def fit(model: TinyLM, callbacks: list[L.Callback], ckpt_path: str | None = None) -> RecordLosses:
+        record = RecordLosses()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, strategy=VarunaStrategy(), max_epochs=2, accumulate_grad_batches=3,
+            callbacks=[*callbacks, record], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(model, DataLoader(token_dataset(64), batch_size=8), ckpt_path=ckpt_path)
+        return record
+
+    torch.manual_seed(0)
+    uninterrupted, morphed, resumed = TinyLM(), TinyLM(), TinyLM()
+    morphed.load_state_dict(uninterrupted.state_dict())
+    expected = fit(uninterrupted, []).losses
+    morph = MorphCallback(tmp_path, signal=signal.SIGUSR1)
+    before = fit(morphed, [SignalAfterBatch(signal.SIGUSR1, 3), morph]).losses
+    assert morph.morphed and (tmp_path / "morph-step=2.ckpt").exists() and len(before) == 6
+    after = fit(resumed, [], str(tmp_path / "morph-step=2.ckpt")).losses
+    torch.testing.assert_close(before + after, expected, rtol=1e-5, atol=1e-6)
+    for name, value in resumed.state_dict().items():
+        torch.testing.assert_close(value, uninterrupted.state_dict()[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -268,3 +268,36 @@ def test_lightning_warns_of_a_restarted_epoch_only_where_the_loader_restarts_it(
     spilled = restarts()
     fit(TinyLM(), "auto", mid_epoch, max_steps=2, accumulate_grad_batches=1)
     assert [spilled, restarts()] == [0, 1]
+
+
+class SaveAfterBatch(L.Callback):
+    """Saves at ``path`` after the first epoch's batch ``batch_idx``, as a user's hook may."""
+
+    def __init__(self, path: str, batch_idx: int) -> None:
+        self.path, self.batch_idx = path, batch_idx
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.current_epoch == 0 and args[-1] == self.batch_idx:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize("strategy", ["varuna", "spilled"])
+def test_a_checkpoint_taken_inside_an_accumulated_step_warns_as_it_resumes(tmp_path, strategy, recwarn):
+    """Steps of 3 batches, 8 batches an epoch: a checkpoint after batch 4 holds 2 batches' gradients that are lost,
+    and resuming from it says so; one after batch 5 (a step) or at the epoch's end (its last step, of 2) does not."""
+
+    def make() -> Any:
+        return VarunaStrategy() if strategy == "varuna" else SpillingStrategy(memory_budget=BUDGETS[5])
+
+    def resumed_warnings(path: str) -> list[str]:
+        recwarn.clear()
+        fit(TinyLM(), make(), path, **options)
+        return [str(w.message) for w in recwarn.list if "holds no gradients" in str(w.message)]
+
+    options: dict[str, Any] = {"max_steps": -1, "max_epochs": 2, "accumulate_grad_batches": 3, "limit_val_batches": 0}
+    inside, at_step, at_end = (str(tmp_path / name) for name in ("inside.ckpt", "at_step.ckpt", "at_end.ckpt"))
+    saves = [SaveAfterBatch(inside, 4), SaveAfterBatch(at_step, 5)]
+    fit(TinyLM(), make(), callbacks=saves, **{**options, "max_epochs": 1}).save_checkpoint(at_end)
+    (warned,) = resumed_warnings(inside)
+    assert "2 batch(es) into a step that accumulates 3" in warned and "other 1 batch(es)" in warned
+    assert resumed_warnings(at_step) == resumed_warnings(at_end) == []

@@ -3,8 +3,9 @@
 A job on preemptible machines learns that it must change size in three ways: a signal (SIGUSR1 by default:
 a scheduler's or the user's "stop now, please"), a change in the file listing the machines available to it
 (Varuna's machine list), or a preemption notice that the user's own code receives (``request``). In every case
-the signal handler or the notice only records the request; at the next batch boundary all ranks agree on it
-with one collective, write an on-demand checkpoint to ``dirpath`` together, and stop cleanly: ``fit`` returns
+the signal handler or the notice only records the request; at the next optimizer step (the batches of a step that
+accumulates several hold gradients that no checkpoint keeps) all ranks agree on it with one collective, write an
+on-demand checkpoint to ``dirpath`` together, and stop cleanly: ``fit`` returns
 and the process exits with code 0, which tells the launcher that the job morphed rather than crashed. The
 relaunch at the new size resumes from it with ``trainer.fit(model, ckpt_path="last")``.
 
@@ -90,9 +91,10 @@ class MorphCallback(Callback):
         self._requeue_signal: signals.Signals | None = None
         self._requeue_signalled = False
         self._global_zero = False
+        self._step_seen = 0  # the global step at the last batch end: a batch end that did not step accumulates
 
     def request(self, reason: str) -> None:
-        """Ask for a morph at the next batch boundary (thread-safe; e.g. from a preemption-notice watcher)."""
+        """Ask for a morph at the next optimizer step (thread-safe; e.g. from a preemption-notice watcher)."""
         with self._lock:
             self.reasons.append(reason)
 
@@ -142,6 +144,7 @@ class MorphCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Again, after Lightning installed its own handlers, which these replace while training runs.
         self._install_handlers(self.signals, self._on_signal)
+        self._step_seen = trainer.global_step
 
     def _install_handlers(self, signums: Sequence[signals.Signals], handler: Any) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -164,6 +167,9 @@ class MorphCallback(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.is_global_zero:
             self._poll_machine_list()
+        if trainer.global_step == self._step_seen:
+            return  # a batch of a step that accumulates: its gradients would be lost, so the morph waits for the step
+        self._step_seen = trainer.global_step
         with self._lock:
             requested = bool(self.reasons)
         if not trainer.strategy.reduce_boolean_decision(requested, all=False):

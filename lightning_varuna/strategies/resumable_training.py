@@ -13,7 +13,7 @@ from typing_extensions import override
 from lightning_varuna.data.resumable import DataProgress
 from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.callback_hooks import restore_callback_hooks
-from lightning_varuna.strategies.mid_epoch_resume import accumulate_as_scheduled
+from lightning_varuna.strategies.mid_epoch_resume import accumulate_as_scheduled, warn_if_an_accumulated_step_was_cut
 
 __all__ = ["ResumableTraining"]
 
@@ -45,6 +45,7 @@ class ResumableTraining(Strategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         accumulate_as_scheduled(self._module.trainer)  # an epoch resumed mid-way ran no epoch-start hook
+        warn_if_an_accumulated_step_was_cut(self._module.trainer)
         self._data.warn_if_epoch_restarts(self._module.trainer)
 
     @override
