@@ -12,6 +12,8 @@ strategies warn.
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -30,7 +32,7 @@ def accumulate_as_scheduled(trainer: pl.Trainer) -> None:
 def warn_if_an_accumulated_step_was_cut(trainer: pl.Trainer) -> None:
     """At the start of ``trainer``'s training: warn where the checkpoint it resumed was taken between the batches of
     an accumulated step, whose gradients it does not hold."""
-    progress = trainer.fit_loop.epoch_loop.batch_progress
+    progress: Any = trainer.fit_loop.epoch_loop.batch_progress  # (`current` is typed as its base class)
     accumulated = progress.current.processed % trainer.accumulate_grad_batches
     if accumulated and not progress.is_last_batch:
         rank_zero_warn(
