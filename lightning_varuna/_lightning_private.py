@@ -59,6 +59,8 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerE
 #   SpillingStrategy refuses: strategies/spilling_requirements.py.
 #   tests/test_spilling_refusals.py::test_a_model_compiled_whole_is_refused.
 # - `trainer._checkpoint_connector` (its class is swapped for the extended connector): strategies/launchers.py.
+# - `trainer._accelerator_connector.cluster_environment`, the environment whose SLURM auto-requeue Lightning's signal
+#   handler reads, for the signal that asks a job to requeue: slurm.py. tests/test_morph.py.
 # - `trainer._accelerator_connector.strategy` (what `Trainer.strategy` returns), set to the `SpillingStrategy` that
 #   trains where VarunaStrategy's auto-configuration chose to spill: strategies/spilled_choice.py.
 #   tests/test_auto_spilling.py, tests/test_morph.py.

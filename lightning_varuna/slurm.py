@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 
 def requeue_signal(trainer: pl.Trainer) -> signal.Signals | None:
     """The signal that asks this SLURM job to requeue (``SLURMEnvironment.requeue_signal``, SIGUSR1 by default);
-    None outside SLURM or with Lightning's auto-requeue off (``SLURMEnvironment(auto_requeue=False)``)."""
-    environment = getattr(trainer.strategy, "cluster_environment", None)
+    None outside SLURM or with Lightning's auto-requeue off (``SLURMEnvironment(auto_requeue=False)``). The
+    environment is the one Lightning's requeue handler reads, which a single-device strategy has too."""
+    environment = trainer._accelerator_connector.cluster_environment
     if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
         return environment.requeue_signal
     return None

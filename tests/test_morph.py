@@ -22,7 +22,7 @@ from ports import free_port
 from reference import train_reference
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_varuna import MorphCallback, VarunaStrategy
+from lightning_varuna import MorphCallback, SpillingStrategy, VarunaStrategy
 from lightning_varuna.checkpoint.layout import open_complete
 from lightning_varuna.slurm import requeue_job
 from lightning_varuna.storage import Storage
@@ -362,14 +362,16 @@ def test_slurm_requeue_signal_during_validation_requeues_at_once(tmp_path, slurm
     assert not list(tmp_path.glob("hpc*")), "no checkpoint"
 
 
+@pytest.mark.parametrize("spilled", [False, True], ids=["varuna", "spilled"])
 @pytest.mark.parametrize(
     ("own_signals", "added"),
     [(None, True), ([signal.SIGTERM], True), ([signal.SIGUSR1], False)],
     ids=["none", "own-for-sigterm", "own-for-sigusr1"],
 )
-def test_in_a_slurm_job_a_morph_callback_takes_the_requeue_signal(tmp_path, monkeypatch, own_signals, added):
+def test_in_a_slurm_job_a_morph_callback_takes_the_requeue_signal(tmp_path, monkeypatch, own_signals, added, spilled):
     """In a SLURM allocation (one task: the variables srun sets), the trainer gets a MorphCallback for the
-    requeue signal, writing under the job's id, unless one of its own handles that signal."""
+    requeue signal, writing under the job's id, unless one of its own handles that signal: pipelined, and spilled
+    (where Lightning's own handler would save between two shards' optimizer steps)."""
     slurm_task = dict(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_JOB_NAME="train", SLURM_JOB_ID="42")
     slurm_task.update(SLURM_NODELIST="localhost", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
     for name, value in {**slurm_task, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
@@ -378,7 +380,7 @@ def test_in_a_slurm_job_a_morph_callback_takes_the_requeue_signal(tmp_path, monk
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=VarunaStrategy(global_batch_size=GLOBAL_BATCH),
+        strategy=SpillingStrategy(memory_budget="85KB") if spilled else VarunaStrategy(global_batch_size=GLOBAL_BATCH),
         max_steps=1,
         callbacks=own,
         default_root_dir=tmp_path,

@@ -10,14 +10,16 @@ saves are skipped with a warning; with none, training starts fresh with a log li
 Under SLURM with Lightning's auto-requeue (its default there), Lightning saves a checkpoint inside the requeue
 signal's handler, wherever the step is: in a pipelined step that can be between two micro-batches, where the
 stages hold different steps' states and a stage waiting for a message in the schedule never reaches the save.
-The launcher therefore gives that signal to a `MorphCallback` (the trainer's own that handles it, else one
-writing to ``<default_root_dir>/hpc_checkpoints/<job id>``), which saves at a batch boundary and then requeues
-the job; and ``fit(ckpt_path=None)`` in a requeued job means ``"last"``, as Lightning resumes a requeued job
-from its checkpoint.
+In a spilled step it can be between two shards, some stepped and some not. The launcher therefore gives that
+signal to a `MorphCallback` (the trainer's own that handles it, else one writing to
+``<default_root_dir>/hpc_checkpoints/<job id>``), which saves at an optimizer step and then requeues the job (in the
+main thread: elsewhere, as in a `MultiModelTrainer`'s threads, neither can handle a signal); and
+``fit(ckpt_path=None)`` in a requeued job means ``"last"``, as Lightning resumes a requeued job from its checkpoint.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -103,6 +105,8 @@ def _newest_last_file(storage: Storage, folders: list[str], set_aside: bool) -> 
 def add_requeue_callback(trainer: pl.Trainer) -> None:
     """Under SLURM auto-requeue, have a `MorphCallback` handle the requeue signal (see above)."""
     signum = requeue_signal(trainer)
+    if threading.current_thread() is not threading.main_thread():
+        return  # no signal handler here: Lightning installs none either
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
     if signum is None or any(isinstance(cb, MorphCallback) and signum in cb.signals for cb in callbacks):
         return
@@ -158,8 +162,9 @@ class _RunsHere(LauncherBase):
         """Nothing to kill: no other process was started."""
 
 
-class InProcessLauncher(_ResolvesLast, _RunsHere):
-    """For a strategy that trains in the calling process (SpillingStrategy): ``ckpt_path="last"`` as above."""
+class InProcessLauncher(_PrepareTrainer, _RunsHere):
+    """For a strategy that trains in the calling process (SpillingStrategy), with the trainer prepared as described
+    above."""
 
 
 class SubprocessScriptLauncher(_PrepareTrainer, ReportFirstFailure, SubprocessScriptLauncherBase):
