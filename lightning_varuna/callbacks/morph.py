@@ -32,6 +32,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_varuna.callbacks.optimizer_steps import OptimizerSteps
 from lightning_varuna.slurm import requeue_job, requeue_signal
 from lightning_varuna.storage import Storage, join
 
@@ -91,7 +92,7 @@ class MorphCallback(Callback):
         self._requeue_signal: signals.Signals | None = None
         self._requeue_signalled = False
         self._global_zero = False
-        self._step_seen = 0  # the global step at the last batch end: a batch end that did not step accumulates
+        self._steps = OptimizerSteps()
 
     def request(self, reason: str) -> None:
         """Ask for a morph at the next optimizer step (thread-safe; e.g. from a preemption-notice watcher)."""
@@ -144,7 +145,7 @@ class MorphCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Again, after Lightning installed its own handlers, which these replace while training runs.
         self._install_handlers(self.signals, self._on_signal)
-        self._step_seen = trainer.global_step
+        self._steps.started(trainer)
 
     def _install_handlers(self, signums: Sequence[signals.Signals], handler: Any) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -167,9 +168,8 @@ class MorphCallback(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.is_global_zero:
             self._poll_machine_list()
-        if trainer.global_step == self._step_seen:
+        if not self._steps.stepped(trainer):
             return  # a batch of a step that accumulates: its gradients would be lost, so the morph waits for the step
-        self._step_seen = trainer.global_step
         with self._lock:
             requested = bool(self.reasons)
         if not trainer.strategy.reduce_boolean_decision(requested, all=False):

@@ -16,6 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_varuna._optuna_private import frozen_trial
+from lightning_varuna.callbacks.optimizer_steps import OptimizerSteps
 from lightning_varuna.multimodel.pruning import next_decision, next_validation
 
 __all__ = ["TrialCallback"]
@@ -56,11 +57,12 @@ class TrialCallback(pl.Callback):
         self.handed_over = False  # told by another worker, which found it silent: it ends at its next step boundary
         self.reported_steps: set[int] = set()
         self._checkpointed_s = time.monotonic()
-        self._step_seen = 0
+        self._steps = OptimizerSteps()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._checkpointed_s, self._step_seen = time.monotonic(), trainer.global_step
+        self._checkpointed_s = time.monotonic()
+        self._steps.started(trainer)
         if self.handed_over:  # while it was built and set up: it ends before its first step
             trainer.should_stop = True
 
@@ -89,9 +91,8 @@ class TrialCallback(pl.Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.global_step == self._step_seen:
+        if not self._steps.stepped(trainer):
             return  # a batch that accumulates: not a step boundary
-        self._step_seen = trainer.global_step
         if self.handed_over:  # set by its worker's heartbeat, which found it told
             trainer.should_stop = True
         elif self.preempted.is_set() and not self.interrupted:

@@ -104,9 +104,9 @@ def _newest_last_file(storage: Storage, folders: list[str], set_aside: bool) -> 
 
 def add_requeue_callback(trainer: pl.Trainer) -> None:
     """Under SLURM auto-requeue, have a `MorphCallback` handle the requeue signal (see above)."""
-    signum = requeue_signal(trainer)
     if threading.current_thread() is not threading.main_thread():
         return  # no signal handler here: Lightning installs none either
+    signum = requeue_signal(trainer)
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
     if signum is None or any(isinstance(cb, MorphCallback) and signum in cb.signals for cb in callbacks):
         return
