@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import run_job
+from lightning.pytorch.callbacks import ModelPruning
 from models import NormalizesOverRows, TinyLM, token_dataset
 from torch.utils.data import DataLoader
 
@@ -20,8 +21,14 @@ from lightning_varuna.strategies.process_groups import choose_backend
 CUT = "65KB"
 
 
-def fit(model: L.LightningModule, strategy: L.pytorch.strategies.Strategy, batch_size: int = 6) -> None:
+def fit(
+    model: L.LightningModule,
+    strategy: L.pytorch.strategies.Strategy,
+    batch_size: int = 6,
+    callbacks: list[L.Callback] | None = None,
+) -> None:
     trainer = L.Trainer(
+        callbacks=callbacks,
         accelerator="cpu",
         devices=1,
         strategy=strategy,
@@ -88,6 +95,15 @@ def test_a_forward_reading_the_trainer_is_refused_when_cut(cutting):
     fit(ScaledByTheWorld(), cutting())  # reads only what a fit never changes (sizes, precision)
 
 
+class SpectralNormLM(TinyLM):
+    """A parametrization whose power iteration runs under `no_grad`: a grad-mode block in a submodule, which torch's
+    split dropped from the stage without an error (it failed at the first step with missing inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.nn.utils.parametrizations.spectral_norm(self.blocks[2].fc)
+
+
 class CallsASubmodule(TinyLM):
     """Runs its layers directly, as a step wrapping a torchvision model (`self.net(x)`) does; `example_input_array`
     set, which does not make such a step cut."""
@@ -119,6 +135,7 @@ class UnregisteredParameter(TinyLM):
         (TupleAtCutPoint(), TypeError, r"CutPoint `cuts.0` got a `tuple`"),
         (TransposedAtCutPoint(), ValueError, r"shape \(6, 4, 16\) but the batch size is 4"),
         (DataDependentBranch(), RuntimeError, r"Cannot cut `DataDependentBranch.forward` into pipeline stages"),
+        (SpectralNormLM(), RuntimeError, r"changes the grad mode inside .*`spectral_norm`.* calls `blocks.2` without"),
         (CallsASubmodule(), RuntimeError, r"never called `self\(...\)`.*a submodule called directly"),
         (UnregisteredParameter(), ValueError, r"shape \(\) that is not a parameter of `UnregisteredParameter`"),
     ],
@@ -288,6 +305,13 @@ def test_manual_optimization_fails_at_setup(strategy):
     trained nothing: the weights stayed as they were)."""
     with pytest.raises(TypeError, match=rf"automatic_optimization = False`: {strategy.__name__}.*needs Lightning.s"):
         fit(ManualOptimization(), strategy())
+
+
+def test_pruning_as_it_trains_is_refused():
+    """`ModelPruning` applies its masks through hooks it adds as the model trains, which the traced forward does not
+    run: with one stage it trained the unpruned weights without a word, with two it failed in the callback."""
+    with pytest.raises(ValueError, match=r"`ModelPruning` prunes the model as it trains.* VarunaStrategy runs the"):
+        fit(TinyLM(), VarunaStrategy(micro_batch_size=4), callbacks=[ModelPruning("l1_unstructured")])
 
 
 def test_ranks_sharing_a_gpu_talk_over_gloo_and_nccl_is_refused_for_them():

@@ -1,6 +1,7 @@
 """SpillingStrategy trains exactly like plain single-device training, within its memory budget: per-step losses,
 validation loss and weights at 1, 3 and 5 shards, in host memory and on disk, with models that draw random numbers,
-read dicts, mask attention or update buffers; a model that fits runs whole; gradient norms seen as on one device;
+read dicts, mask attention or update buffers, or compute weights (pruned, weight-normalized); a model that fits runs
+whole; gradient norms seen as on one device;
 and runs of the forward alone (validate, predict) as one device runs them."""
 
 from __future__ import annotations
@@ -55,6 +56,32 @@ def test_trains_like_one_device(tmp_path, model_class, num_shards, disk, clip):
     torch.testing.assert_close(trainer.callback_metrics["val_loss"], expected.callback_metrics["val_loss"])
     assert_same_model(model, reference)
     assert not list(tmp_path.glob("spill-*")), "the spilled files are removed after training"
+
+
+def _prune(model: TinyLM) -> None:
+    torch.nn.utils.prune.l1_unstructured(model.blocks[1].fc, "weight", amount=0.3)
+    torch.nn.utils.prune.random_unstructured(model.blocks[3].fc, "bias", amount=0.5)
+
+
+def _normalize_weights(model: TinyLM) -> None:
+    torch.nn.utils.parametrizations.weight_norm(model.blocks[0].fc)
+    torch.nn.utils.parametrizations.weight_norm(model.blocks[2].fc)
+
+
+@pytest.mark.parametrize("reparametrize", [_prune, _normalize_weights], ids=["pruned", "weight-norm"])
+def test_weights_pruned_or_parametrized_before_fit_train_cut_as_on_one_device(reparametrize):
+    """A weight computed in the forward from others (the masks of `torch.nn.utils.prune`, a `weight_norm`
+    parametrization) is traced with it: cut in 5 shards, the model trains as one device trains it."""
+    models = []
+    for _ in range(2):  # a pruned module cannot be deep-copied: built twice alike
+        torch.manual_seed(0)
+        models.append(TinyLM())
+        reparametrize(models[-1])
+    reference, model = models
+    expected = fit(reference, "auto")
+    trainer = fit(model, SpillingStrategy(memory_budget=BUDGETS[5]))
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
 
 
 class RowBiasLM(TinyLM):

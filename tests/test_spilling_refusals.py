@@ -1,5 +1,6 @@
 """What SpillingStrategy does not train is refused at set-up, naming what to change, never trained differently:
-a model compiled whole, averaging and fine-tuning callbacks that need every parameter on the device, a grad-mode
+a model compiled whole, averaging and fine-tuning callbacks that need every parameter on the device, pruning as it
+trains, a grad-mode
 block or a buffer of the model itself changed in its forward, CutPoints inside a reentrant checkpoint, more than one
 device."""
 
@@ -10,7 +11,7 @@ import copy
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
 from models import DIM, TinyLM
 from spilled_runs import BUDGETS, FrozenEmbeddingLM, assert_same_model, fit
 from torch import Tensor
@@ -37,6 +38,23 @@ def test_weight_averaging_needs_the_model_on_the_device(averaging):
     fit(reference, "auto", callbacks=[averaging(**kwargs)], max_steps=-1, max_epochs=3)
     fit(model, SpillingStrategy(memory_budget=BUDGETS[1]), callbacks=[averaging(**kwargs)], max_steps=-1, max_epochs=3)
     assert_same_model(model, reference)
+
+
+def test_pruning_as_it_trains_needs_the_model_run_whole():
+    """`ModelPruning` applies its masks through hooks it adds as the model trains, which a cut model's traced forward
+    does not run (it failed in the backward): refused with what to do; a model that runs whole prunes as plain
+    Lightning does."""
+    with pytest.raises(ValueError, match=r"`ModelPruning` prunes the model as it trains.* in 5 shards .*before `fit`"):
+        fit(TinyLM(), SpillingStrategy(memory_budget=BUDGETS[5]), callbacks=[ModelPruning("l1_unstructured")])
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    options = {"max_steps": -1, "max_epochs": 3}  # pruned at each epoch's end, the masks made permanent at the fit's
+    fit(reference, "auto", callbacks=[ModelPruning("l1_unstructured", amount=0.3)], **options)
+    fit(model, SpillingStrategy(memory_budget=BUDGETS[1]), callbacks=[ModelPruning("l1_unstructured", amount=0.3)],
+        **options)  # fmt: skip
+    assert_same_model(model, reference)
+    assert (model.blocks[0].fc.weight == 0).float().mean() > 0.5  # three rounds of 30% of what was left
 
 
 # Cuts the TinyLMs below, which run one block (46 KB whole, where a budget of 85KB runs them whole).

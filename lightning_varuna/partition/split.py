@@ -334,6 +334,7 @@ def _split_traced(
     stage_modules = [_runnable(pipe.split_gm.get_submodule(node.target)) for node in stage_nodes]
     stage_inputs = [[_source_of(a, stage_of, placeholders) for a in node.args] for node in stage_nodes]
     _check_every_stage_input_is_fed(module, stage_modules, stage_inputs)
+    _check_every_call_is_fed(module, stage_modules, args, kwargs)
     needs_grad = _outputs_needing_gradients(stage_modules, stage_inputs, tree_leaves((args, kwargs)))
 
     pipeline_graph = PipelineGraph(
@@ -374,6 +375,39 @@ def _check_every_stage_input_is_fed(
                 "split does not carry into its stage. Keep the buffer in a submodule that updates it in its own "
                 "forward, as BatchNorm does."
             )
+
+
+def _check_every_call_is_fed(module: nn.Module, stage_modules: list[nn.Module], args: tuple, kwargs: dict) -> None:
+    """torch's pipeline split drops the subgraph of a grad-mode block that is not in the model's own forward but in a
+    submodule's (a parametrization computing under ``no_grad``, as ``spectral_norm``'s power iteration): the
+    stage then calls that submodule with fewer inputs than it takes, and would fail at its first run."""
+    for stage_module in stage_modules:
+        starved = _first_starved_call(stage_module, "")
+        if starved:
+            error = RuntimeError(f"the traced stage calls `{starved}` without some of its inputs")
+            raise untraceable_forward_error(module, error, changes_grad_mode(module, args, kwargs))
+
+
+def _first_starved_call(graph_module: nn.Module, prefix: str) -> str | None:
+    """The name of the first submodule that ``graph_module``'s graph (or a nested one) calls with fewer inputs than
+    its graph takes."""
+    graph = getattr(graph_module, "graph", None)
+    if not isinstance(graph, fx.Graph):
+        return None
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        called = graph_module.get_submodule(node.target)
+        name = f"{prefix}{node.target}"
+        called_graph = getattr(called, "graph", None)
+        if isinstance(called_graph, fx.Graph):
+            required = [n for n in called_graph.nodes if n.op == "placeholder" and not n.args]
+            if len(node.args) + len(node.kwargs) < len(required):
+                return name
+        starved = _first_starved_call(called, f"{name}.")
+        if starved:
+            return starved
+    return None
 
 
 def _warn_of_backward_hooks(module: nn.Module) -> None:

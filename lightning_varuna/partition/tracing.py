@@ -193,9 +193,10 @@ def untraceable_forward_error(module: nn.Module, error: BaseException, grad_mode
     if grad_mode_changed:
         return RuntimeError(
             f"Cannot cut {name} into pipeline stages: it changes the grad mode inside (a `with torch.no_grad():` or "
-            "`torch.enable_grad()` block, or a reentrant `torch.utils.checkpoint`), which torch's pipeline split "
-            "cannot cut around. Use `.detach()` on what the block computes instead (`centre = h.mean(0).detach()`), "
-            f"and `use_reentrant=False` for checkpoints. ({type(cause).__name__}: {_first_line(cause)})"
+            "`torch.enable_grad()` block, a reentrant `torch.utils.checkpoint`, or a parametrization computed under "
+            "`no_grad`, as `spectral_norm`'s), which torch's pipeline split cannot cut around. Use `.detach()` on "
+            "what the block computes instead (`centre = h.mean(0).detach()`), and `use_reentrant=False` for "
+            f"checkpoints. ({type(cause).__name__}: {_first_line(cause)})"
         )
     if not frames:
         return RuntimeError(

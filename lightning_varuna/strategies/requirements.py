@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
 
 from lightning_varuna.strategies.callback_hooks import callbacks_of
 
-__all__ = ["WEIGHT_AVERAGING", "require_automatic_optimization", "require_pipelined_training"]
+__all__ = [
+    "WEIGHT_AVERAGING",
+    "refuse_pruning_as_it_trains",
+    "require_automatic_optimization",
+    "require_pipelined_training",
+]
 
 # Lightning's callbacks that keep an average of every parameter of the model.
 WEIGHT_AVERAGING = (StochasticWeightAveraging, WeightAveraging)
@@ -24,12 +29,26 @@ def require_automatic_optimization(module: pl.LightningModule, strategy: str, ru
         )
 
 
+def refuse_pruning_as_it_trains(trainer: pl.Trainer, runs: str) -> None:
+    """Refuse Lightning's `ModelPruning`, whose masks are applied by hooks it adds to the pruned modules as the model
+    trains, which the forward traced at set-up (that ``runs`` describes) does not run."""
+    pruning = callbacks_of(trainer, ModelPruning)
+    if pruning:
+        raise ValueError(
+            f"`{type(pruning[0]).__name__}` prunes the model as it trains, through hooks it adds to the pruned "
+            f"modules, but {runs} as traced at set-up, without them: the pruned weights would still "
+            "count. Prune before `fit` (`torch.nn.utils.prune`, whose masks the trace applies), or train without "
+            "the callback."
+        )
+
+
 def require_pipelined_training(trainer: pl.Trainer, strategy: str, num_stages: int) -> None:
-    """Refuse what ``strategy``'s pipeline of ``num_stages`` stages cannot train: manual optimization, and a callback
-    of ``trainer`` that averages every parameter when several stages hold them."""
+    """Refuse what ``strategy``'s pipeline of ``num_stages`` stages cannot train: manual optimization, pruning as
+    it trains, and a callback of ``trainer`` that averages every parameter when several stages hold them."""
     require_automatic_optimization(
         trainer.lightning_module, strategy, "the pipelined forward and backward of `training_step`"
     )
+    refuse_pruning_as_it_trains(trainer, f"{strategy} runs the forward")
     averaging = callbacks_of(trainer, WEIGHT_AVERAGING)
     if averaging and num_stages > 1:
         raise ValueError(

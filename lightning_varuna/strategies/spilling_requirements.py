@@ -20,7 +20,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_varuna.checkpoint.state import parameter_group_names
 from lightning_varuna.strategies.callback_hooks import callbacks_of
 from lightning_varuna.strategies.optimizers import optimized_parameters, torch_optimizer
-from lightning_varuna.strategies.requirements import WEIGHT_AVERAGING, require_automatic_optimization
+from lightning_varuna.strategies.requirements import (
+    WEIGHT_AVERAGING,
+    refuse_pruning_as_it_trains,
+    require_automatic_optimization,
+)
 
 __all__ = [
     "check_callbacks_of_spilled_model",
@@ -61,6 +65,7 @@ def check_callbacks_of_spilled_model(trainer: pl.Trainer, shards: int, optimizer
     """Refuse the callbacks that cannot train a model spilled in ``shards`` shards; tell the module and callbacks
     that read gradients before the step which they see."""
     _refuse_callbacks_reading_every_weight(trainer, shards)
+    refuse_pruning_as_it_trains(trainer, f"SpillingStrategy runs the forward in {shards} shards")
     _refuse_finetuning_of_parameters_outside(trainer, optimizer)
     _note_spilled_gradients(trainer)
 
