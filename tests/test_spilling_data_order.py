@@ -1,5 +1,6 @@
 """SpillingStrategy reads the data as one device does, and a run resumed mid-epoch goes on where it stopped:
-set-up's look at the first batch leaves the loader's and Python's and NumPy's generators as it found them; a
+set-up's look at the first batch leaves the loader's and Python's and NumPy's generators as it found them and takes a
+batch of each DataLoader a step reads several of; a
 checkpoint taken mid-epoch, at a limited epoch's end, by a schedule that reads the data first, under an accumulation
 schedule or as a step fails resumes with the next batch an uninterrupted run trains."""
 
@@ -16,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint, OnExceptionCheckpoint
 from models import VOCAB, TinyLM, token_dataset
 from spilled_runs import BUDGETS, assert_same_model, fit, losses
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_varuna import SpillingStrategy, VarunaStrategy
 
@@ -59,6 +60,46 @@ class Augmented(torch.utils.data.Dataset):
         row = self.rows[i].clone()
         row[random.randrange(4)] = int(np.random.randint(VOCAB))
         return row, row
+
+
+class TwoLoadersLM(TinyLM):
+    """A step over a batch of each of two DataLoaders, which Lightning's loop combines in a dict."""
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        (a, a_labels), (b, b_labels) = batch["a"], batch["b"]
+        return super().training_step((torch.cat([a, b]), torch.cat([a_labels, b_labels])), batch_idx)
+
+
+def two_loaders() -> dict[str, DataLoader]:
+    """Batches of 8 and 4 rows, in the order of one replica of VarunaStrategy's (`DistributedSampler`)."""
+    first, second = token_dataset(64), token_dataset(48, seed=5)
+    return {
+        "a": DataLoader(first, batch_size=8, sampler=DistributedSampler(first, 1, 0, seed=0)),
+        "b": DataLoader(second, batch_size=4, sampler=DistributedSampler(second, 1, 0, seed=0)),
+    }
+
+
+@pytest.mark.parametrize(
+    "strategy", [lambda: SpillingStrategy(memory_budget=BUDGETS[5]), VarunaStrategy], ids=["spilled", "varuna"]
+)
+def test_a_step_over_several_dataloaders_trains_as_on_one_device(strategy):
+    """Set-up looks at a batch of each DataLoader, combined as the loop combines them (it took the first one's
+    alone, which the step could not read); spilled in 5 shards, and in one micro-batch under VarunaStrategy."""
+    torch.manual_seed(0)
+    reference = TwoLoadersLM()
+    model = copy.deepcopy(reference)
+    expected = fit(reference, "auto", loader=two_loaders(), max_steps=-1, max_epochs=2)
+    trainer = fit(model, strategy(), loader=two_loaders(), max_steps=-1, max_epochs=2)
+    assert len(losses(expected)) == 24  # 12 batches of the second loader an epoch, the first cycled
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
+def test_a_step_over_several_dataloaders_is_not_split_into_micro_batches():
+    """VarunaStrategy splits a batch by the rows of its first tensor: every micro-batch would have got the whole
+    batch of the second DataLoader, and trained on it twice."""
+    with pytest.raises(ValueError, match=r"trains on 2 DataLoaders combined .*`micro_batch_size=4`.*one micro-batch"):
+        fit(TwoLoadersLM(), VarunaStrategy(micro_batch_size=4), loader=two_loaders())
 
 
 @pytest.mark.parametrize("budget", ["1GB", BUDGETS[5]], ids=["whole", "cut"])

@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import CombinedLoader
 
 from lightning_varuna.data.microbatch import split_microbatches
 from lightning_varuna.pipeline.step import capture_forward_inputs
@@ -26,21 +27,11 @@ STEP_OF_FN = {
 
 
 def first_batch(trainer: pl.Trainer) -> Any:
-    """The first batch of the first DataLoader of the loop ``trainer`` runs now (fit, validate, test or predict), as
-    the loop prepares a batch before `batch_to_device`: converted by the precision plugin (``precision="64-true"``
+    """The first batch of the loop ``trainer`` runs now (fit, validate, test or predict), as the loop prepares a batch
+    before `batch_to_device`: a batch of each DataLoader for a training step over several (combined as the loop
+    combines them), the first DataLoader's otherwise; converted by the precision plugin (``precision="64-true"``
     makes its floats doubles) and passed through ``on_before_batch_transfer``."""
-    loop = {
-        TrainerFn.FITTING: trainer.fit_loop,
-        TrainerFn.VALIDATING: trainer.validate_loop,
-        TrainerFn.TESTING: trainer.test_loop,
-        TrainerFn.PREDICTING: trainer.predict_loop,
-    }[trainer.state.fn]  # type: ignore[index]
-    loaders = loop._data_source.dataloader()  # type: ignore[attr-defined]
-    loader = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders
-    loader = loader[0] if isinstance(loader, (list, tuple)) else loader
-    with _random_numbers_kept(loader):
-        batch = trainer.precision_plugin.convert_input(next(iter(loader)))
-    return trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return _first_batch_of_loaders(trainer)[0]
 
 
 def first_forward_inputs(
@@ -48,20 +39,48 @@ def first_forward_inputs(
 ) -> tuple[tuple, dict]:
     """The forward arguments of the first micro-batch of ``micro_batch_size`` rows of `first_batch` (moved by
     ``batch_to_device``): what the loop's first step passes to ``self(...)`` (which also checks that the step calls
-    it; ``example_input_array`` would not)."""
-    microbatch = split_microbatches(batch_to_device(first_batch(trainer)), micro_batch_size)[0]
+    it; ``example_input_array`` would not). A training batch combined from several DataLoaders is refused when it
+    would be split."""
+    batch, loaders = _first_batch_of_loaders(trainer)
+    microbatches = split_microbatches(batch_to_device(batch), micro_batch_size)
+    if loaders > 1 and len(microbatches) > 1:
+        raise ValueError(
+            f"This fit trains on {loaders} DataLoaders combined (a batch of each per step), but VarunaStrategy "
+            f"splits each batch into micro-batches of `micro_batch_size={micro_batch_size}` rows of its first "
+            "tensor, which would give every micro-batch the whole batch of the others. Train on one DataLoader "
+            "(a Dataset that returns the pair), or pass a `micro_batch_size` of the whole batch (one micro-batch)."
+        )
     assert trainer.state.fn is not None
-    return capture_forward_inputs(trainer.lightning_module, STEP_OF_FN[trainer.state.fn], microbatch)
+    return capture_forward_inputs(trainer.lightning_module, STEP_OF_FN[trainer.state.fn], microbatches[0])
+
+
+def _first_batch_of_loaders(trainer: pl.Trainer) -> tuple[Any, int]:
+    """`first_batch`, and the number of DataLoaders of the loop."""
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    loop = {
+        TrainerFn.FITTING: trainer.fit_loop,
+        TrainerFn.VALIDATING: trainer.validate_loop,
+        TrainerFn.TESTING: trainer.test_loop,
+        TrainerFn.PREDICTING: trainer.predict_loop,
+    }[trainer.state.fn]  # type: ignore[index]
+    loaders = loop._data_source.dataloader()  # type: ignore[attr-defined]
+    if not isinstance(loaders, CombinedLoader):  # as the loop combines them (an evaluation loop: one after another)
+        loaders = CombinedLoader(loaders, "max_size_cycle" if fitting else "sequential")
+    with _random_numbers_kept(loaders.flattened):
+        batch, _, _ = next(iter(loaders))
+    batch = trainer.precision_plugin.convert_input(batch)
+    return trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0), len(loaders.flattened)
 
 
 @contextmanager
-def _random_numbers_kept(loader: Any) -> Iterator[None]:
+def _random_numbers_kept(loaders: list[Any]) -> Iterator[None]:
     """Iterating a DataLoader draws from its generator (or torch's global one) and its sampler's, and a dataset's
     augmentations from Python's and NumPy's global ones: give them all back their states, so that the loop then
     reads the batches in the order, and augmented as, it would have without this look ahead."""
-    sampler = getattr(loader, "sampler", None)
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    owners = (loader, sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
+    owners = []
+    for loader in loaders:
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        owners += [loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)]
     generators = {id(g): g for g in (getattr(o, "generator", None) for o in owners) if isinstance(g, torch.Generator)}
     states = [(generator, generator.get_state()) for generator in generators.values()]
     with global_random_states_kept():
