@@ -14,6 +14,7 @@ from lightning_varuna.data.microbatch import (
     merge_microbatches,
     microbatch_sizes,
     split_microbatches,
+    unsplit_leaves,
 )
 from lightning_varuna.pipeline.module_hooks import differing_names, merge_stage_logs
 from lightning_varuna.pipeline.step_logging import LogRecorder
@@ -75,6 +76,7 @@ def test_split_dict_keeps_non_batch_leaves_whole():
         assert chunk["extra"]["table"] is table
         assert chunk["scale"] is scale
         assert chunk["tag"] == "train"
+    assert unsplit_leaves(batch) == ["['extra']['table']"]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 10, 20])

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint, OnExceptionCheckpoint
 from models import VOCAB, TinyLM, token_dataset
 from spilled_runs import BUDGETS, assert_same_model, fit, losses
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_collate
 
 from lightning_varuna import SpillingStrategy, VarunaStrategy
 
@@ -100,6 +100,21 @@ def test_a_step_over_several_dataloaders_is_not_split_into_micro_batches():
     batch of the second DataLoader, and trained on it twice."""
     with pytest.raises(ValueError, match=r"trains on 2 DataLoaders combined .*`micro_batch_size=4`.*one micro-batch"):
         fit(TwoLoadersLM(), VarunaStrategy(micro_batch_size=4), loader=two_loaders())
+
+
+class TableLM(TinyLM):
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        idx, labels, table = batch
+        return super().training_step((idx, labels + table.sum().long()), batch_idx)
+
+
+def test_a_tensor_of_the_batch_given_whole_to_every_micro_batch_is_named():
+    """A tensor whose dim 0 is not the batch's goes whole to every micro-batch: right for a table, wrong for rows
+    of the batch collated another way (all of a batch's boxes in one tensor), so set-up names it."""
+    data = token_dataset(64)
+    loader = DataLoader(data, batch_size=8, collate_fn=lambda rows: (*default_collate(rows), torch.zeros(3, 2)))
+    with pytest.warns(UserWarning, match=r"gives `batch\[2\]` whole to every micro-batch: .* \(8, the rows"):
+        fit(TableLM(), VarunaStrategy(micro_batch_size=4), loader=loader, max_steps=1)
 
 
 @pytest.mark.parametrize("budget", ["1GB", BUDGETS[5]], ids=["whole", "cut"])

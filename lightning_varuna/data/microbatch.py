@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = [
     "MICROBATCHES_PER_STAGE",
@@ -19,6 +19,7 @@ __all__ = [
     "merge_microbatches",
     "microbatch_sizes",
     "split_microbatches",
+    "unsplit_leaves",
 ]
 
 # Micro-batches per pipeline stage when the user does not choose a micro-batch size: with M = 4 x P micro-batches
@@ -77,6 +78,16 @@ def split_microbatches(batch: Any, micro_batch_size: int) -> list[Any]:
         chunks.append(tree_unflatten(_rows(leaves, size, start, n), spec))
         start += n
     return chunks
+
+
+def unsplit_leaves(batch: Any) -> list[str]:
+    """Where ``batch`` holds tensors with rows that `split_microbatches` gives whole to every micro-batch (their dim 0
+    is not the batch size), as ``[1]`` or ``['mask']``."""
+    size = batch_size_of(batch)
+    leaves, _ = tree_flatten_with_path(batch)
+    return [
+        keystr(path) for path, leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] != size
+    ]
 
 
 def first_rows(batch: Any, rows: int) -> Any:

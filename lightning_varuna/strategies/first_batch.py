@@ -11,8 +11,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_varuna.data.microbatch import split_microbatches
+from lightning_varuna.data.microbatch import batch_size_of, split_microbatches, unsplit_leaves
 from lightning_varuna.pipeline.step import capture_forward_inputs
 from lightning_varuna.random_states import global_random_states_kept
 
@@ -42,16 +43,32 @@ def first_forward_inputs(
     it; ``example_input_array`` would not). A training batch combined from several DataLoaders is refused when it
     would be split."""
     batch, loaders = _first_batch_of_loaders(trainer)
-    microbatches = split_microbatches(batch_to_device(batch), micro_batch_size)
-    if loaders > 1 and len(microbatches) > 1:
+    batch = batch_to_device(batch)
+    microbatches = split_microbatches(batch, micro_batch_size)
+    if len(microbatches) > 1:
+        _check_rows_split(batch, loaders, micro_batch_size)
+    assert trainer.state.fn is not None
+    return capture_forward_inputs(trainer.lightning_module, STEP_OF_FN[trainer.state.fn], microbatches[0])
+
+
+def _check_rows_split(batch: Any, loaders: int, micro_batch_size: int) -> None:
+    """Refuse a batch of several DataLoaders, which `split_microbatches` would split by the first one's rows; warn of
+    tensors it gives whole to every micro-batch."""
+    if loaders > 1:
         raise ValueError(
             f"This fit trains on {loaders} DataLoaders combined (a batch of each per step), but VarunaStrategy "
             f"splits each batch into micro-batches of `micro_batch_size={micro_batch_size}` rows of its first "
             "tensor, which would give every micro-batch the whole batch of the others. Train on one DataLoader "
             "(a Dataset that returns the pair), or pass a `micro_batch_size` of the whole batch (one micro-batch)."
         )
-    assert trainer.state.fn is not None
-    return capture_forward_inputs(trainer.lightning_module, STEP_OF_FN[trainer.state.fn], microbatches[0])
+    unsplit = unsplit_leaves(batch)
+    if unsplit:
+        rank_zero_warn(
+            f"VarunaStrategy gives `batch{unsplit[0]}` whole to every micro-batch: its dim 0 is not the batch size "
+            f"({batch_size_of(batch)}, the rows of the batch's first tensor). Right for a table every row reads; "
+            "if it holds rows of the batch, make the batch size its dim 0 or pass a `micro_batch_size` of the whole "
+            "batch."
+        )
 
 
 def _first_batch_of_loaders(trainer: pl.Trainer) -> tuple[Any, int]:
