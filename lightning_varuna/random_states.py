@@ -14,11 +14,12 @@ __all__ = ["global_random_states_kept"]
 
 
 @contextmanager
-def global_random_states_kept() -> Iterator[None]:
-    """Inside, code may draw from torch's (CPU), Python's and NumPy's global generators; after, they are as before."""
+def global_random_states_kept(device: torch.device | None = None) -> Iterator[None]:
+    """Inside, code may draw from torch's (CPU, and ``device``'s if a CUDA device), Python's and NumPy's global
+    generators; after, they are as before."""
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
             yield
     finally:
         random.setstate(python_state)

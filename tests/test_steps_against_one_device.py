@@ -1,5 +1,6 @@
-"""What a pipelined step trains on and logs, against one device: losses that are means over some of a batch's items,
-torchmetrics objects, the module's epoch-end hooks and gradient norms (real multi-process runs)."""
+"""What a pipelined step trains on and logs, against one device: batches augmented from torch's generator, losses
+that are means over some of a batch's items, torchmetrics objects, the module's epoch-end hooks and gradient norms
+(real multi-process runs)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from conftest import run_ranks
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
 
-def run_one_device_and_pipelined(tmp_path: Path, template: str, **fields: str) -> dict[int, dict[str, tuple[Any, Any]]]:
+def run_one_device_and_pipelined(
+    tmp_path: Path, template: str, replicas_of_runs: tuple[int, ...] = (0, 1, 2), **fields: str
+) -> dict[int, dict[str, tuple[Any, Any]]]:
     """Run ``template`` (with ``fields``) on one device (replicas 0) and on two stages with one and two replicas;
     what each rank printed (``rank R <python literal> <python literal>``) by replicas and rank."""
     runs = {}
-    for replicas in (0, 1, 2):
+    for replicas in replicas_of_runs:
         script = tmp_path / f"run_{replicas}.py"
         script.write_text(template.format(tests=os.path.dirname(__file__), replicas=replicas, **fields))
         proc = run_ranks([str(script)], 2 * replicas or 1, tmp_path, timeout=300)
@@ -115,6 +118,72 @@ def test_a_mean_over_labelled_tokens_trains_pipelined_as_on_one_device(tmp_path)
         for weights in stage_weights:
             for name, values in weights.items():
                 assert values == pytest.approx(expected_weights[name], rel=1e-5, abs=1e-6), name
+
+
+AUGMENTED = """
+import os
+import sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from models import VOCAB, TinyLM, token_dataset
+from lightning_varuna import VarunaStrategy
+
+
+class Shifted(Dataset):
+    \"\"\"Token rows shifted by a random offset drawn from torch's global generator, as transforms draw them.\"\"\"
+
+    def __init__(self):
+        self.rows = token_dataset(32)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        idx, labels = self.rows[i]
+        return (idx + torch.randint(0, 3, ())) % VOCAB, labels
+
+
+class DropsTokens(TinyLM):
+    \"\"\"Drops tokens at random as the batch arrives on the device (an augmentation on the GPU, as kornia's).\"\"\"
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        idx, labels = batch
+        return torch.where(torch.rand(idx.shape) < 0.2, 0, idx), labels
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(float(self.trainer.callback_metrics["train_loss"]))
+
+
+L.seed_everything(0)
+model = DropsTokens(lr=0.05)
+model.losses = []
+pipelined = {replicas} > 0
+data = Shifted()
+loader = DataLoader(data, batch_size=8, sampler=None if pipelined else DistributedSampler(data, 1, 0, seed=0),
+                    num_workers={workers}, persistent_workers={workers} > 0)
+strategy = VarunaStrategy(pipeline_parallel_size=2) if pipelined else "auto"
+trainer = L.Trainer(accelerator="cpu", devices=2 if pipelined else 1, strategy=strategy, max_epochs=2, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model, loader, DataLoader(token_dataset(16, seed=2), batch_size=8))
+weights = {{name: p.detach().flatten()[:8].tolist() for name, p in model.named_parameters()}}
+os.write(1, f"rank {{trainer.global_rank}} {{model.losses}} {{weights}}\\n".encode())  # one write: shared stdout
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_augmented_from_torch_s_generator_train_pipelined_as_on_one_device(tmp_path, workers):
+    """A dataset and an `on_after_batch_transfer` that draw from torch's global generator (in the loader's workers,
+    seeded from it) draw what one device draws: set-up draws nothing it does not give back (its look at the first
+    batch ran `on_after_batch_transfer`), and the processes' generators are not seeded again (as Lightning's DDP
+    does) but stay as the script left them."""
+    runs = run_one_device_and_pipelined(tmp_path, AUGMENTED, replicas_of_runs=(0, 1), workers=str(workers))
+    expected_losses, expected_weights = runs[0]["0"]
+    assert runs[1]["1"][0] == pytest.approx(expected_losses, rel=1e-5)
+    for _, weights in runs[1].values():
+        for name, values in weights.items():
+            assert values == pytest.approx(expected_weights[name], rel=1e-5, abs=1e-6), name
 
 
 METRICS = """

@@ -15,6 +15,7 @@ from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.stage_plan import plan_stage
 from lightning_varuna.pipeline.topology import PipelineGroups, Topology
 from lightning_varuna.profiling.model_costs import ModelCosts
+from lightning_varuna.random_states import global_random_states_kept
 from lightning_varuna.strategies.first_batch import first_batch, first_forward_inputs
 
 __all__ = ["cut_model", "default_micro_batch_size_of"]
@@ -57,7 +58,8 @@ def cut_model(
         costs.segment_costs, module, args, kwargs, micro_batch_size=micro_batch_size, processes_per_node=per_node
     )
     advice = f"Pass `VarunaStrategy(micro_batch_size=2)` or more (it is {micro_batch_size})."
-    with one_value_per_channel_refused(module, advice):
+    # Measuring and tracing run the model (its dropout draws): the run then draws what one device would.
+    with one_value_per_channel_refused(module, advice), global_random_states_kept(strategy.root_device):
         stage = plan_stage(module, args, kwargs, topology, segment_costs, strategy.root_device, groups)
     cut = f"cut at CutPoints {stage.boundaries}" if stage.boundaries else "not cut"
     placement = "in a V" if topology.v_shape else "round-robin"

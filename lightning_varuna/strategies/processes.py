@@ -8,7 +8,6 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
@@ -79,9 +78,10 @@ class MultiProcessStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Set this process's global rank and the world size, then start the job's default process group."""
+        """Set this process's global rank and the world size, then start the job's default process group. Unlike
+        Lightning's DDP, the random generators are not seeded again: they stay as the script left them (or as the
+        launching process had them, which Lightning's spawn launcher gives each process), as on one device."""
         super().setup_environment()
-        reset_seed()
         assert self.cluster_environment is not None
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)

@@ -28,6 +28,7 @@ from lightning_varuna.partition.discovery import buffers_kept
 from lightning_varuna.partition.packing import SegmentMemory, parse_bytes
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.pipeline.step import capture_forward_inputs, patched_forward
+from lightning_varuna.random_states import global_random_states_kept
 from lightning_varuna.spilling.checkpoints import SpilledCheckpoints
 from lightning_varuna.spilling.folder import SpillFolder
 from lightning_varuna.spilling.grad_scaler import ShardwiseGradScaler, shardwise
@@ -195,7 +196,7 @@ class SpillingStrategy(ResumableTraining, SingleDeviceStrategy):
         # Measuring runs the model: training's random numbers and BatchNorm's statistics stay as they are, and the
         # forward's new tensors get the precision's dtype as in the steps (a "true" precision sets it).
         with (
-            torch.random.fork_rng(devices=[self.root_device] if self.root_device.type == "cuda" else []),
+            global_random_states_kept(self.root_device),
             buffers_kept(module),
             self.precision_plugin.tensor_init_context(),
         ):
