@@ -13,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
 from models import DIM, TinyLM
-from spilled_runs import BUDGETS, FrozenEmbeddingLM, assert_same_model, fit
+from spilled_runs import BUDGETS, FrozenEmbeddingLM, assert_same_model, fit, losses
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -77,7 +77,7 @@ def test_a_grad_mode_block_in_the_forward_is_named_with_what_to_use():
 class CheckpointedLlama(L.LightningModule):
     """Hugging Face's gradient checkpointing, reentrant, with a CutPoint after each layer: inside the checkpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool = True) -> None:
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -86,7 +86,7 @@ class CheckpointedLlama(L.LightningModule):
         )
         self.model = LlamaForCausalLM(config)
         cut_after(self.model.model.layers)
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -105,6 +105,23 @@ def test_cutpoints_inside_a_reentrant_checkpoint_are_named_with_what_to_use():
     data = DataLoader(torch.randint(1, 50, (8, 8)), batch_size=8)
     with pytest.raises(RuntimeError, match=r"a reentrant `torch\.utils\.checkpoint`.*`use_reentrant=False`"):
         trainer.fit(CheckpointedLlama(), data)
+
+
+def test_cutpoints_inside_a_non_reentrant_checkpoint_train_cut_as_on_one_device():
+    """What the refusal above says to use: Hugging Face's checkpointing with ``use_reentrant=False``, 4 shards."""
+    pytest.importorskip("transformers")
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(CheckpointedLlama(reentrant=False))
+    reference, model = models
+    loader = DataLoader(torch.randint(1, 50, (32, 8), generator=torch.Generator().manual_seed(0)), batch_size=8)
+    expected = fit(reference, "auto", loader=loader, limit_val_batches=0)
+    strategy = SpillingStrategy(memory_budget="170KB")
+    trainer = fit(model, strategy, loader=loader, limit_val_batches=0)
+    assert len(strategy.shards) == 4
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
 
 
 def test_finetuning_that_unfreezes_parameters_outside_the_optimizer_is_refused():
