@@ -102,6 +102,30 @@ def test_a_step_over_several_dataloaders_is_not_split_into_micro_batches():
         fit(TwoLoadersLM(), VarunaStrategy(micro_batch_size=4), loader=two_loaders())
 
 
+class PredictsFromEach(TinyLM):
+    def predict_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        return self(batch[0])
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [lambda: SpillingStrategy(memory_budget=BUDGETS[5]), lambda: VarunaStrategy(micro_batch_size=2)],
+    ids=["spilled", "varuna"],
+)
+def test_predicting_over_several_dataloaders_gives_one_device_s_predictions(strategy):
+    """An evaluation loop reads its DataLoaders one after another: set-up looks at the first one's batch, and
+    batches of each, of other shapes, are split as they come (the refusal of a combined training batch once
+    refused them too)."""
+    loaders = [DataLoader(token_dataset(12), batch_size=4), DataLoader(token_dataset(10, seed=3), batch_size=5)]
+    torch.manual_seed(0)
+    model = PredictsFromEach()
+    options = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False}
+    expected = L.Trainer(**options).predict(model, loaders)
+    predicted = L.Trainer(strategy=strategy(), **options).predict(model, loaders)
+    for ours, theirs in zip(predicted, expected):
+        torch.testing.assert_close(torch.cat(ours), torch.cat(theirs))
+
+
 class TableLM(TinyLM):
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         idx, labels, table = batch

@@ -74,7 +74,7 @@ def _check_rows_split(batch: Any, loaders: int, micro_batch_size: int) -> None:
 
 
 def _first_batch_of_loaders(trainer: pl.Trainer) -> tuple[Any, int]:
-    """`first_batch`, and the number of DataLoaders of the loop."""
+    """`first_batch`, and the number of DataLoaders whose batches it combines."""
     fitting = trainer.state.fn == TrainerFn.FITTING
     loop = {
         TrainerFn.FITTING: trainer.fit_loop,
@@ -88,7 +88,8 @@ def _first_batch_of_loaders(trainer: pl.Trainer) -> tuple[Any, int]:
     with _random_numbers_kept(loaders.flattened):
         batch, _, _ = next(iter(loaders))
     batch = trainer.precision_plugin.convert_input(batch)
-    return trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0), len(loaders.flattened)
+    combined = len(loaders.flattened) if fitting else 1  # an evaluation step reads one DataLoader's batch
+    return trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0), combined
 
 
 @contextmanager
