@@ -43,9 +43,7 @@ def first_forward_inputs(
     it; ``example_input_array`` would not). A training batch combined from several DataLoaders is refused when it
     would be split."""
     batch, loaders = _first_batch_of_loaders(trainer)
-    # What `on_after_batch_transfer` draws (an augmentation), the loop draws again.
-    with global_random_states_kept(trainer.strategy.root_device):
-        batch = batch_to_device(batch)
+    batch = batch_to_device(batch)
     microbatches = split_microbatches(batch, micro_batch_size)
     if len(microbatches) > 1:
         _check_rows_split(batch, loaders, micro_batch_size)

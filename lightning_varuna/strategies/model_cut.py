@@ -52,15 +52,17 @@ def cut_model(
     is logged. Collective."""
     module, strategy = trainer.lightning_module, trainer.strategy
     tie_weights(module, shared_weights)
-    args, kwargs = first_forward_inputs(trainer, strategy.batch_to_device, micro_batch_size)
     per_node = trainer.num_devices  # processes
-    segment_costs = partial(
-        costs.segment_costs, module, args, kwargs, micro_batch_size=micro_batch_size, processes_per_node=per_node
-    )
     advice = f"Pass `VarunaStrategy(micro_batch_size=2)` or more (it is {micro_batch_size})."
-    # Measuring and tracing run the model (its dropout draws): the run then draws what one device would.
-    with one_value_per_channel_refused(module, advice), global_random_states_kept(strategy.root_device):
-        stage = plan_stage(module, args, kwargs, topology, segment_costs, strategy.root_device, groups)
+    # Moving the first batch (its `on_after_batch_transfer`: an augmentation), measuring and tracing (the model's
+    # dropout) draw random numbers: give them back, so that the run then draws what one device would.
+    with global_random_states_kept(strategy.root_device):
+        args, kwargs = first_forward_inputs(trainer, strategy.batch_to_device, micro_batch_size)
+        segment_costs = partial(
+            costs.segment_costs, module, args, kwargs, micro_batch_size=micro_batch_size, processes_per_node=per_node
+        )
+        with one_value_per_channel_refused(module, advice):
+            stage = plan_stage(module, args, kwargs, topology, segment_costs, strategy.root_device, groups)
     cut = f"cut at CutPoints {stage.boundaries}" if stage.boundaries else "not cut"
     placement = "in a V" if topology.v_shape else "round-robin"
     per_rank = f" ({topology.stages_per_rank} per rank, {placement})" if topology.stages_per_rank > 1 else ""
