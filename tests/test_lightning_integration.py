@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import clean_env, run_job, run_ranks
+from models import TinyLM
 
 from lightning_varuna import VarunaStrategy
 from lightning_varuna.checkpoint.consolidate import consolidate
@@ -323,6 +324,57 @@ def test_frozen_and_unused_tensors_are_kept_and_saved_pipelined_as_on_one_device
     assert pipelined.keys() == plain.keys() and {"spare.weight", "rotary.bands"} <= plain.keys()
     for name, value in plain.items():
         torch.testing.assert_close(pipelined[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+USED_WHOLE = """
+import json, sys, warnings
+sys.path.insert(0, {tests!r})
+import lightning as L
+import torch
+from models import TinyLM, one_device_or_two_stages, token_dataset
+
+torch.manual_seed(0)
+model = TinyLM()
+trainer, loader = one_device_or_two_stages(True, token_dataset(16), batch_size=4, max_steps=2)
+trainer.fit(model, loader)
+seen = {{}}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    trainer.save_checkpoint({path!r})
+    trainer.validate(model, loader, verbose=False)
+    seen["quiet"] = [str(w.message) for w in caught]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    seen["entries"] = len(model.state_dict())
+    seen["state_dict"] = [str(w.message) for w in caught]
+try:
+    one_device_or_two_stages(True, token_dataset(16), batch_size=4, max_steps=2)[0].fit(model, loader)
+except RuntimeError as error:
+    seen["fit_again"] = str(error)
+with open(f"rank{{trainer.global_rank}}.json", "w") as f:
+    json.dump(seen, f)
+"""
+
+
+def test_a_model_used_whole_after_a_pipelined_fit_says_each_process_holds_one_stage(tmp_path):
+    """After a fit at 2 stages each process holds its own stage's tensors: a second `fit` on the same module under
+    a new Trainer failed inside torch (``linear(): argument 'weight' must be Tensor, not NoneType``) and a
+    `state_dict` was silently incomplete. Now the first raises an error that says what to do and the second warns,
+    while the same Trainer's checkpoint and validation stay quiet."""
+    script = tmp_path / "used_whole.py"
+    path = tmp_path / "after_fit.ckpt"
+    script.write_text(USED_WHOLE.format(tests=os.path.dirname(__file__), path=str(path)))
+    proc = run_ranks([str(script)], 2, tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    whole = len(TinyLM().state_dict())
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert not [m for m in seen["quiet"] if "VarunaStrategy" in m], seen["quiet"]
+        assert 0 < seen["entries"] < whole
+        assert len(set(seen["state_dict"])) == 1 and "holds only stage" in seen["state_dict"][0]
+        assert re.search(r"runs without its tensors .* holds only stage \d of 2's", seen["fit_again"])
+        assert "lightning-varuna consolidate" in seen["fit_again"]
+    assert sorted(consolidate(str(path))["state_dict"]) == sorted(TinyLM().state_dict())
 
 
 def test_callbacks_that_watch_the_validation_loss_act_pipelined_and_spilled_as_on_one_device(tmp_path):

@@ -1,8 +1,8 @@
 """SpillingStrategy reads the data as one device does, and a run resumed mid-epoch goes on where it stopped:
-set-up's look at the first batch leaves the loader's and Python's and NumPy's generators as it found them and takes a
-batch of each DataLoader a step reads several of; a
-checkpoint taken mid-epoch, at a limited epoch's end, by a schedule that reads the data first, under an accumulation
-schedule or as a step fails resumes with the next batch an uninterrupted run trains."""
+set-up's look at the first batch makes the training loader once, leaves the loader's and Python's and NumPy's
+generators as it found them and takes a batch of each DataLoader a step reads several of; a checkpoint taken
+mid-epoch, at a limited epoch's end, by a schedule that reads the data first, under an accumulation schedule or as a
+step fails resumes with the next batch an uninterrupted run trains."""
 
 from __future__ import annotations
 
@@ -100,6 +100,32 @@ def test_a_step_over_several_dataloaders_is_not_split_into_micro_batches():
     batch of the second DataLoader, and trained on it twice."""
     with pytest.raises(ValueError, match=r"trains on 2 DataLoaders combined .*`micro_batch_size=4`.*one micro-batch"):
         fit(TwoLoadersLM(), VarunaStrategy(micro_batch_size=4), loader=two_loaders())
+
+
+class CountsLoaders(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaders_made = 0
+
+    def train_dataloader(self) -> DataLoader:
+        self.loaders_made += 1
+        return DataLoader(token_dataset(16), batch_size=4)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [lambda: SpillingStrategy(memory_budget=BUDGETS[5]), VarunaStrategy, lambda: VarunaStrategy(micro_batch_size=2)],
+    ids=["spilled", "varuna", "varuna-micro-batches-given"],
+)
+def test_set_up_makes_the_training_loader_once_to_look_at_its_first_batch(strategy):
+    """`train_dataloader()` (which may start a loader's workers) is called once more than plain Lightning calls it:
+    to look at the first batch. VarunaStrategy called it twice more where it chose the micro-batch size itself."""
+    plain, ours = CountsLoaders(), CountsLoaders()
+    options = {"accelerator": "cpu", "devices": 1, "max_epochs": 2, "logger": False, "enable_progress_bar": False}
+    L.Trainer(**options).fit(plain)
+    L.Trainer(strategy=strategy(), **options).fit(ours)
+    assert plain.loaders_made == 1
+    assert ours.loaders_made == plain.loaders_made + 1
 
 
 class PredictsFromEach(TinyLM):

@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.optim import Optimizer
 
+from lightning_varuna.partition.released import stage_state_dicts
+
 __all__ = [
     "OPTIMIZER_PARAMETER_NAMES",
     "TensorsByName",
@@ -182,7 +184,8 @@ def stage_tensors(saved: Any, module: nn.Module, optimizers: list[Optimizer]) ->
     """The ``state_dict`` (the entries of ``module.state_dict()``) and, if ``saved`` holds optimizer state,
     ``optimizer_states`` (each of ``optimizers``' by parameter name) that Lightning loads into a stage, read from
     ``saved`` (`SavedTensors` or `TensorsByName`)."""
-    own = module.state_dict()
+    with stage_state_dicts():
+        own = module.state_dict()
     tensors: dict[str, Any] = {"state_dict": with_versions(saved.model(list(own)), own)}
     if optimizers and saved.has_optimizer_state:
         names = parameter_names(module)

@@ -76,12 +76,15 @@ class ModelSkeleton:
         """The canonical FQNs of every parameter and buffer."""
         return set(self._specs)
 
-    def release(self, module: nn.Module, keep: set[str]) -> None:
-        """Drop every parameter and buffer whose canonical FQN is not in ``keep`` (frees their memory)."""
+    def release(self, module: nn.Module, keep: set[str]) -> dict[str, list[str]]:
+        """Drop every parameter and buffer whose canonical FQN is not in ``keep`` (frees their memory); the names
+        dropped, by the FQN of the module that held them."""
+        released: dict[str, list[str]] = {}
         for slot in self._slots:
             if slot.fqn not in keep:
-                table = self._table(module, slot)
-                table[slot.name] = None
+                self._table(module, slot)[slot.name] = None
+                released.setdefault(slot.owner, []).append(slot.name)
+        return released
 
     @contextmanager
     def stand_ins(

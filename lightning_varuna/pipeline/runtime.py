@@ -259,6 +259,11 @@ class StageRuntime:
         if self.timeline is not None:
             self.timeline.append((str(action), self._compute_start or start, time.time()))
 
+    def take_timeline(self) -> list[tuple[str, float, float]]:
+        """Stop recording; the ``(action, start, end)`` recorded, in wall-clock seconds."""
+        timeline, self.timeline = self.timeline or [], None
+        return timeline
+
     def finish(self, on_wait: Callable[[], None] | None = None) -> None:
         """Wait for every send of the batch and drop what is left of its state (``on_wait`` as for `forward`)."""
         self._wait([work for work, _ in self._pending_sends], on_wait)

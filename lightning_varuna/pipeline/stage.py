@@ -4,11 +4,13 @@ stage it holds, under an interleaved schedule), its runtime, and the parameters 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_varuna.partition.released import guard_released
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_rank_stages
 from lightning_varuna.partition.trace_cache import trace_key, tracing_own_forward
@@ -43,6 +45,7 @@ class Stage:
         self.module = module
         self.boundaries = boundaries
         self.stage_indices = topology.stage_indices
+        self._num_stages = topology.num_stages
         self.skeleton = ModelSkeleton(module)
         self._real = dict(_named_tensors(module))
         self._traced: dict[tuple, tuple[PipelineGraph, dict[int, nn.Module]]] = {}
@@ -78,10 +81,16 @@ class Stage:
         unused = self.skeleton.tensor_names - set().union(*used)
         if 0 in self.stage_indices:
             keep = keep | unused
-        self.skeleton.release(self.module, keep)
+        released = self.skeleton.release(self.module, keep)
+        guard_released(self.module, released, f"stage {', '.join(map(str, self.stage_indices))} of {self._num_stages}")
         self._real = {name: t for name, t in self._real.items() if name in keep}
         self._own_parameters = None
         self._unused_parameters = {id(t) for name, t in self._real.items() if name in unused}
+
+    def released_slots_filled(self, device: torch.device) -> AbstractContextManager[None]:
+        """Memory-free stand-ins on ``device`` where this rank released another stage's tensors, while the module
+        moves: a module's own ``_apply`` may read one (timm's rotary embedding)."""
+        return self.skeleton.stand_ins(self.module, missing_only=True, device=device)
 
     def own_parameters(self) -> list[Tensor]:
         """The parameters this rank holds (after `release_other_stages`: its stage's)."""

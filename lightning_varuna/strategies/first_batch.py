@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,7 +18,7 @@ from lightning_varuna.data.microbatch import batch_size_of, split_microbatches, 
 from lightning_varuna.pipeline.step import capture_forward_inputs
 from lightning_varuna.random_states import global_random_states_kept
 
-__all__ = ["STEP_OF_FN", "first_batch", "first_forward_inputs"]
+__all__ = ["STEP_OF_FN", "FirstBatch", "first_batch", "first_batch_of_loaders", "first_forward_inputs"]
 
 STEP_OF_FN = {
     TrainerFn.FITTING: "training_step",
@@ -27,23 +28,30 @@ STEP_OF_FN = {
 }
 
 
+@dataclass(frozen=True)
+class FirstBatch:
+    """`first_batch`, and the number of DataLoaders whose batches it combines."""
+
+    batch: Any
+    loaders: int
+
+
 def first_batch(trainer: pl.Trainer) -> Any:
     """The first batch of the loop ``trainer`` runs now (fit, validate, test or predict), as the loop prepares a batch
     before `batch_to_device`: a batch of each DataLoader for a training step over several (combined as the loop
     combines them), the first DataLoader's otherwise; converted by the precision plugin (``precision="64-true"``
     makes its floats doubles) and passed through ``on_before_batch_transfer``."""
-    return _first_batch_of_loaders(trainer)[0]
+    return first_batch_of_loaders(trainer).batch
 
 
 def first_forward_inputs(
-    trainer: pl.Trainer, batch_to_device: Callable[[Any], Any], micro_batch_size: int
+    trainer: pl.Trainer, first: FirstBatch, batch_to_device: Callable[[Any], Any], micro_batch_size: int
 ) -> tuple[tuple, dict]:
-    """The forward arguments of the first micro-batch of ``micro_batch_size`` rows of `first_batch` (moved by
+    """The forward arguments of the first micro-batch of ``micro_batch_size`` rows of ``first`` (moved by
     ``batch_to_device``): what the loop's first step passes to ``self(...)`` (which also checks that the step calls
     it; ``example_input_array`` would not). A training batch combined from several DataLoaders is refused when it
     would be split."""
-    batch, loaders = _first_batch_of_loaders(trainer)
-    batch = batch_to_device(batch)
+    batch, loaders = batch_to_device(first.batch), first.loaders
     microbatches = split_microbatches(batch, micro_batch_size)
     if len(microbatches) > 1:
         _check_rows_split(batch, loaders, micro_batch_size)
@@ -71,8 +79,9 @@ def _check_rows_split(batch: Any, loaders: int, micro_batch_size: int) -> None:
         )
 
 
-def _first_batch_of_loaders(trainer: pl.Trainer) -> tuple[Any, int]:
-    """`first_batch`, and the number of DataLoaders whose batches it combines."""
+def first_batch_of_loaders(trainer: pl.Trainer) -> FirstBatch:
+    """`first_batch` with the number of DataLoaders it combines. Each call reads the loaders again (and calls a
+    ``train_dataloader`` hook again): read it once per set-up."""
     fitting = trainer.state.fn == TrainerFn.FITTING
     loop = {
         TrainerFn.FITTING: trainer.fit_loop,
@@ -87,7 +96,7 @@ def _first_batch_of_loaders(trainer: pl.Trainer) -> tuple[Any, int]:
         batch, _, _ = next(iter(loaders))
     batch = trainer.precision_plugin.convert_input(batch)
     combined = len(loaders.flattened) if fitting else 1  # an evaluation step reads one DataLoader's batch
-    return trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0), combined
+    return FirstBatch(trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0), combined)
 
 
 @contextmanager

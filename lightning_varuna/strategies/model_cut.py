@@ -3,6 +3,7 @@ is traced with), then this rank's stage at the CutPoints that balance the segmen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import lightning.pytorch as pl
@@ -16,19 +17,21 @@ from lightning_varuna.pipeline.stage_plan import plan_stage
 from lightning_varuna.pipeline.topology import PipelineGroups, Topology
 from lightning_varuna.profiling.model_costs import ModelCosts
 from lightning_varuna.random_states import global_random_states_kept
-from lightning_varuna.strategies.first_batch import first_batch, first_forward_inputs
+from lightning_varuna.strategies.first_batch import FirstBatch, first_forward_inputs
 
 __all__ = ["cut_model", "default_micro_batch_size_of"]
 
 
-def default_micro_batch_size_of(trainer: pl.Trainer, topology: Topology, global_batch_size: int | None) -> int:
+def default_micro_batch_size_of(
+    trainer: pl.Trainer, first: Callable[[], FirstBatch], topology: Topology, global_batch_size: int | None
+) -> int:
     """The default ``micro_batch_size``: from the replica's batch (its share of ``global_batch_size``, or the first
     batch of ``trainer``'s loop) and the number of stages; logged."""
     num_stages = topology.pipeline_parallel_size
     if global_batch_size is not None:
         rows = global_batch_size // topology.data_parallel_size
     else:
-        rows = batch_size_of(first_batch(trainer))
+        rows = batch_size_of(first().batch)
     min_rows = 2 if normalizes_over_the_batch(trainer.lightning_module) else 1  # BatchNorm cannot train on one row
     micro_batch_size = default_micro_batch_size(rows, num_stages, min_rows)
     count = len(microbatch_sizes(rows, micro_batch_size))
@@ -41,6 +44,7 @@ def default_micro_batch_size_of(trainer: pl.Trainer, topology: Topology, global_
 
 def cut_model(
     trainer: pl.Trainer,
+    first: Callable[[], FirstBatch],
     topology: Topology,
     groups: PipelineGroups,
     costs: ModelCosts,
@@ -48,8 +52,8 @@ def cut_model(
     shared_weights: list[tuple[str, str]],
 ) -> Stage:
     """This rank's stage of ``trainer``'s module on its strategy's device, with ``shared_weights`` tied first,
-    traced with the first micro-batch of the loop's first batch and cut where ``costs`` balance the stages; the cut
-    is logged. Collective."""
+    traced with the first micro-batch of the loop's first batch (``first``) and cut where ``costs`` balance the
+    stages; the cut is logged. Collective."""
     module, strategy = trainer.lightning_module, trainer.strategy
     tie_weights(module, shared_weights)
     per_node = trainer.num_devices  # processes
@@ -57,7 +61,7 @@ def cut_model(
     # Moving the first batch (its `on_after_batch_transfer`: an augmentation), measuring and tracing (the model's
     # dropout) draw random numbers: give them back, so that the run then draws what one device would.
     with global_random_states_kept(strategy.root_device):
-        args, kwargs = first_forward_inputs(trainer, strategy.batch_to_device, micro_batch_size)
+        args, kwargs = first_forward_inputs(trainer, first(), strategy.batch_to_device, micro_batch_size)
         segment_costs = partial(
             costs.segment_costs, module, args, kwargs, micro_batch_size=micro_batch_size, processes_per_node=per_node
         )

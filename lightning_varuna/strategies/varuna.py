@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
+from functools import cache, partial
 from typing import Any, Literal, TypeVar
 
 import lightning.pytorch as pl
@@ -27,6 +28,7 @@ from lightning_varuna.checkpoint.single_file import stage_checkpoint
 from lightning_varuna.checkpoint.stage_save import split_stage_checkpoint
 from lightning_varuna.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
 from lightning_varuna.data.replicas import resumable_for_replicas
+from lightning_varuna.partition.released import stage_state_dicts
 from lightning_varuna.pipeline.gradients import GradientPhase
 from lightning_varuna.pipeline.module_hooks import PipelinedModuleHooks
 from lightning_varuna.pipeline.stage import Stage
@@ -40,6 +42,7 @@ from lightning_varuna.spilling.grad_scaler import shardwise
 from lightning_varuna.strategies.callback_hooks import run_hook_inside
 from lightning_varuna.strategies.clipping import route_gradient_clipping
 from lightning_varuna.strategies.failures import RunFailures
+from lightning_varuna.strategies.first_batch import first_batch_of_loaders
 from lightning_varuna.strategies.model_cut import cut_model, default_micro_batch_size_of
 from lightning_varuna.strategies.model_summary import summarize_whole_model
 from lightning_varuna.strategies.optimizers import StageParameterGroups, torch_optimizer
@@ -230,12 +233,8 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
             self.model.to(self.root_device)
 
     def _released_slots_filled(self, device: torch.device) -> AbstractContextManager[None]:
-        """While the module moves: memory-free stand-ins on ``device`` where this rank released another stage's
-        tensors (after a fit), since a module's own ``_apply`` may read one (timm's rotary embedding)."""
-        module, stages = self.lightning_module, self._stages
-        if stages is None or module is None:
-            return nullcontext()
-        return stages.skeleton.stand_ins(module, missing_only=True, device=device)
+        stages = self._stages  # (after a fit)
+        return nullcontext() if stages is None or self.model is None else stages.released_slots_filled(device)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -279,13 +278,14 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
         which sets the shapes it is traced with."""
         # The default comes from the training batch, also where a `validate` on the same Trainer chose one first.
         chosen_for_another_run = self._micro_batch_size_chosen_for not in (None, TrainerFn.FITTING)
+        first = cache(partial(first_batch_of_loaders, trainer))  # read once: it may start the loader's workers
         if not self.micro_batch_size or (trainer.state.fn == TrainerFn.FITTING and chosen_for_another_run):
-            self.micro_batch_size = default_micro_batch_size_of(trainer, topology, self.global_batch_size)
+            self.micro_batch_size = default_micro_batch_size_of(trainer, first, topology, self.global_batch_size)
             self._micro_batch_size_chosen_for = trainer.state.fn
         if self._stages is None or self._stages.module is not self.model:
             with self.precision_plugin.tensor_init_context():  # as in the steps: the forward's new tensors ("true")
                 self._stages = cut_model(
-                    trainer, topology, self._groups, self._costs, self.micro_batch_size, self.shared_weights
+                    trainer, first, topology, self._groups, self._costs, self.micro_batch_size, self.shared_weights
                 )
             self._steps = StageSteps(
                 self._module, self._stages, topology, self._groups, self.root_device, self.loss_items
@@ -338,9 +338,7 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
 
     def take_timeline(self) -> list[tuple[str, float, float]]:
         """Stop recording; return this rank's ``(action, start, end)`` in wall-clock seconds."""
-        runtime = _set_up(self._stages).runtime
-        timeline, runtime.timeline = runtime.timeline or [], None
-        return timeline
+        return _set_up(self._stages).runtime.take_timeline()
 
     # ------------------------------------------------------------------------------------------ gradients
     @override
@@ -373,6 +371,11 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
         global_batch_size = self._batches.global_batch_size(replicas)
         shape = run_shape(topo.pipeline_parallel_size, replicas, self.micro_batch_size, global_batch_size, position)
         self._checkpoints.save(tensors, lightning_state, str(filepath), shape, storage_options)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with stage_state_dicts():  # this stage's entries, which its part of a checkpoint saves
+            return super().lightning_module_state_dict()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -418,12 +421,9 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
 
     @override
     def teardown(self) -> None:
-        """Wait for checkpoint uploads still in flight, then tear down as usual.
-
-        After a normal run every rank waits until the last checkpoint is committed (and all raise if an upload
-        failed), so that the next ``fit(ckpt_path="last")`` sees it; after an error each rank only waits for its
-        own uploads.
-        """
+        """Wait for checkpoint uploads still in flight, then tear down as usual. After a normal run every rank waits
+        until the last checkpoint is committed (all raise if an upload failed), so that the next
+        ``fit(ckpt_path="last")`` sees it; after an error each rank only waits for its own uploads."""
         trainer = self._end_run()
         normal_end = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         if self._module_hooks is not None:
