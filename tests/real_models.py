@@ -177,6 +177,65 @@ class HFLlama(RealModel):
         return F.cross_entropy(self(ids).logits.flatten(0, 1), targets.flatten())
 
 
+class HFMixtral(RealModel):
+    """Hugging Face's ``MixtralForCausalLM`` from a small config: each layer routes every token to 2 of 4 experts, so
+    which expert computes which token depends on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(
+            vocab_size=50,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=32,
+        )
+        self.model = MixtralForCausalLM(config)
+        cut_after(self.model.model.layers)
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        return self.model(input_ids=input_ids)
+
+    def step_loss(self, batch: Any) -> torch.Tensor:
+        ids, targets = batch
+        return F.cross_entropy(self(ids).logits.flatten(0, 1), targets.flatten())
+
+
+class HFViT(RealModel):
+    """Hugging Face's ``ViTForImageClassification`` from a small config: patches of 4 x 4 pixels, a class token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import ViTConfig, ViTForImageClassification
+
+        config = ViTConfig(
+            image_size=16,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            intermediate_size=32,
+            num_labels=4,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        self.model = ViTForImageClassification(config)
+        cut_after(self.model.vit.layers)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> Any:
+        return self.model(pixel_values=pixel_values, labels=labels)
+
+    def step_loss(self, batch: Any) -> torch.Tensor:
+        return self(*batch).loss
+
+
 class HFT5(RealModel):
     """Hugging Face's ``T5ForConditionalGeneration`` from a small config, a CutPoint after each block of both stacks."""
 
@@ -275,6 +334,8 @@ MODELS: dict[str, tuple[type[RealModel], Callable[[torch.Generator, int], Any]]]
     "gpt2": (HFGPT2, _tokens(50, 8)),
     "llama": (HFLlama, _tokens(50, 8)),
     "t5": (HFT5, _tokens(50, 8)),
+    "mixtral": (HFMixtral, _tokens(50, 8)),
+    "vit": (HFViT, lambda g, i: (torch.randn(3, 16, 16, generator=g), torch.randint(0, 4, (), generator=g))),
     "demo_transformer": (DemoTransformer, _tokens(33, 8)),
     "causal_encoder": (CausalEncoder, _tokens(33, 8)),
 }

@@ -1,7 +1,8 @@
 """Models users bring, pipelined at two or more shapes, train like one device (real processes, gloo).
 
-The models are in `real_models` (Hugging Face ResNet, BERT and GPT-2, Lightning's demo Transformer, an
-``nn.TransformerEncoder`` and an MLP with BatchNorm). The single-device reference trains the same global batches
+The models are in `real_models` (Hugging Face ResNet, ViT, BERT, GPT-2, Llama, T5 and Mixtral (whose experts
+compute the tokens their router picks), Lightning's demo Transformer, an ``nn.TransformerEncoder`` and an MLP with
+BatchNorm). The single-device reference trains the same global batches
 (Lightning's DistributedSampler shuffles them) and runs each batch as the same micro-batches, so that BatchNorm sees
 the batches the pipeline's stages see; every rank's parameters and buffers (BatchNorm's running statistics too) must
 equal the reference's.
@@ -34,14 +35,14 @@ STEPS = 3
 # (P, D, schedule) -> the models trained at that shape: each model at two shapes. Varuna's schedule recomputes
 # forwards, which must leave BatchNorm's running statistics alone.
 SHAPES = {
-    (2, 1, "1f1b"): ["bn_mlp", "resnet", "bert", "gpt2", "demo_transformer", "causal_encoder"],
-    (2, 2, "1f1b"): ["bn_mlp", "bert", "demo_transformer", "llama"],
-    (1, 2, "1f1b"): ["resnet", "causal_encoder"],
+    (2, 1, "1f1b"): ["bn_mlp", "resnet", "bert", "gpt2", "demo_transformer", "causal_encoder", "vit"],
+    (2, 2, "1f1b"): ["bn_mlp", "bert", "demo_transformer", "llama", "mixtral"],
+    (1, 2, "1f1b"): ["resnet", "causal_encoder", "vit"],
     (3, 1, "1f1b"): ["gpt2", "t5"],
     (2, 1, "varuna"): ["bn_mlp", "resnet"],
     (2, 1, "zero-bubble"): ["gpt2", "t5"],
     (2, 1, "interleaved-1f1b"): ["gpt2", "demo_transformer"],  # two stages per rank (`STAGES_PER_RANK`)
-    (2, 1, "zbv"): ["gpt2", "causal_encoder", "llama"],  # in a V: the tied embedding and head on one rank
+    (2, 1, "zbv"): ["gpt2", "causal_encoder", "llama", "mixtral"],  # in a V: the tied embedding and head on one rank
 }
 STAGES_PER_RANK = {"interleaved-1f1b": 2, "zbv": 2}
 BATCH, MICRO_BATCH = 4, 2  # per replica: micro-batches [2, 2]

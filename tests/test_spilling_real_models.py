@@ -18,7 +18,7 @@ from real_models import build  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Hugging Face and torchvision models
 
-MODELS = ["bn_mlp", "resnet", "bert", "gpt2", "llama", "demo_transformer", "causal_encoder"]
+MODELS = ["bn_mlp", "resnet", "bert", "gpt2", "llama", "mixtral", "vit", "demo_transformer", "causal_encoder"]
 STEPS, BATCH = 3, 4
 
 
