@@ -197,6 +197,20 @@ def test_bad_arguments(kwargs, match):
         VarunaStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("devices", "kwargs", "match"),
+    [
+        (3, dict(pipeline_parallel_size=2), r"The world size 3 is not a multiple of `pipeline_parallel_size=2`"),
+        (2, dict(pipeline_parallel_size=2, data_parallel_size=2), r"world size 2 is not .* 2 x 2. Launch 4 processes"),
+        (2, dict(global_batch_size=5), r"global_batch_size=5\)` does not split evenly over data_parallel_size=2"),
+    ],
+)
+def test_a_world_the_sizes_do_not_fit_is_refused_before_any_process_starts(devices, kwargs, match):
+    """The Trainer refuses it as it is made (each process started refused it, after the wait for them to start)."""
+    with pytest.raises(ValueError, match=match):
+        L.Trainer(accelerator="cpu", devices=devices, strategy=VarunaStrategy(**kwargs), logger=False)
+
+
 SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -215,7 +229,6 @@ trainer.fit(TinyLM(blocks={blocks}), DataLoader(token_dataset(8), batch_size=4))
 @pytest.mark.parametrize(
     ("devices", "strategy", "blocks", "match"),
     [
-        (3, "pipeline_parallel_size=2", 5, r"The world size 3 is not a multiple of `pipeline_parallel_size=2`"),
         (
             2,
             "pipeline_parallel_size=2",
@@ -228,7 +241,6 @@ trainer.fit(TinyLM(blocks={blocks}), DataLoader(token_dataset(8), batch_size=4))
             5,
             r"stages_per_rank=3\)` cuts 6 stages and needs at least 5 CutPoints in the forward, but `TinyLM` calls 4",
         ),
-        (2, "global_batch_size=5", 5, r"global_batch_size=5\)` does not split evenly over data_parallel_size=2"),
         (
             2,
             "pipeline_parallel_size=2",

@@ -3,6 +3,7 @@ collectives that Lightning and user code call among them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -35,11 +36,14 @@ class MultiProcessStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        check_world_size: Callable[[int], None] | None = None,
         **kwargs: Any,
     ) -> None:
-        """``kwargs``: `ParallelStrategy`'s (``accelerator``, ``parallel_devices``, ``cluster_environment``...)."""
+        """``check_world_size``: raises if the job cannot run at a world size, called before any process starts;
+        ``kwargs``: `ParallelStrategy`'s (``accelerator``, ``parallel_devices``, ``cluster_environment``...)."""
         super().__init__(**kwargs)
         self._process_group_backend, self._timeout, self._start_method = process_group_backend, timeout, start_method
+        self._check_world_size = check_world_size
         self._num_nodes = 1
         self._collectives = UserCollectives()
 
@@ -71,6 +75,8 @@ class MultiProcessStrategy(ParallelStrategy):
         layout = torchrun_layout(self.cluster_environment, self.parallel_devices)
         if layout is not None:
             self.parallel_devices, self.num_nodes = layout
+        if self._check_world_size is not None:
+            self._check_world_size(self.num_processes * self.num_nodes)
         if self._start_method == "popen":
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:

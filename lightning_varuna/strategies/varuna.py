@@ -140,17 +140,6 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            storage_options=storage_options,
-        )
         self._config = VarunaConfig(
             pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size,
@@ -166,6 +155,18 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
             spill_dir=spill_dir,
             checkpoint_tempdir=checkpoint_tempdir,
         )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            storage_options=storage_options,
+            check_world_size=self._config.check_world_size,
+        )
         self.chosen: Config | SpilledConfig | None = None  # what the auto-configuration chose, at set-up
         # 0 until chosen: by the auto-configuration ("auto") or from the first batch (None, see `setup`).
         self.pipeline_parallel_size: int = pipeline_parallel_size if isinstance(pipeline_parallel_size, int) else 0
@@ -173,7 +174,6 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
         self._micro_batch_size_chosen_for: TrainerFn | None = None  # the run whose batch chose the default
         self.data_parallel_size, self.schedule, self.global_batch_size = data_parallel_size, schedule, global_batch_size
         self.shared_weights, self.loss_items = self._config.shared_weights or [], loss_items
-        self.profile_repeats, self.profile = profile_repeats, profile
         self.topology: Topology | None = None
         self._groups = PipelineGroups(None, None, (None, None))
         self._stages: Stage | None = None

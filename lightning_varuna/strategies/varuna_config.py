@@ -11,6 +11,7 @@ from torch import Tensor
 
 from lightning_varuna.partition.packing import parse_bytes
 from lightning_varuna.pipeline.schedules import INTERLEAVED, SCHEDULES, V_SHAPED
+from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.profiling.simulator import Config
 from lightning_varuna.profiling.spilled import SpilledConfig
 from lightning_varuna.spilling.planning import resolve_budget
@@ -166,6 +167,15 @@ class VarunaConfig:
         if self.memory_budget is None:
             return ()
         return ("host", "disk") if self.spill_dir is not None else ("host",)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise if the sizes given do not fit ``world_size`` processes, before any of them starts (sizes left "auto"
+        are chosen to fit it)."""
+        if "pipeline_parallel_size" in self.auto:
+            return
+        pipeline_parallel_size = cast(int, self.pipeline_parallel_size)
+        topology = Topology.from_world(world_size, 0, pipeline_parallel_size, self.data_parallel_size)
+        self.check_global_batch_splits(topology.data_parallel_size, world_size, pipeline_parallel_size)
 
     def check_global_batch_splits(self, data_parallel_size: int, world_size: int, pipeline_parallel_size: int) -> None:
         """Raise if ``global_batch_size`` does not split evenly over ``data_parallel_size`` replicas."""
