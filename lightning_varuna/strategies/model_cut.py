@@ -25,8 +25,8 @@ __all__ = ["cut_model", "default_micro_batch_size_of"]
 def default_micro_batch_size_of(
     trainer: pl.Trainer, first: Callable[[], FirstBatch], topology: Topology, global_batch_size: int | None
 ) -> int:
-    """The default ``micro_batch_size``: from the replica's batch (its share of ``global_batch_size``, or the first
-    batch of ``trainer``'s loop) and the number of stages; logged."""
+    """The default ``micro_batch_size``: from the replica's batch (its share of ``global_batch_size``, or the loop's
+    first batch, read by ``first``) and the number of stages; logged."""
     num_stages = topology.pipeline_parallel_size
     if global_batch_size is not None:
         rows = global_batch_size // topology.data_parallel_size
