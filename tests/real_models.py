@@ -136,10 +136,8 @@ def tiny_gpt2() -> nn.Module:
     return model
 
 
-class HFGPT2(RealModel):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = tiny_gpt2()
+class HFCausalLM(RealModel):
+    """A Hugging Face causal LM (``self.model``) trained on next tokens."""
 
     def forward(self, input_ids: torch.Tensor) -> Any:
         return self.model(input_ids=input_ids)  # with its key/value cache, as Hugging Face returns by default
@@ -149,7 +147,13 @@ class HFGPT2(RealModel):
         return F.cross_entropy(self(ids).logits.flatten(0, 1), targets.flatten())
 
 
-class HFLlama(RealModel):
+class HFGPT2(HFCausalLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = tiny_gpt2()
+
+
+class HFLlama(HFCausalLM):
     """Hugging Face's ``LlamaForCausalLM`` from a small config: 4 query heads sharing 2 key/value heads, tied head."""
 
     def __init__(self) -> None:
@@ -169,15 +173,8 @@ class HFLlama(RealModel):
         self.model = LlamaForCausalLM(config)
         cut_after(self.model.model.layers)
 
-    def forward(self, input_ids: torch.Tensor) -> Any:
-        return self.model(input_ids=input_ids)
 
-    def step_loss(self, batch: Any) -> torch.Tensor:
-        ids, targets = batch
-        return F.cross_entropy(self(ids).logits.flatten(0, 1), targets.flatten())
-
-
-class HFMixtral(RealModel):
+class HFMixtral(HFCausalLM):
     """Hugging Face's ``MixtralForCausalLM`` from a small config: each layer routes every token to 2 of 4 experts, so
     which expert computes which token depends on the data."""
 
@@ -198,13 +195,6 @@ class HFMixtral(RealModel):
         )
         self.model = MixtralForCausalLM(config)
         cut_after(self.model.model.layers)
-
-    def forward(self, input_ids: torch.Tensor) -> Any:
-        return self.model(input_ids=input_ids)
-
-    def step_loss(self, batch: Any) -> torch.Tensor:
-        ids, targets = batch
-        return F.cross_entropy(self(ids).logits.flatten(0, 1), targets.flatten())
 
 
 class HFViT(RealModel):
