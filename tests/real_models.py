@@ -71,7 +71,17 @@ class BatchNormMLP(RealModel):
         return F.cross_entropy(self(x), y)
 
 
-class HFResNet(RealModel):
+class HFImageClassifier(RealModel):
+    """A Hugging Face image classifier (``self.model``) trained on its own loss."""
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> Any:
+        return self.model(pixel_values=pixel_values, labels=labels)  # an ImageClassifierOutput (a dict)
+
+    def step_loss(self, batch: Any) -> torch.Tensor:
+        return self(*batch).loss
+
+
+class HFResNet(HFImageClassifier):
     def __init__(self) -> None:
         super().__init__()
         from transformers import ResNetConfig, ResNetForImageClassification
@@ -79,12 +89,6 @@ class HFResNet(RealModel):
         config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=4, layer_type="basic")
         self.model = ResNetForImageClassification(config)
         cut_after(self.model.resnet.encoder.stages)
-
-    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> Any:
-        return self.model(pixel_values=pixel_values, labels=labels)  # an ImageClassifierOutput (a dict)
-
-    def step_loss(self, batch: Any) -> torch.Tensor:
-        return self(*batch).loss
 
 
 class HFBert(RealModel):
@@ -197,7 +201,7 @@ class HFMixtral(HFCausalLM):
         cut_after(self.model.model.layers)
 
 
-class HFViT(RealModel):
+class HFViT(HFImageClassifier):
     """Hugging Face's ``ViTForImageClassification`` from a small config: patches of 4 x 4 pixels, a class token."""
 
     def __init__(self) -> None:
@@ -218,12 +222,6 @@ class HFViT(RealModel):
         )
         self.model = ViTForImageClassification(config)
         cut_after(self.model.vit.layers)
-
-    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> Any:
-        return self.model(pixel_values=pixel_values, labels=labels)
-
-    def step_loss(self, batch: Any) -> torch.Tensor:
-        return self(*batch).loss
 
 
 class HFT5(RealModel):
