@@ -70,10 +70,6 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerE
 # - the checkpoint's `loops["fit_loop"]["epoch_progress"]` counters: `data.resumable.continue_unfinished_epoch`.
 # - the precision plugin's `clip_grad_by_norm` / `clip_grad_by_value`, replaced on the instance:
 #   strategies/clipping.py. tests/test_parity.py (gradient_clip_val), tests/test_spilling_like_one_device.py.
-# - `Trainer._run_stage` calls `strategy.barrier("run-stage")` just before the sanity check, which runs inside
-#   `isolate_rng()` (restoring torch's generator when it ends), and the strategy's `on_train_start` after it:
-#   a sweep's model holds the generator in between (multimodel/trainer.py).
-#   tests/test_multi_model.py::test_models_with_dropout_and_a_sanity_check_all_finish.
 # - `trainer._signal_connector._sigterm_notifier_fn` (read when `Trainer._run` registers the signal handlers, after
 #   the strategy's `setup`) and `trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor`, replaced on the instances
 #   to drop Lightning's per-batch SIGTERM broadcast: strategies/sigterm.py.

@@ -21,17 +21,18 @@ def data() -> TensorDataset:
     return TensorDataset(torch.randn(ROWS, WIDTH, generator=generator), torch.randn(ROWS, WIDTH, generator=generator))
 
 
-def regression_mlp(layers: int, lr: float) -> MLP:
-    """The trial's model, initialized the same way for the same parameters (a trial resumed elsewhere too)."""
+def regression_mlp(layers: int, lr: float, dropout: float = 0.0) -> MLP:
+    """The trial's model, initialized the same way for the same parameters (a trial resumed elsewhere too); the
+    seed also decides its dropout masks."""
     torch.manual_seed(layers)
-    return MLP(WIDTH, layers, lr=lr, optimizer="sgd")
+    return MLP(WIDTH, layers, lr=lr, optimizer="sgd", dropout=dropout)
 
 
-def trial_kwargs(trial: Any, max_steps: int) -> dict[str, Any]:
+def trial_kwargs(trial: Any, max_steps: int, dropout: float = 0.0) -> dict[str, Any]:
     """What `MultiModelTrainer.add` takes for ``trial`` (its parameters suggested here)."""
     layers = trial.suggest_int("layers", 2, 5)
     lr = trial.suggest_float("lr", 1e-3, 1e-1, log=True)
-    return dict(model=regression_mlp(layers, lr), **fit_kwargs(max_steps))
+    return dict(model=regression_mlp(layers, lr, dropout), **fit_kwargs(max_steps))
 
 
 def fit_kwargs(max_steps: int) -> dict[str, Any]:
@@ -45,9 +46,11 @@ def fit_kwargs(max_steps: int) -> dict[str, Any]:
     )
 
 
-def train_alone(layers: int, lr: float, max_steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_alone(
+    layers: int, lr: float, max_steps: int, dropout: float = 0.0
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The trial trained alone with plain Lightning: each step's loss and the final weights."""
-    model, kwargs = regression_mlp(layers, lr), fit_kwargs(max_steps)
+    model, kwargs = regression_mlp(layers, lr, dropout), fit_kwargs(max_steps)
     losses: list[float] = []
 
     class Record(L.Callback):

@@ -38,14 +38,16 @@ class PruneOddTrials(optuna.pruners.BasePruner):
         return trial.number % 2 == 1
 
 
-def optimize_in_process(tmp_path: Path, n_trials: int, max_steps: int, pruner: Any, failing: int | None = None):
+def optimize_in_process(
+    tmp_path: Path, n_trials: int, max_steps: int, pruner: Any, failing: int | None = None, dropout: float = 0.0
+):
     study = optuna.create_study(direction="minimize", sampler=optuna.samplers.RandomSampler(seed=0), pruner=pruner)
     models: dict[int, Any] = {}
 
     def build(trial: optuna.trial.Trial) -> dict:
         if trial.number == failing:
             raise RuntimeError("this trial cannot be built")
-        kwargs = trial_kwargs(trial, max_steps)
+        kwargs = trial_kwargs(trial, max_steps, dropout)
         models[trial.number] = kwargs["model"]
         kwargs["callbacks"] = [LossLog(tmp_path / "losses" / f"trial-{trial.number}.jsonl")]
         return kwargs
@@ -56,15 +58,17 @@ def optimize_in_process(tmp_path: Path, n_trials: int, max_steps: int, pruner: A
 
 
 def test_each_trial_trains_as_if_alone_and_a_pruned_trial_frees_its_place(tmp_path):
-    """Six trials, three at a time on two devices; the odd ones are pruned at their first report (step 4) and end
-    there, and new trials take their places until the study holds six. Every trial's per-step losses, and the
-    finished trials' weights, equal the trial trained alone with plain Lightning."""
-    study, outcomes, models = optimize_in_process(tmp_path, n_trials=6, max_steps=12, pruner=PruneOddTrials())
+    """Six trials with dropout, three at a time on two devices; the odd ones are pruned at their first report (step
+    4) and end there, and new trials take their places until the study holds six. Every trial's per-step losses, and
+    the finished trials' weights, equal the trial trained alone with plain Lightning (its build seeds it)."""
+    study, outcomes, models = optimize_in_process(
+        tmp_path, n_trials=6, max_steps=12, pruner=PruneOddTrials(), dropout=0.1
+    )
     states = {t.number: t.state.name for t in study.trials}
     assert states == {n: "PRUNED" if n % 2 else "COMPLETE" for n in range(6)}
     assert sorted(o.number for o in outcomes) == list(range(6))
     for trial in study.trials:
-        losses, weights = train_alone(trial.params["layers"], trial.params["lr"], 12)
+        losses, weights = train_alone(trial.params["layers"], trial.params["lr"], 12, dropout=0.1)
         logged = logged_losses(tmp_path / "losses" / f"trial-{trial.number}.jsonl")
         steps = 4 if trial.number % 2 else 12
         assert sorted(logged) == list(range(1, steps + 1)), "a pruned trial ends at the step boundary after its report"
@@ -76,15 +80,15 @@ def test_each_trial_trains_as_if_alone_and_a_pruned_trial_frees_its_place(tmp_pa
 
 
 def test_trials_train_in_worker_processes_each_as_if_alone(tmp_path, capsys):
-    """``processes=True``: each of 2 forked worker processes runs the study's trials one at a time, sharing it
-    through its journal; the odd trials are pruned at their first report. Every trial's per-step losses equal it
-    trained alone, the outcomes of both processes come back, and the display's line says how the study ended."""
+    """``processes=True``: each of 2 forked worker processes runs the study's trials (with dropout) one at a time,
+    sharing it through its journal; the odd trials are pruned at their first report. Every trial's per-step losses
+    equal it trained alone, the outcomes of both processes come back, and the display's line says how the study ended."""
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.log")))
     study = optuna.create_study(storage=storage, sampler=optuna.samplers.RandomSampler(seed=0), pruner=PruneOddTrials())
 
     def build(trial: optuna.trial.Trial) -> dict:
         trial.set_user_attr("pid", os.getpid())
-        kwargs = trial_kwargs(trial, max_steps=12)
+        kwargs = trial_kwargs(trial, max_steps=12, dropout=0.1)
         kwargs["callbacks"] = [LossLog(tmp_path / "losses" / f"trial-{trial.number}.jsonl")]
         return kwargs
 
@@ -96,7 +100,7 @@ def test_trials_train_in_worker_processes_each_as_if_alone(tmp_path, capsys):
     pids = {t.user_attrs["pid"] for t in study.trials}
     assert len(pids) == 2 and os.getpid() not in pids
     for trial in study.trials:
-        losses, _ = train_alone(trial.params["layers"], trial.params["lr"], 12)
+        losses, _ = train_alone(trial.params["layers"], trial.params["lr"], 12, dropout=0.1)
         logged = logged_losses(tmp_path / "losses" / f"trial-{trial.number}.jsonl")
         steps = 4 if trial.number % 2 else 12
         assert sorted(logged) == list(range(1, steps + 1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import csv
 import itertools
 import json
 import logging
@@ -20,6 +21,7 @@ import pytest
 import torch
 from conftest import run_job
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from models import TinyLM, token_dataset
 from spilled_runs import StepLosses
 from spilled_runs import assert_same_model as assert_same_weights
@@ -62,6 +64,12 @@ def regression_data(width: int, rows: int = 128) -> DataLoader:
 
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+
+
+def logged_losses(logger_dir: Path) -> list[float]:
+    """The per-step ``train_loss`` a CSVLogger wrote."""
+    with open(logger_dir / "metrics.csv") as rows:
+        return [float(row["train_loss"]) for row in csv.DictReader(rows) if row.get("train_loss")]
 
 
 def fit_alone(model: L.LightningModule, train: DataLoader, val: DataLoader | None = None, **kwargs: Any) -> L.Trainer:
@@ -668,6 +676,65 @@ def test_dropout_models_share_the_generator_one_at_a_time():
         assert_trained_as_alone_with_its_masks(model, start, model_drawn, model_losses, max_steps=8)
     fit_alone(reference, regression_data(32), max_steps=8)
     assert_same_weights(plain, reference)
+
+
+class SplitTokens(L.LightningDataModule):
+    """Token data split into training and validation rows by `random_split` without a generator of its own: the
+    split draws from torch's global generator in `setup`, as many datamodules' do."""
+
+    def setup(self, stage: str) -> None:
+        self.train, self.val = torch.utils.data.random_split(token_dataset(64), [48, 16])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train, batch_size=8)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val, batch_size=8)
+
+
+def dropout_lm(seed: int, blocks: int, p: float) -> TinyLM:
+    """TinyLM with dropout, initialized from ``seed`` (which also seeds what it draws next, as before a fit)."""
+    torch.manual_seed(seed)
+    return TinyLM(blocks=blocks, dropout=p)
+
+
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_models_with_dropout_train_as_alone_from_the_generator_state_they_were_added_in(processes, tmp_path):
+    """Each model draws its random numbers (dropout masks, its datamodule's split, its DataLoader's seed) from a
+    generator state of its own, starting where torch's generator was when the model was added: models seeded and
+    built as they would be alone train exactly as alone (per-step losses, validation loss, weights), cut into shards
+    that recompute their forwards or whole in one turn a step, beside each other on two devices. The sweep's process
+    draws from its own generator state meanwhile, as if no model had drawn."""
+    specs = [(1, 5, 0.2, SplitTokens()), (2, 2, 0.1, None), (3, 5, 0.3, None)]
+    budget = {} if processes else {"memory_budget": "85KB"}
+    sweep = MultiModelTrainer(devices=2, processes=processes, enable_progress_bar=False, **budget)
+    logged = dict(log_every_n_steps=1, enable_checkpointing=False, max_epochs=2)
+    models = []
+    for i, (seed, blocks, p, datamodule) in enumerate(specs):
+        models.append(dropout_lm(seed, blocks, p))  # as before a fit alone: seeded, built, then added
+        loader = None if datamodule else DataLoader(token_dataset(64, seed), batch_size=8)
+        logger = CSVLogger(tmp_path / "sweep", name=str(i), version=0)
+        sweep.add(models[-1], datamodule, loader, logger=logger, **logged)
+    torch.manual_seed(7)
+    process_draws = torch.rand(3)
+    torch.manual_seed(7)
+    trainers = sweep.fit()
+    assert [r.status for r in sweep.results] == ["finished"] * 3, [r.error for r in sweep.results]
+    assert torch.equal(torch.rand(3), process_draws)
+    if not processes:
+        assert [len(t.strategy.shards) > 1 for t in trainers] == [True, False, True]  # type: ignore[attr-defined]
+    for i, ((seed, blocks, p, datamodule), model, trainer) in enumerate(zip(specs, models, trainers)):
+        alone = dropout_lm(seed, blocks, p)
+        loader = None if datamodule else DataLoader(token_dataset(64, seed), batch_size=8)
+        logger = CSVLogger(tmp_path / "alone", name=str(i), version=0)
+        reference = L.Trainer(accelerator="cpu", devices=1, logger=logger, enable_progress_bar=False, **logged)
+        reference.fit(alone, loader, datamodule=datamodule and SplitTokens())
+        losses = logged_losses(tmp_path / "sweep" / str(i) / "version_0")
+        assert len(losses) == reference.global_step > 6  # two epochs
+        torch.testing.assert_close(losses, logged_losses(Path(logger.log_dir)), rtol=1e-5, atol=1e-6)
+        assert_same_weights(model, alone)
+        if datamodule is not None:
+            torch.testing.assert_close(trainer.callback_metrics["val_loss"], reference.callback_metrics["val_loss"])
 
 
 def test_models_that_stay_on_the_cpu_take_one_turn_a_step_each_as_if_alone():

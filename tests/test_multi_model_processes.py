@@ -4,7 +4,6 @@ left (weights, progress, metrics, checkpoint paths) back in this process."""
 from __future__ import annotations
 
 import copy
-import csv
 import os
 import signal
 from pathlib import Path
@@ -16,16 +15,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from spilled_runs import assert_same_model as assert_same_weights
-from test_multi_model import MLP, fit_alone, regression_data, unlike_models
+from test_multi_model import MLP, fit_alone, logged_losses, regression_data, unlike_models
 
 from lightning_varuna import MultiModelTrainer, SpillingStrategy
 from lightning_varuna.multimodel import SweepStopped
-
-
-def logged_losses(logger_dir: Path) -> list[float]:
-    """The per-step ``train_loss`` a CSVLogger wrote."""
-    with open(logger_dir / "metrics.csv") as rows:
-        return [float(row["train_loss"]) for row in csv.DictReader(rows) if row.get("train_loss")]
 
 
 def test_each_model_in_a_worker_process_trains_as_if_alone(tmp_path):

@@ -4,10 +4,10 @@ whose shards wait for the sweep's devices (`SweepMemberStrategy`, launched in th
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -36,6 +36,8 @@ class SweepMember:
     steps_before: int | None = None  # the global step at which this sweep's training started
     # When the next decision that may end it early comes (a global step), and the share that go on past it.
     next_decision: Callable[[pl.Trainer], tuple[float, float]] | None = None
+    # torch's generators' state when it was added (`generator_states`): what its draws start from, as alone.
+    random_state: list[torch.Tensor] = field(default_factory=list)
 
 
 class SweepMemberStrategy(SpillingStrategy):
@@ -50,7 +52,7 @@ class SweepMemberStrategy(SpillingStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = SweepMemberLauncher(self.scheduler)
+        self._launcher = SweepMemberLauncher(self.scheduler, self.sweep_name)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -60,15 +62,6 @@ class SweepMemberStrategy(SpillingStrategy):
         clock.size = sum(m.state_bytes + m.activation_bytes for m in self.segment_memory)
         if not self.forward_draws:  # measured holding the generator: none of its turns needs it, not even its first
             clock.draws.update({(i, self._module.training): False for i in range(len(self.shards))})
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        """Hold torch's global generator from the start of a fit's run (``"run-stage"``) until training starts:
-        Lightning's sanity check restores the generator's state when it ends, outside any turn, which must not land
-        in the middle of another model's forward."""
-        super().barrier(name)
-        if name == "run-stage" and self._module.trainer.state.fn == TrainerFn.FITTING:
-            self.scheduler.hold_generator(self.sweep_name)
 
     @override
     def on_train_start(self) -> None:
@@ -105,24 +98,47 @@ class SweepMemberStrategy(SpillingStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Each DataLoader draws its workers' base seed from a generator of its own, not from torch's global one
-        while another model's dropout is using it."""
+        """A DataLoader without a generator of its own draws its workers' base seed from torch's global generator as
+        each iteration starts: it does so holding the model's generator (see `DeviceScheduler`), as alone."""
         dataloader = super().process_dataloader(dataloader)
         if isinstance(dataloader, DataLoader) and dataloader.generator is None:
-            dataloader.generator = torch.Generator().manual_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
+            dataloader.__class__ = _iterated_holding_the_generator(type(dataloader))
+            dataloader.holding_the_generator = partial(self.scheduler.generator_held, self.sweep_name)
         return dataloader
 
 
+_HOLDING: dict[type[DataLoader], type[DataLoader]] = {}  # a DataLoader class -> its `_iterated_holding_the_generator`
+
+
+def _iterated_holding_the_generator(cls: type[DataLoader]) -> type[DataLoader]:
+    """``cls``, whose iterations start holding what ``holding_the_generator()`` holds (a sweep's model's generator)."""
+
+    def __iter__(self: Any) -> Any:
+        with getattr(self, "holding_the_generator", nullcontext)():  # (a copy Lightning made of it: as before)
+            return cls.__iter__(self)
+
+    if cls not in _HOLDING:
+        _HOLDING[cls] = type(cls.__name__, (cls,), {"__iter__": __iter__, "__qualname__": cls.__qualname__})
+    return _HOLDING[cls]
+
+
 class SweepMemberLauncher(InProcessLauncher):
-    """A KeyboardInterrupt raised in a model's step stops the sweep, as Ctrl-C does; that model's fit ends as on any
+    """A fit holds torch's global generator from its start until training starts (the strategy's `on_train_start`
+    gives it back): what its set-up draws (a datamodule's split, layers built in `configure_model`, the sanity
+    check, which restores the generator's state as it ends) comes from the model's own generator state, and no other
+    model's forward draws meanwhile.
+
+    A KeyboardInterrupt raised in a model's step stops the sweep, as Ctrl-C does; that model's fit ends as on any
     error (Lightning's own handling of it would ignore SIGINT, which a model's thread may not, and skip the
     teardown that brings its spilled weights back)."""
 
-    def __init__(self, scheduler: DeviceScheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, scheduler: DeviceScheduler, name: str) -> None:
+        self.scheduler, self.name = scheduler, name
 
     @override
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self.scheduler.hold_generator(self.name)
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except KeyboardInterrupt as interrupt:

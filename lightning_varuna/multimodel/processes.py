@@ -199,6 +199,7 @@ def _fit_alone(member: SweepMember) -> bytes:
     trainer, model = member.trainer, member.model
     start, status, steps_before = time.perf_counter(), "finished", trainer.global_step
     error: BaseException | None = None
+    torch.set_rng_state(member.random_state[0])  # as it was when the model was added (workers run on the CPU)
     try:
         trainer.fit(model, **member.fit_kwargs)
     except (SweepStopped, SIGTERMException) as stopped:  # Lightning's own SIGTERM handler raises the latter

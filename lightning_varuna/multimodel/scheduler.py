@@ -27,12 +27,16 @@ is one turn (`SweepMemberStrategy.optimizer_step`) runs its forward and backward
 generator if they need it.
 
 Models whose forward draws random numbers (dropout) take turns one at a time on torch's global generator, so that
-each shard's recompute replays the same numbers. Whether a forward draws is found out at set-up, which runs the
-model holding the generator (or else on the forward's first, exclusive, run), so that models that draw none can
-train on one device while the others are still being set up on another. A model can also hold the generator
-without a device (`hold_generator`), while its own turns go on: Lightning restores the generator's state after its
-sanity check, outside any turn, which must not land in the middle of another model's forward. Such holds are served
-first, so that a model just set up starts training before the next set-up takes the generator.
+each shard's recompute replays the same numbers. While a model holds the generator, it draws from a state of its own
+(``random_state``, given by `add`): the generator is put in that state as the model takes it, and the state is kept
+as the model gives it back, the process's own state put back meanwhile. So each model draws the numbers it would
+draw alone, whatever the other models drew between its turns. Whether a forward draws is found out at set-up, which
+runs the model holding the generator (or else on the forward's first, exclusive, run), so that models that draw
+none can train on one device while the others are still being set up on another. A model can also hold the
+generator without a device (`hold_generator`, `generator_held`), while its own turns go on: Lightning restores the
+generator's state after its sanity check, outside any turn, which must not land in the middle of another model's
+forward. Such holds are served first, so that a model just set up starts training before the next set-up takes the
+generator.
 
 On the CPU a device is a core: a turn on device k runs with its thread pinned to the k-th of ``cores``, so that two
 turns never share a core while another core idles, and a computing thread is not moved between cores (measured: a
@@ -64,7 +68,7 @@ from typing import Literal
 
 import torch
 
-from lightning_varuna.pipeline.replay import generator_states, states_differ
+from lightning_varuna.pipeline.replay import generator_states, set_generator_states, states_differ
 
 __all__ = ["HOLD_S", "DeviceScheduler", "DeviceSpan", "ModelClock", "Ranking", "SweepStopped"]
 
@@ -108,6 +112,7 @@ class ModelClock:
     decides_at: float = float("inf")  # the global step of the next decision that may end it early (a pruner's)
     goes_on: float = 1.0  # the share of models that go on past such a decision
     device: int | None = None  # the device of its last turn
+    random_state: list[torch.Tensor] | None = None  # its generators' state while it does not hold them (see module)
 
     @property
     def remaining_steps(self) -> float:
@@ -162,6 +167,8 @@ class DeviceScheduler:
         self._generator_holder: str | None = None  # the model whose requests hold torch's global generator
         self._generator_holds = 0  # how many of its requests hold it
         self._generator_kept: dict[str, _Request] = {}  # generator holds without a device (`hold_generator`)
+        self._generator_device = gpus[0] if gpus is not None else torch.device("cpu")  # whose generators to swap
+        self._process_random_state: list[torch.Tensor] = []  # the process's, while a model draws from its own
         self._waiting: list[_Request] = []
         self._clocks: dict[str, ModelClock] = {}
         self._lock = threading.Lock()
@@ -178,9 +185,10 @@ class DeviceScheduler:
         self._waiting_alone: set[str] = set()  # models waiting to run alone (they compute nothing meanwhile)
         self._changed = threading.Condition(self._lock)  # a turn ended, or a model stopped running alone
 
-    def add(self, name: str, size: int) -> ModelClock:
-        """Register a model by ``name`` (unique) with its size, for estimates until it has stepped."""
-        clock = self._clocks[name] = ModelClock(name, size)
+    def add(self, name: str, size: int, random_state: list[torch.Tensor] | None = None) -> ModelClock:
+        """Register a model by ``name`` (unique) with its size, for estimates until it has stepped, and the state
+        (`generator_states`) that its draws start from (see module; None: it draws from the process's state)."""
+        clock = self._clocks[name] = ModelClock(name, size, random_state=random_state)
         return clock
 
     def clock(self, name: str) -> ModelClock:
@@ -388,13 +396,15 @@ class DeviceScheduler:
 
     @contextmanager
     def generator_held(self, holder: str) -> Iterator[None]:
-        """Run the block holding torch's global generator for ``holder``, which is not a model of the sweep (the
-        sweep's own thread building a model while others train: its seeded initialization must not interleave with
-        a model's draws, nor with Lightning restoring the generator's state after a sanity check). Once the sweep
-        is stopped the block runs without the hold: no model draws any more, and the model built then learns of the
-        stop at its first turn, as the others do."""
+        """Run the block holding torch's global generator for ``holder``: a model of the sweep, which then draws from
+        its own state (see module), or another holder, which draws from the process's (the sweep's own thread
+        building a model while others train: its seeded initialization must not interleave with a model's draws,
+        nor with Lightning restoring the generator's state after a sanity check). Once the sweep is stopped the
+        block runs without the hold: no model draws any more, and the model built then learns of the stop at its
+        first turn, as the others do."""
         try:
-            request = self._wait(ModelClock(holder, 0), needs_generator=True, needs_device=False)
+            clock = self._clocks.get(holder) or ModelClock(holder, 0)
+            request = self._wait(clock, needs_generator=True, needs_device=False)
         except SweepStopped:
             yield
             return
@@ -463,6 +473,9 @@ class DeviceScheduler:
             self._generator_holds -= 1
             if not self._generator_holds:
                 self._generator_holder = None
+                if request.clock.random_state is not None:  # the model's own state, kept; the process's, put back
+                    request.clock.random_state = generator_states(self._generator_device)
+                    set_generator_states(self._process_random_state, self._generator_device)
 
     def _dispatch(self) -> None:
         """Give the free devices to the waiting requests, longest remaining time first (earlier arrivals first among
@@ -490,6 +503,9 @@ class DeviceScheduler:
                 request.clock.device = request.device
                 self._holders[request.device] = request.clock.name
             if request.needs_generator:
+                if self._generator_holder is None and request.clock.random_state is not None:
+                    self._process_random_state = generator_states(self._generator_device)
+                    set_generator_states(request.clock.random_state, self._generator_device)
                 self._generator_holder = request.clock.name
                 self._generator_holds += 1
             self._waiting.remove(request)

@@ -221,15 +221,16 @@ class StudyRunner:
         callback = TrialCallback(trial, self.monitor, url, self.checkpoint_interval, self.preempted, self.minimize)
         running = self._running[trial.number] = _Running(trial, callback)
         try:
-            with self.sweep.building():  # the build seeds and initializes while other trials train
+            # The build seeds and initializes while other trials train; `add` takes the generator's state it left.
+            with self.sweep.building():
                 kwargs = dict(self.build(trial))
-            ckpt_path = self._resume_point(trial, resumes, callback)
-            model = kwargs.pop("model")
-            kwargs["callbacks"] = [*(kwargs.pop("callbacks", None) or []), callback]
-            name = row_name(trial)
-            trainer = self.sweep.add(
-                model, ckpt_path=ckpt_path, name=name, next_decision=callback.next_decision, **kwargs
-            )
+                ckpt_path = self._resume_point(trial, resumes, callback)
+                model = kwargs.pop("model")
+                kwargs["callbacks"] = [*(kwargs.pop("callbacks", None) or []), callback]
+                name = row_name(trial)
+                trainer = self.sweep.add(
+                    model, ckpt_path=ckpt_path, name=name, next_decision=callback.next_decision, **kwargs
+                )
         except self._optuna.TrialPruned:
             self._tell(running, "pruned", 0, 0.0)
             return True

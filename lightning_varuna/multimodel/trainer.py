@@ -34,7 +34,7 @@ from lightning_varuna.multimodel.signals import preempted_by_signals, stopped_by
 from lightning_varuna.multimodel.study import StudyRunner, TrialOutcome
 from lightning_varuna.multimodel.study_processes import optimize_in_processes
 from lightning_varuna.partition.packing import format_bytes
-from lightning_varuna.pipeline.replay import default_dtype
+from lightning_varuna.pipeline.replay import default_dtype, generator_states
 from lightning_varuna.strategies.spilling import SpillingStrategy
 
 if TYPE_CHECKING:
@@ -137,7 +137,10 @@ class MultiModelTrainer:
         """Add ``model`` to the sweep, with what `Trainer(...)` (``trainer_kwargs``) and `Trainer.fit` take for it;
         ``name`` shows it in the progress display and the summary. ``next_decision(trainer)``, for a model that may
         end early: the global step of the next decision that may end it and the share of models that go on past
-        such a decision (`optimize` passes its pruner's). Returns its Trainer."""
+        such a decision (`optimize` passes its pruner's). Returns its Trainer.
+
+        The model draws its random numbers (dropout) from torch's generator as it is now, as alone: seed and build it
+        right before adding it, as before fitting it alone."""
         set_here = sorted(set(trainer_kwargs) & set(_SET_BY_THE_SWEEP))
         if set_here:
             raise ValueError(
@@ -170,6 +173,7 @@ class MultiModelTrainer:
                 ckpt_path=ckpt_path,
             ),
             next_decision=next_decision,
+            random_state=generator_states(self.scheduler.gpus[0] if self.scheduler.gpus else torch.device("cpu")),
         )
         spilling: dict[str, Any] = dict(
             memory_budget=self.memory_budget,
@@ -199,7 +203,7 @@ class MultiModelTrainer:
         _claim_log_dirs(trainer)
         member.trainer = trainer
         self._members.append(member)
-        self.scheduler.add(name, sum(p.numel() * p.element_size() for p in model.parameters()))
+        self.scheduler.add(name, sum(p.numel() * p.element_size() for p in model.parameters()), member.random_state)
         return trainer
 
     def fit(self) -> list[pl.Trainer]:

@@ -11,7 +11,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["BufferState", "DtypeState", "RandomState", "default_dtype", "generator_states", "states_differ"]
+__all__ = [
+    "BufferState",
+    "DtypeState",
+    "RandomState",
+    "default_dtype",
+    "generator_states",
+    "set_generator_states",
+    "states_differ",
+]
 
 
 def generator_states(device: torch.device) -> list[torch.Tensor]:
@@ -20,6 +28,13 @@ def generator_states(device: torch.device) -> list[torch.Tensor]:
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
     return states
+
+
+def set_generator_states(states: list[torch.Tensor], device: torch.device) -> None:
+    """Put the generators that work on ``device`` draws from in ``states`` (as `generator_states` took them)."""
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
 
 
 def states_differ(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
@@ -75,9 +90,7 @@ class RandomState:
         """Run the block from this state; the generators continue afterwards as if it had not run."""
         gpus = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=gpus):
-            torch.set_rng_state(self.states[0])
-            for gpu, state in zip(gpus, self.states[1:]):
-                torch.cuda.set_rng_state(state, gpu)
+            set_generator_states(self.states, self.device)
             yield
 
 
