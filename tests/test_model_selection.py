@@ -82,7 +82,8 @@ def test_each_trial_trains_as_if_alone_and_a_pruned_trial_frees_its_place(tmp_pa
 def test_trials_train_in_worker_processes_each_as_if_alone(tmp_path, capsys):
     """``processes=True``: each of 2 forked worker processes runs the study's trials (with dropout) one at a time,
     sharing it through its journal; the odd trials are pruned at their first report. Every trial's per-step losses
-    equal it trained alone, the outcomes of both processes come back, and the display's line says how the study ended."""
+    equal it trained alone, the outcomes of both processes come back, and the display's line says how the study
+    ended."""
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.log")))
     study = optuna.create_study(storage=storage, sampler=optuna.samplers.RandomSampler(seed=0), pruner=PruneOddTrials())
 

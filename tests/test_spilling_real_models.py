@@ -9,12 +9,13 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import RecordLosses
-from torch.utils.data import DataLoader
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_varuna import MultiModelTrainer, SpillingStrategy
 
 pytest.importorskip("transformers", reason="the real-model tests train Hugging Face models: pip install transformers")
-from real_models import build  # noqa: E402
+from real_models import RealModel, build  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Hugging Face and torchvision models
 
@@ -145,18 +146,27 @@ def test_real_model_that_fits_runs_whole_and_resumes_a_cut_runs_checkpoint(tmp_p
 
 
 @pytest.mark.slow  # six real models, each fitted several times
+def with_dropout(built: tuple[RealModel, Dataset], p: float = 0.1) -> tuple[RealModel, Dataset]:
+    """The model of ``built`` with its dropout layers (those its library gives it) at ``p``, and its data."""
+    model, data = built
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = p
+    return model, data
+
+
 def test_real_models_trained_together_each_as_if_alone():
-    """MultiModelTrainer on the models the project did not write, two devices: each model's losses and weights
-    equal its plain single-device training."""
-    built = {name: build(name) for name in MODELS}
-    budget = max(budget_for_two_or_more_shards(model, data) for model, data in built.values())
-    references = {name: copy.deepcopy(model) for name, (model, _) in built.items()}
+    """MultiModelTrainer on the models the project did not write, two devices, their dropout on (BERT, GPT-2, ViT,
+    ...): each model, seeded and built right before it is added as it would be before a fit alone, has the losses
+    and weights of its plain single-device training."""
+    budget = max(budget_for_two_or_more_shards(*build(name)) for name in MODELS)
     sweep = MultiModelTrainer(devices=2, memory_budget=budget, enable_progress_bar=False)
-    records = {}
-    for name, (model, data) in built.items():
+    records, models = {}, {}
+    for name in MODELS:
+        models[name], data = with_dropout(build(name))
         records[name] = RecordLosses()
         sweep.add(
-            model,
+            models[name],
             train_dataloaders=DataLoader(data, batch_size=BATCH),
             max_steps=STEPS,
             name=name,
@@ -167,12 +177,14 @@ def test_real_models_trained_together_each_as_if_alone():
     trainers = sweep.fit()
     assert [r.status for r in sweep.results] == ["finished"] * len(MODELS), [r.error for r in sweep.results]
     assert any(len(t.strategy.shards) >= 2 for t in trainers)  # type: ignore[attr-defined]
-    for name, (model, data) in built.items():
-        expected = fit(references[name], data, "auto")
+    assert sum(isinstance(m, nn.Dropout) for model in models.values() for m in model.modules()) >= 20
+    for name in MODELS:
+        reference, data = with_dropout(build(name))
+        expected = fit(reference, data, "auto")
         torch.testing.assert_close(
             torch.tensor(records[name].losses), torch.tensor(expected.losses), rtol=1e-4, atol=1e-5, msg=name
         )
-        assert_same_weights(model, references[name], name)
+        assert_same_weights(models[name], reference, name)
 
 
 def test_a_study_of_real_models_trains_each_trial_spilled_as_if_alone(tmp_path):
