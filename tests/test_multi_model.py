@@ -22,7 +22,7 @@ import torch
 from conftest import run_job
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from models import TinyLM, token_dataset
+from models import VOCAB, TinyLM, token_dataset
 from spilled_runs import StepLosses
 from spilled_runs import assert_same_model as assert_same_weights
 from spilled_runs import losses as step_losses
@@ -692,6 +692,22 @@ class SplitTokens(L.LightningDataModule):
         return DataLoader(self.val, batch_size=8)
 
 
+class NoisyTokens(torch.utils.data.Dataset):
+    """`token_dataset`'s rows with a tenth of their input tokens replaced by random ones, drawn from torch's global
+    generator as each row is read (an augmentation)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rows = token_dataset(64, seed)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx, y = self.rows[i]
+        noisy = torch.rand(idx.shape) < 0.1
+        return torch.where(noisy, torch.randint_like(idx, VOCAB), idx), y
+
+
 def dropout_lm(seed: int, blocks: int, p: float) -> TinyLM:
     """TinyLM with dropout, initialized from ``seed`` (which also seeds what it draws next, as before a fit)."""
     torch.manual_seed(seed)
@@ -700,11 +716,11 @@ def dropout_lm(seed: int, blocks: int, p: float) -> TinyLM:
 
 @pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
 def test_models_with_dropout_train_as_alone_from_the_generator_state_they_were_added_in(processes, tmp_path):
-    """Each model draws its random numbers (dropout masks, its datamodule's split, its DataLoader's seed) from a
-    generator state of its own, starting where torch's generator was when the model was added: models seeded and
-    built as they would be alone train exactly as alone (per-step losses, validation loss, weights), cut into shards
-    that recompute their forwards or whole in one turn a step, beside each other on two devices. The sweep's process
-    draws from its own generator state meanwhile, as if no model had drawn."""
+    """Each model draws its random numbers (dropout masks, its datamodule's split, its DataLoader's seed, its
+    dataset's augmentation) from a generator state of its own, starting where torch's generator was when the model
+    was added: models seeded and built as they would be alone train exactly as alone (per-step losses, validation
+    loss, weights), cut into shards that recompute their forwards or whole in one turn a step, beside each other on
+    two devices. The sweep's process draws from its own generator state meanwhile, as if no model had drawn."""
     specs = [(1, 5, 0.2, SplitTokens()), (2, 2, 0.1, None), (3, 5, 0.3, None)]
     budget = {} if processes else {"memory_budget": "85KB"}
     sweep = MultiModelTrainer(devices=2, processes=processes, enable_progress_bar=False, **budget)
@@ -712,7 +728,7 @@ def test_models_with_dropout_train_as_alone_from_the_generator_state_they_were_a
     models = []
     for i, (seed, blocks, p, datamodule) in enumerate(specs):
         models.append(dropout_lm(seed, blocks, p))  # as before a fit alone: seeded, built, then added
-        loader = None if datamodule else DataLoader(token_dataset(64, seed), batch_size=8)
+        loader = None if datamodule else DataLoader(NoisyTokens(seed), batch_size=8)
         logger = CSVLogger(tmp_path / "sweep", name=str(i), version=0)
         sweep.add(models[-1], datamodule, loader, logger=logger, **logged)
     torch.manual_seed(7)
@@ -725,7 +741,7 @@ def test_models_with_dropout_train_as_alone_from_the_generator_state_they_were_a
         assert [len(t.strategy.shards) > 1 for t in trainers] == [True, False, True]  # type: ignore[attr-defined]
     for i, ((seed, blocks, p, datamodule), model, trainer) in enumerate(zip(specs, models, trainers)):
         alone = dropout_lm(seed, blocks, p)
-        loader = None if datamodule else DataLoader(token_dataset(64, seed), batch_size=8)
+        loader = None if datamodule else DataLoader(NoisyTokens(seed), batch_size=8)
         logger = CSVLogger(tmp_path / "alone", name=str(i), version=0)
         reference = L.Trainer(accelerator="cpu", devices=1, logger=logger, enable_progress_bar=False, **logged)
         reference.fit(alone, loader, datamodule=datamodule and SplitTokens())

@@ -5,7 +5,7 @@ whose shards wait for the sweep's devices (`SweepMemberStrategy`, launched in th
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -16,6 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_varuna.multimodel.held_loaders import draw_holding
 from lightning_varuna.multimodel.scheduler import DeviceScheduler, SweepStopped
 from lightning_varuna.strategies.launchers import InProcessLauncher
 from lightning_varuna.strategies.spilling import SpillingStrategy
@@ -98,28 +99,12 @@ class SweepMemberStrategy(SpillingStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """A DataLoader without a generator of its own draws its workers' base seed from torch's global generator as
-        each iteration starts: it does so holding the model's generator (see `DeviceScheduler`), as alone."""
+        """A DataLoader draws from torch's global generator holding the model's own generator state, as alone
+        (`draw_holding`)."""
         dataloader = super().process_dataloader(dataloader)
-        if isinstance(dataloader, DataLoader) and dataloader.generator is None:
-            dataloader.__class__ = _iterated_holding_the_generator(type(dataloader))
-            dataloader.holding_the_generator = partial(self.scheduler.generator_held, self.sweep_name)
+        if isinstance(dataloader, DataLoader):
+            draw_holding(dataloader, partial(self.scheduler.generator_held, self.sweep_name))
         return dataloader
-
-
-_HOLDING: dict[type[DataLoader], type[DataLoader]] = {}  # a DataLoader class -> its `_iterated_holding_the_generator`
-
-
-def _iterated_holding_the_generator(cls: type[DataLoader]) -> type[DataLoader]:
-    """``cls``, whose iterations start holding what ``holding_the_generator()`` holds (a sweep's model's generator)."""
-
-    def __iter__(self: Any) -> Any:
-        with getattr(self, "holding_the_generator", nullcontext)():  # (a copy Lightning made of it: as before)
-            return cls.__iter__(self)
-
-    if cls not in _HOLDING:
-        _HOLDING[cls] = type(cls.__name__, (cls,), {"__iter__": __iter__, "__qualname__": cls.__qualname__})
-    return _HOLDING[cls]
 
 
 class SweepMemberLauncher(InProcessLauncher):
