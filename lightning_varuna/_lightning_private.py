@@ -77,6 +77,9 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerE
 # - outside a run, `Trainer.callback_metrics`, `logged_metrics` and `progress_bar_metrics` return the dicts the
 #   Trainer keeps, which a sweep updates with what a model's fit in a worker process left: multimodel/processes.py.
 #   tests/test_multi_model_processes.py::test_each_model_in_a_worker_process_trains_as_if_alone.
+# - `TensorBoardLogger._log_graph` (whether `log_graph=True` was given and tensorboard is installed), read to refuse
+#   a graph of a model no process holds whole: strategies/requirements.py.
+#   tests/test_errors.py::test_a_graph_of_a_spilled_model_is_refused.
 
 # The folder a ModelCheckpoint without a `dirpath` writes to (under the logger's folder or `default_root_dir`), as
 # Lightning works it out: `resolve_checkpoint_dir(callback, trainer)`. tests/test_checkpoint_storage.py.

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from conftest import run_job
 from lightning.pytorch.callbacks import ModelPruning
-from models import NormalizesOverRows, TinyLM, token_dataset
+from lightning.pytorch.loggers import TensorBoardLogger
+from models import SEQ, NormalizesOverRows, TinyLM, token_dataset
 from torch.utils.data import DataLoader
 
 from lightning_varuna import SpillingStrategy, VarunaStrategy
@@ -218,10 +219,15 @@ import lightning as L
 from torch.utils.data import DataLoader
 from models import TinyLM, token_dataset
 from lightning_varuna import VarunaStrategy
+import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch.loggers import TensorBoardLogger
 trainer = L.Trainer(accelerator="cpu", devices={devices}, strategy=VarunaStrategy({strategy}), callbacks={callbacks},
-                    max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-trainer.fit(TinyLM(blocks={blocks}), DataLoader(token_dataset(8), batch_size=4))
+                    max_steps=1, logger={logger}, enable_checkpointing=False, enable_progress_bar=False)
+model = TinyLM(blocks={blocks})
+if {graph}:
+    model.example_input_array = torch.zeros(2, 6, dtype=torch.long)
+trainer.fit(model, DataLoader(token_dataset(8), batch_size=4))
 """
 
 
@@ -247,13 +253,25 @@ trainer.fit(TinyLM(blocks={blocks}), DataLoader(token_dataset(8), batch_size=4))
             5,
             r"`EMAWeightAveraging` keeps an average of every parameter of the model, but with 2 pipeline stages",
         ),
+        (
+            2,
+            "pipeline_parallel_size=2",
+            5,
+            r"`TensorBoardLogger\(log_graph=True\)` draws .*, but with 2 pipeline stages each process holds its stage",
+        ),
     ],
 )
 def test_bad_layout_fails_in_every_process(tmp_path, devices, strategy, blocks, match):
     script = tmp_path / "job.py"
     tests = str(__import__("pathlib").Path(__file__).parent)
     callbacks = "[EMAWeightAveraging()]" if "EMA" in match else "[]"
-    text = SCRIPT.format(tests=tests, devices=devices, strategy=strategy, blocks=blocks, callbacks=callbacks)
+    graph = "TensorBoardLogger" in match  # a logger that draws the graph of the model and its example input
+    if graph:
+        pytest.importorskip("tensorboard", reason="TensorBoardLogger draws graphs with tensorboard")
+    logger = f"TensorBoardLogger({str(tmp_path)!r}, log_graph=True)" if graph else "False"
+    text = SCRIPT.format(
+        tests=tests, devices=devices, strategy=strategy, blocks=blocks, callbacks=callbacks, logger=logger, graph=graph
+    )
     script.write_text(textwrap.dedent(text))
     proc = run_job([str(script)], tmp_path, timeout=300)
     assert proc.returncode != 0
@@ -324,6 +342,25 @@ def test_pruning_as_it_trains_is_refused():
     run: with one stage it trained the unpruned weights without a word, with two it failed in the callback."""
     with pytest.raises(ValueError, match=r"`ModelPruning` prunes the model as it trains.* VarunaStrategy runs the"):
         fit(TinyLM(), VarunaStrategy(micro_batch_size=4), callbacks=[ModelPruning("l1_unstructured")])
+
+
+def test_a_graph_of_a_spilled_model_is_refused(tmp_path):
+    """TensorBoard draws a model's graph by running the whole model on its ``example_input_array`` after set-up,
+    which failed on the spilled model, deep in the trace; a model that runs whole draws it."""
+    pytest.importorskip("tensorboard", reason="TensorBoardLogger draws graphs with tensorboard")
+    spilled, whole = TinyLM(), TinyLM()
+    for model in spilled, whole:
+        model.example_input_array = torch.zeros(2, SEQ, dtype=torch.long)
+    for model, budget in (spilled, "85KB"), (whole, "10MB"):
+        logger = TensorBoardLogger(tmp_path, log_graph=True)
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=SpillingStrategy(memory_budget=budget), max_steps=1,
+                            logger=logger, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+        if model is spilled:
+            with pytest.raises(ValueError, match=r"log_graph=True\)` draws .* keeps the model spilled in 5 shards"):
+                trainer.fit(model, DataLoader(token_dataset(16), batch_size=8))
+        else:
+            trainer.fit(model, DataLoader(token_dataset(16), batch_size=8))
+            assert trainer.global_step == 1
 
 
 def test_ranks_sharing_a_gpu_talk_over_gloo_and_nccl_is_refused_for_them():

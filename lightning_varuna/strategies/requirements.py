@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_varuna.strategies.callback_hooks import callbacks_of
 
 __all__ = [
     "WEIGHT_AVERAGING",
+    "refuse_a_graph_of_the_whole_model",
     "refuse_pruning_as_it_trains",
     "require_automatic_optimization",
     "require_pipelined_training",
@@ -42,13 +44,28 @@ def refuse_pruning_as_it_trains(trainer: pl.Trainer, runs: str) -> None:
         )
 
 
+def refuse_a_graph_of_the_whole_model(trainer: pl.Trainer, holds: str) -> None:
+    """Refuse `TensorBoardLogger(log_graph=True)` with an ``example_input_array``: after set-up it runs the whole
+    model on that input in this process, which ``holds`` says it does not hold whole."""
+    graphs = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger) and logger._log_graph]
+    if graphs and trainer.lightning_module.example_input_array is not None:
+        raise ValueError(
+            "`TensorBoardLogger(log_graph=True)` draws the model's graph by running the whole model on its "
+            f"`example_input_array` in one process, but {holds}. Set `log_graph=False`, or draw the graph in a run "
+            "on one device without this strategy."
+        )
+
+
 def require_pipelined_training(trainer: pl.Trainer, strategy: str, num_stages: int) -> None:
     """Refuse what ``strategy``'s pipeline of ``num_stages`` stages cannot train: manual optimization, pruning as
-    it trains, and a callback of ``trainer`` that averages every parameter when several stages hold them."""
+    it trains, and, when several stages hold the model, a callback of ``trainer`` that averages every parameter and
+    a graph of the whole model drawn by a logger."""
     require_automatic_optimization(
         trainer.lightning_module, strategy, "the pipelined forward and backward of `training_step`"
     )
     refuse_pruning_as_it_trains(trainer, f"{strategy} runs the forward")
+    if num_stages > 1:
+        refuse_a_graph_of_the_whole_model(trainer, f"with {num_stages} pipeline stages each process holds its stage's")
     averaging = callbacks_of(trainer, WEIGHT_AVERAGING)
     if averaging and num_stages > 1:
         raise ValueError(

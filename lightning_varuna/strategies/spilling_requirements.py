@@ -22,6 +22,7 @@ from lightning_varuna.strategies.callback_hooks import callbacks_of
 from lightning_varuna.strategies.optimizers import optimized_parameters, torch_optimizer
 from lightning_varuna.strategies.requirements import (
     WEIGHT_AVERAGING,
+    refuse_a_graph_of_the_whole_model,
     refuse_pruning_as_it_trains,
     require_automatic_optimization,
 )
@@ -66,6 +67,9 @@ def check_callbacks_of_spilled_model(trainer: pl.Trainer, shards: int, optimizer
     that read gradients before the step which they see."""
     _refuse_callbacks_reading_every_weight(trainer, shards)
     refuse_pruning_as_it_trains(trainer, f"SpillingStrategy runs the forward in {shards} shards")
+    refuse_a_graph_of_the_whole_model(
+        trainer, f"SpillingStrategy keeps the model spilled in {shards} shards, run only through `self(...)` in a step"
+    )
     _refuse_finetuning_of_parameters_outside(trainer, optimizer)
     _note_spilled_gradients(trainer)
 
