@@ -77,6 +77,10 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerE
 # - outside a run, `Trainer.callback_metrics`, `logged_metrics` and `progress_bar_metrics` return the dicts the
 #   Trainer keeps, which a sweep updates with what a model's fit in a worker process left: multimodel/processes.py.
 #   tests/test_multi_model_processes.py::test_each_model_in_a_worker_process_trains_as_if_alone.
+# - `call._call_setup_hook` calls `strategy.barrier("pre_setup")` after `prepare_data` and before the `setup` hooks,
+#   and the strategy's `on_train_start` comes after the sanity check (which runs inside `isolate_rng()`, restoring
+#   torch's generator when it ends): a sweep's model holds the generator in between (multimodel/member.py).
+#   tests/test_multi_model.py::test_models_with_dropout_train_as_alone_from_the_generator_state_they_were_added_in.
 # - `TensorBoardLogger._log_graph` (whether `log_graph=True` was given and tensorboard is installed), read to refuse
 #   a graph of a model no process holds whole: strategies/requirements.py.
 #   tests/test_errors.py::test_a_graph_of_a_spilled_model_is_refused.

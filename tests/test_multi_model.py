@@ -720,8 +720,10 @@ def test_models_with_dropout_train_as_alone_from_the_generator_state_they_were_a
     dataset's augmentation) from a generator state of its own, starting where torch's generator was when the model
     was added: models seeded and built as they would be alone train exactly as alone (per-step losses, validation
     loss, weights), cut into shards that recompute their forwards or whole in one turn a step, beside each other on
-    two devices. The sweep's process draws from its own generator state meanwhile, as if no model had drawn."""
+    two devices, two of them validated on one DataLoader. The sweep's process draws from its own generator state
+    meanwhile, as if no model had drawn."""
     specs = [(1, 5, 0.2, SplitTokens()), (2, 2, 0.1, None), (3, 5, 0.3, None)]
+    shared_val = DataLoader(token_dataset(16), batch_size=8)  # one loader for the validation of two models
     budget = {} if processes else {"memory_budget": "85KB"}
     sweep = MultiModelTrainer(devices=2, processes=processes, enable_progress_bar=False, **budget)
     logged = dict(log_every_n_steps=1, enable_checkpointing=False, max_epochs=2)
@@ -730,7 +732,7 @@ def test_models_with_dropout_train_as_alone_from_the_generator_state_they_were_a
         models.append(dropout_lm(seed, blocks, p))  # as before a fit alone: seeded, built, then added
         loader = None if datamodule else DataLoader(NoisyTokens(seed), batch_size=8)
         logger = CSVLogger(tmp_path / "sweep", name=str(i), version=0)
-        sweep.add(models[-1], datamodule, loader, logger=logger, **logged)
+        sweep.add(models[-1], datamodule, loader, None if datamodule else shared_val, logger=logger, **logged)
     torch.manual_seed(7)
     process_draws = torch.rand(3)
     torch.manual_seed(7)
@@ -744,13 +746,12 @@ def test_models_with_dropout_train_as_alone_from_the_generator_state_they_were_a
         loader = None if datamodule else DataLoader(NoisyTokens(seed), batch_size=8)
         logger = CSVLogger(tmp_path / "alone", name=str(i), version=0)
         reference = L.Trainer(accelerator="cpu", devices=1, logger=logger, enable_progress_bar=False, **logged)
-        reference.fit(alone, loader, datamodule=datamodule and SplitTokens())
+        reference.fit(alone, loader, None if datamodule else shared_val, datamodule=datamodule and SplitTokens())
         losses = logged_losses(tmp_path / "sweep" / str(i) / "version_0")
         assert len(losses) == reference.global_step > 6  # two epochs
         torch.testing.assert_close(losses, logged_losses(Path(logger.log_dir)), rtol=1e-5, atol=1e-6)
         assert_same_weights(model, alone)
-        if datamodule is not None:
-            torch.testing.assert_close(trainer.callback_metrics["val_loss"], reference.callback_metrics["val_loss"])
+        torch.testing.assert_close(trainer.callback_metrics["val_loss"], reference.callback_metrics["val_loss"])
 
 
 def test_models_that_stay_on_the_cpu_take_one_turn_a_step_each_as_if_alone():

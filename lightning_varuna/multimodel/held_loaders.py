@@ -1,14 +1,17 @@
 """DataLoaders of a sweep's model that draw from torch's global generator while holding the model's own generator
 state (see `DeviceScheduler`), so that they draw what they would draw alone: the seed a DataLoader without a
 ``generator`` draws as each iteration starts and, where its batches are read in the model's thread
-(``num_workers=0``), what its dataset draws (random augmentations)."""
+(``num_workers=0``), what its dataset draws (random augmentations). A loader whose first batch drew nothing reads
+the next ones without a hold, so that it does not wait while other models hold the generator."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 __all__ = ["draw_holding"]
@@ -18,30 +21,56 @@ Held = Callable[[], AbstractContextManager[Any]]
 _SUBCLASSES: dict[tuple[type, str], type] = {}  # (a class, a method's name) -> the class with that method held
 
 
-def draw_holding(loader: DataLoader, held: Held) -> None:
-    """Make ``loader`` start its iterations, and read its batches if it reads them in this process, inside
-    ``held()`` (a hold of the model's generator)."""
-    loader.__class__ = _held(type(loader), "__iter__")
-    loader.holding_the_generator = held
+class _Draws:
+    """Whether a loader's batches draw from torch's generator: unknown (None) until its first batch is read."""
+
+    batches: bool | None = None
+
+
+def draw_holding(loader: DataLoader, held: Held) -> DataLoader:
+    """A copy of ``loader`` (which other models may share) that starts its iterations, and reads its batches if it
+    reads them in this process, inside ``held()`` (a hold of the model's generator)."""
+    own = copy.copy(loader)
+    own.__class__ = _held(type(loader), "__iter__")
+    own.holding_the_generator, own.draws = held, _Draws()
+    return own
 
 
 def _held(cls: type, name: str) -> type:
     """``cls`` with its method ``name`` run inside the instance's ``holding_the_generator()``; where ``name`` is
-    ``"__iter__"``, an iterator that reads batches in this process also reads each one so."""
-    if (cls, name) in _SUBCLASSES:
-        return _SUBCLASSES[(cls, name)]
-    method = getattr(cls, name)
+    ``"__iter__"``, an iterator that reads batches in this process also reads them so while they draw."""
+    if getattr(cls, "held_method", None) == name:  # held already
+        return cls
+    if (cls, name) not in _SUBCLASSES:
+        method = getattr(cls, name)
+        held = _held_iter(method) if name == "__iter__" else _held_next(method)
+        attributes = {name: held, "held_method": name, "__qualname__": cls.__qualname__, "__module__": cls.__module__}
+        _SUBCLASSES.setdefault((cls, name), type(cls.__name__, (cls,), attributes))
+    return _SUBCLASSES[(cls, name)]
 
-    def held(self: Any) -> Any:
-        hold = getattr(self, "holding_the_generator", None)
-        if hold is None:  # a copy that Lightning made of the loader: as before
+
+def _held_iter(method: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def __iter__(self: Any) -> Any:
+        with self.holding_the_generator():
+            iterator = method(self)
+        if self.num_workers == 0:
+            iterator.__class__ = _held(type(iterator), "__next__")
+            iterator.holding_the_generator, iterator.draws = self.holding_the_generator, self.draws
+        return iterator
+
+    return __iter__
+
+
+def _held_next(method: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def __next__(self: Any) -> Any:
+        if self.draws.batches is False:
             return method(self)
-        with hold():
-            result = method(self)
-        if name == "__iter__" and self.num_workers == 0:
-            result.__class__ = _held(type(result), "__next__")
-            result.holding_the_generator = hold
-        return result
+        with self.holding_the_generator():
+            before = torch.get_rng_state()
+            try:
+                return method(self)
+            finally:
+                if self.draws.batches is None:
+                    self.draws.batches = not torch.equal(before, torch.get_rng_state())
 
-    subclass = type(cls.__name__, (cls,), {name: held, "__qualname__": cls.__qualname__, "__module__": cls.__module__})
-    return _SUBCLASSES.setdefault((cls, name), subclass)
+    return __next__

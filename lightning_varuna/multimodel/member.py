@@ -53,7 +53,7 @@ class SweepMemberStrategy(SpillingStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = SweepMemberLauncher(self.scheduler, self.sweep_name)
+        self._launcher = SweepMemberLauncher(self.scheduler)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -63,6 +63,16 @@ class SweepMemberStrategy(SpillingStrategy):
         clock.size = sum(m.state_bytes + m.activation_bytes for m in self.segment_memory)
         if not self.forward_draws:  # measured holding the generator: none of its turns needs it, not even its first
             clock.draws.update({(i, self._module.training): False for i in range(len(self.shards))})
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Hold torch's global generator from just before the fit's ``setup`` hooks (``"pre_setup"``, after
+        ``prepare_data``) until training starts (`on_train_start`): what its set-up draws (a datamodule's split, the
+        sanity check, which restores the generator's state as it ends) comes from the model's own generator state,
+        and no other model's forward draws meanwhile."""
+        super().barrier(name)
+        if name == "pre_setup" and self._module.trainer.state.fn == TrainerFn.FITTING:
+            self.scheduler.hold_generator(self.sweep_name)
 
     @override
     def on_train_start(self) -> None:
@@ -103,27 +113,20 @@ class SweepMemberStrategy(SpillingStrategy):
         (`draw_holding`)."""
         dataloader = super().process_dataloader(dataloader)
         if isinstance(dataloader, DataLoader):
-            draw_holding(dataloader, partial(self.scheduler.generator_held, self.sweep_name))
+            return draw_holding(dataloader, partial(self.scheduler.generator_held, self.sweep_name))
         return dataloader
 
 
 class SweepMemberLauncher(InProcessLauncher):
-    """A fit holds torch's global generator from its start until training starts (the strategy's `on_train_start`
-    gives it back): what its set-up draws (a datamodule's split, layers built in `configure_model`, the sanity
-    check, which restores the generator's state as it ends) comes from the model's own generator state, and no other
-    model's forward draws meanwhile.
-
-    A KeyboardInterrupt raised in a model's step stops the sweep, as Ctrl-C does; that model's fit ends as on any
+    """A KeyboardInterrupt raised in a model's step stops the sweep, as Ctrl-C does; that model's fit ends as on any
     error (Lightning's own handling of it would ignore SIGINT, which a model's thread may not, and skip the
     teardown that brings its spilled weights back)."""
 
-    def __init__(self, scheduler: DeviceScheduler, name: str) -> None:
-        self.scheduler, self.name = scheduler, name
+    def __init__(self, scheduler: DeviceScheduler) -> None:
+        self.scheduler = scheduler
 
     @override
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            self.scheduler.hold_generator(self.name)
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except KeyboardInterrupt as interrupt:

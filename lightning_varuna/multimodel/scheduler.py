@@ -401,7 +401,11 @@ class DeviceScheduler:
         building a model while others train: its seeded initialization must not interleave with a model's draws,
         nor with Lightning restoring the generator's state after a sanity check). Once the sweep is stopped the
         block runs without the hold: no model draws any more, and the model built then learns of the stop at its
-        first turn, as the others do."""
+        first turn, as the others do. Inside a turn of the model's own (a batch read in its step), the block runs in
+        that turn, which holds the generator or not: waiting for it there, holding a device, could wait forever."""
+        if holder in self._thread.__dict__.get("turns", {}):
+            yield
+            return
         try:
             clock = self._clocks.get(holder) or ModelClock(holder, 0)
             request = self._wait(clock, needs_generator=True, needs_device=False)

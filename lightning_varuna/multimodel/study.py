@@ -221,10 +221,10 @@ class StudyRunner:
         callback = TrialCallback(trial, self.monitor, url, self.checkpoint_interval, self.preempted, self.minimize)
         running = self._running[trial.number] = _Running(trial, callback)
         try:
+            ckpt_path = self._resume_point(trial, resumes, callback)
             # The build seeds and initializes while other trials train; `add` takes the generator's state it left.
             with self.sweep.building():
                 kwargs = dict(self.build(trial))
-                ckpt_path = self._resume_point(trial, resumes, callback)
                 model = kwargs.pop("model")
                 kwargs["callbacks"] = [*(kwargs.pop("callbacks", None) or []), callback]
                 name = row_name(trial)

@@ -68,7 +68,8 @@ def check_callbacks_of_spilled_model(trainer: pl.Trainer, shards: int, optimizer
     _refuse_callbacks_reading_every_weight(trainer, shards)
     refuse_pruning_as_it_trains(trainer, f"SpillingStrategy runs the forward in {shards} shards")
     refuse_a_graph_of_the_whole_model(
-        trainer, f"SpillingStrategy keeps the model spilled in {shards} shards, run only through `self(...)` in a step"
+        trainer,
+        f"SpillingStrategy keeps the model spilled in {shards} shard(s), run only through `self(...)` in a step",
     )
     _refuse_finetuning_of_parameters_outside(trainer, optimizer)
     _note_spilled_gradients(trainer)
