@@ -41,6 +41,12 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 # the others. tests/test_failures.py.
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 
+# The state of torch.distributed in this process (its default process group): a worker forked from a process that
+# holds a group (an earlier VarunaStrategy or DDP run in it) inherits that group, whose collectives would wait on the
+# parent's connections forever (torchmetrics syncs a metric whenever a group is initialized), and destroying it there
+# hangs too: the worker drops its reference instead (`multimodel.processes`). tests/test_multi_model.py (processes).
+from torch.distributed.distributed_c10d import _world as distributed_state
+
 # torch's backward in two parts, what its zero-bubble schedules run: the gradients of a stage's inputs (keeping the
 # autograd graph, with the gradients reaching each parameter group's intermediate nodes) and, later, the parameters'
 # from those nodes; and the graph walks the first part splits the graph with (`construct_reverse_graph`,
@@ -136,6 +142,7 @@ __all__ = [
     "changes_inputs_in_place",
     "construct_reverse_graph",
     "default_store",
+    "distributed_state",
     "flatten_dense_tensors",
     "foreach_norm",
     "functional_module",

@@ -721,7 +721,11 @@ def test_models_with_dropout_train_as_alone_from_the_generator_state_they_were_a
     was added: models seeded and built as they would be alone train exactly as alone (per-step losses, validation
     loss, weights), cut into shards that recompute their forwards or whole in one turn a step, beside each other on
     two devices, two of them validated on one DataLoader. The sweep's process draws from its own generator state
-    meanwhile, as if no model had drawn."""
+    meanwhile, as if no model had drawn. Worker processes start from a process that holds a torch.distributed
+    process group, as an earlier VarunaStrategy or DDP run in it leaves one (forked, each model's metrics waited
+    forever on that group's collectives)."""
+    if processes and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0, world_size=1)
     specs = [(1, 5, 0.2, SplitTokens()), (2, 2, 0.1, None), (3, 5, 0.3, None)]
     shared_val = DataLoader(token_dataset(16), batch_size=8)  # one loader for the validation of two models
     budget = {} if processes else {"memory_budget": "85KB"}

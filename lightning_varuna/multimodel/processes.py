@@ -25,10 +25,12 @@ from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lightning_varuna._torch_private import distributed_state
 from lightning_varuna.multimodel.member import SweepMember
 from lightning_varuna.multimodel.member_callback import step_loss
 from lightning_varuna.multimodel.report import ModelResult, SweepDisplay
@@ -274,7 +276,11 @@ def start_forked(workers: Sequence[multiprocessing.process.BaseProcess]) -> None
 
 def own_end(pipes: list[tuple[Connection, Connection]], k: int) -> Connection:
     """In forked worker ``k``: its end of its pipe to the calling process (the second); every other end it inherited
-    is closed, so that each worker's pipe reads as closed in the calling process once that worker has ended."""
+    is closed, so that each worker's pipe reads as closed in the calling process once that worker has ended. The
+    worker also drops the torch.distributed process group it may have inherited (`distributed_state`): its models
+    train alone."""
+    if dist.is_available() and dist.is_initialized():
+        distributed_state.default_pg = None
     own = pipes[k][1]
     for end in (end for pipe in pipes for end in pipe if end is not own):
         end.close()
