@@ -14,10 +14,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_varuna.pipeline.replay import generator_states, states_differ
+
 __all__ = ["draw_holding"]
 
 Held = Callable[[], AbstractContextManager[Any]]
 
+_CPU = torch.device("cpu")  # whose generator a dataset read in this process draws from
 _SUBCLASSES: dict[tuple[type, str], type] = {}  # (a class, a method's name) -> the class with that method held
 
 
@@ -66,11 +69,11 @@ def _held_next(method: Callable[[Any], Any]) -> Callable[[Any], Any]:
         if self.draws.batches is False:
             return method(self)
         with self.holding_the_generator():
-            before = torch.get_rng_state()
+            before = generator_states(_CPU)
             try:
                 return method(self)
             finally:
                 if self.draws.batches is None:
-                    self.draws.batches = not torch.equal(before, torch.get_rng_state())
+                    self.draws.batches = states_differ(before, generator_states(_CPU))
 
     return __next__

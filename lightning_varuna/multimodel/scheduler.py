@@ -167,7 +167,7 @@ class DeviceScheduler:
         self._generator_holder: str | None = None  # the model whose requests hold torch's global generator
         self._generator_holds = 0  # how many of its requests hold it
         self._generator_kept: dict[str, _Request] = {}  # generator holds without a device (`hold_generator`)
-        self._generator_device = gpus[0] if gpus is not None else torch.device("cpu")  # whose generators to swap
+        self.generator_device = gpus[0] if gpus is not None else torch.device("cpu")  # whose generators to swap
         self._process_random_state: list[torch.Tensor] = []  # the process's, while a model draws from its own
         self._waiting: list[_Request] = []
         self._clocks: dict[str, ModelClock] = {}
@@ -478,8 +478,8 @@ class DeviceScheduler:
             if not self._generator_holds:
                 self._generator_holder = None
                 if request.clock.random_state is not None:  # the model's own state, kept; the process's, put back
-                    request.clock.random_state = generator_states(self._generator_device)
-                    set_generator_states(self._process_random_state, self._generator_device)
+                    request.clock.random_state = generator_states(self.generator_device)
+                    set_generator_states(self._process_random_state, self.generator_device)
 
     def _dispatch(self) -> None:
         """Give the free devices to the waiting requests, longest remaining time first (earlier arrivals first among
@@ -508,8 +508,8 @@ class DeviceScheduler:
                 self._holders[request.device] = request.clock.name
             if request.needs_generator:
                 if self._generator_holder is None and request.clock.random_state is not None:
-                    self._process_random_state = generator_states(self._generator_device)
-                    set_generator_states(request.clock.random_state, self._generator_device)
+                    self._process_random_state = generator_states(self.generator_device)
+                    set_generator_states(request.clock.random_state, self.generator_device)
                 self._generator_holder = request.clock.name
                 self._generator_holds += 1
             self._waiting.remove(request)

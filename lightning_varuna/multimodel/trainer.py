@@ -173,7 +173,7 @@ class MultiModelTrainer:
                 ckpt_path=ckpt_path,
             ),
             next_decision=next_decision,
-            random_state=generator_states(self.scheduler.gpus[0] if self.scheduler.gpus else torch.device("cpu")),
+            random_state=generator_states(self.scheduler.generator_device),
         )
         spilling: dict[str, Any] = dict(
             memory_budget=self.memory_budget,
