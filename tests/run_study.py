@@ -42,7 +42,7 @@ def main() -> None:
 
     def build(trial: optuna.trial.Trial) -> dict:
         trial.set_user_attr("pid", os.getpid())  # the worker process that trains it
-        kwargs = trial_kwargs(trial, config["max_steps"])
+        kwargs = trial_kwargs(trial, config["max_steps"], config.get("dropout", 0.0))
         kwargs["callbacks"] = [LossLog(folder / "losses" / f"trial-{trial.number}.jsonl"), SaysStarted(trial.number)]
         return kwargs
 

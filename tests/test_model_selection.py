@@ -327,12 +327,14 @@ def study_in(folder: Path) -> optuna.Study:
     return optuna.load_study(study_name="study", storage=storage)
 
 
-def assert_every_trial_trained_as_alone(folder: Path, study: optuna.Study, max_steps: int) -> None:
+def assert_every_trial_trained_as_alone(
+    folder: Path, study: optuna.Study, max_steps: int, dropout: float = 0.0
+) -> None:
     """Every step any trial logged (a handed-over trial's and its retry's) equals that step trained alone, and each
     trial that counts completed all its steps, those of the trials it continues included."""
     by_number = {t.number: t for t in study.trials}
     for trial in study.trials:
-        losses, _ = train_alone(trial.params["layers"], trial.params["lr"], max_steps)
+        losses, _ = train_alone(trial.params["layers"], trial.params["lr"], max_steps, dropout)
         logged = logged_losses(folder / "losses" / f"trial-{trial.number}.jsonl")
         for step, loss in logged.items():
             assert loss == pytest.approx(losses[step - 1], rel=1e-5, abs=1e-6), (trial.number, step)
@@ -352,8 +354,9 @@ def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path):
     """SIGTERM, passed on to the worker processes of ``processes=True`` (each a threaded one-device sweep, as without
     it), stops both running trials at a step boundary with a checkpoint; running the same command again resumes them
     (their retries continue from the checkpoints), completes the study's four trials and asks no more; every step
-    equals the trial trained alone. (A threaded sweep's preempted trial resumed by another worker: the SLURM test.)"""
-    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, seed=0, processes=True)
+    equals the trial trained alone, dropout masks included. (A threaded sweep's preempted trial resumed by another
+    worker: the SLURM test.)"""
+    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, seed=0, processes=True, dropout=0.1)
     first = start_worker(tmp_path, **config)
     wait_for_running(tmp_path, trials=2, steps=10)
     first.send_signal(signal.SIGTERM)
@@ -364,15 +367,17 @@ def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path):
     study = study_in(tmp_path)
     counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
-    assert_every_trial_trained_as_alone(tmp_path, study, 300)
+    assert_every_trial_trained_as_alone(tmp_path, study, 300, dropout=0.1)
 
 
 @pytest.mark.slow
 def test_a_killed_worker_s_trial_is_taken_over_by_another_from_its_checkpoint(tmp_path):
-    """Two workers share one journal; one is killed (SIGKILL) while it trains a trial that has checkpointed. The
-    other, after the grace period without a heartbeat, hands that trial over to a retry that resumes from its last
-    checkpoint; the study completes its four trials, none run twice, every step as alone."""
-    config = dict(n_trials=4, max_steps=300, max_running=1, heartbeat=0.5, grace_period=3, checkpoint_interval=0.5)
+    """Two workers share one journal; one is killed (SIGKILL) while it trains a trial (with dropout) that has
+    checkpointed. The other, after the grace period without a heartbeat, hands that trial over to a retry that
+    resumes from its last checkpoint; the study completes its four trials, none run twice, every step as alone."""
+    config = dict(
+        n_trials=4, max_steps=300, max_running=1, heartbeat=0.5, grace_period=3, checkpoint_interval=0.5, dropout=0.1
+    )
     doomed = start_worker(tmp_path, seed=1, **config)
     wait_for_steps(tmp_path, trials=1, steps=10)
     wait_for_checkpoint(tmp_path / "checkpoints" / "trial-0")
@@ -385,7 +390,7 @@ def test_a_killed_worker_s_trial_is_taken_over_by_another_from_its_checkpoint(tm
     assert len(taken_over) == 1
     counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
-    assert_every_trial_trained_as_alone(tmp_path, study, 300)
+    assert_every_trial_trained_as_alone(tmp_path, study, 300, dropout=0.1)
 
 
 @pytest.mark.slow

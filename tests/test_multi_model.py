@@ -26,6 +26,8 @@ from models import VOCAB, TinyLM, token_dataset
 from spilled_runs import StepLosses
 from spilled_runs import assert_same_model as assert_same_weights
 from spilled_runs import losses as step_losses
+from study_models import LossLog
+from study_models import logged_losses as logged_step_losses
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -756,6 +758,67 @@ def test_models_with_dropout_train_as_alone_from_the_generator_state_they_were_a
         torch.testing.assert_close(losses, logged_losses(Path(logger.log_dir)), rtol=1e-5, atol=1e-6)
         assert_same_weights(model, alone)
         torch.testing.assert_close(trainer.callback_metrics["val_loss"], reference.callback_metrics["val_loss"])
+
+
+class StopWithACheckpoint(L.Callback):
+    """Saves the model's checkpoint to ``path`` at the end of global step ``step`` and stops its fit there."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_a_model_with_dropout_resumed_from_its_checkpoint_continues_as_uninterrupted(processes, tmp_path):
+    """A sweep's models with dropout stop with a checkpoint mid-epoch before a validation (step 4), mid-epoch between
+    validations (step 6), at an epoch's end (step 8) and in a validation after it (step 12, by ModelCheckpoint);
+    a new sweep resumes each from its checkpoint, having drawn other numbers meanwhile: each model's losses, first
+    run then resumed, are those of the model trained alone without a stop, and so are its weights. The checkpoint
+    holds the model's own generator state and what the uninterrupted run draws before its next step."""
+    specs = [(1, 5, 0.2, 4), (2, 2, 0.1, 6), (3, 5, 0.3, 8), (4, 2, 0.2, 12)]
+    fitted = dict(max_epochs=3, val_check_interval=4, **QUIET)
+
+    def loaders(seed: int) -> dict[str, DataLoader]:
+        train, val = token_dataset(64, seed), token_dataset(16, seed)
+        return dict(train_dataloaders=DataLoader(train, batch_size=8), val_dataloaders=DataLoader(val, batch_size=8))
+
+    def stopping(i: int, step: int) -> dict[str, Any]:
+        """What makes model ``i`` stop at ``step`` with its checkpoint ``last.ckpt``."""
+        if step != 12:
+            return dict(fitted, callbacks=[StopWithACheckpoint(tmp_path / str(i) / "last.ckpt", step)])
+        checkpoints = ModelCheckpoint(tmp_path / str(i), save_last=True, save_on_train_epoch_end=False)
+        return dict(fitted, callbacks=[checkpoints], enable_checkpointing=True, max_steps=step)
+
+    budget = {} if processes else {"memory_budget": "85KB"}
+    first, second = (
+        MultiModelTrainer(devices=2, processes=processes, enable_progress_bar=False, **budget) for _ in ".."
+    )
+    logs = [tmp_path / "losses" / f"{i}.jsonl" for i in range(len(specs))]  # written in worker processes too
+    for i, (seed, blocks, p, step) in enumerate(specs):
+        kwargs = stopping(i, step)
+        kwargs["callbacks"].append(LossLog(logs[i]))
+        first.add(dropout_lm(seed, blocks, p), **loaders(seed), **kwargs)
+    first.fit()
+    assert [r.status for r in first.results] == ["finished"] * 4, [r.error for r in first.results]
+    assert [len(logged_step_losses(log)) for log in logs] == [step for *_, step in specs]
+    models = []
+    for i, (seed, blocks, p, _) in enumerate(specs):
+        torch.manual_seed(100 + i)  # another state than the first run's at the checkpoint
+        models.append(dropout_lm(seed, blocks, p))
+        ckpt = str(tmp_path / str(i) / "last.ckpt")
+        second.add(models[-1], **loaders(seed), callbacks=[LossLog(logs[i])], ckpt_path=ckpt, **fitted)
+    second.fit()
+    assert [r.status for r in second.results] == ["finished"] * 4, [r.error for r in second.results]
+    for i, (seed, blocks, p, _) in enumerate(specs):
+        alone, alone_losses = dropout_lm(seed, blocks, p), StepLosses()
+        L.Trainer(accelerator="cpu", devices=1, callbacks=[alone_losses], **fitted).fit(alone, **loaders(seed))
+        resumed = list(logged_step_losses(logs[i]).values())
+        torch.testing.assert_close(resumed, alone_losses.losses, rtol=1e-5, atol=1e-6, msg=f"model {i}")
+        assert_same_weights(models[i], alone)
 
 
 def test_models_that_stay_on_the_cpu_take_one_turn_a_step_each_as_if_alone():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -30,12 +30,16 @@ class _Draws:
     batches: bool | None = None
 
 
-def draw_holding(loader: DataLoader, held: Held) -> DataLoader:
+def draw_holding(loader: DataLoader, held: Held, resumed_mid_epoch: bool = False) -> DataLoader:
     """A copy of ``loader`` (which other models may share) that starts its iterations, and reads its batches if it
-    reads them in this process, inside ``held()`` (a hold of the model's generator)."""
+    reads them in this process, inside ``held()`` (a hold of the model's generator).
+
+    ``resumed_mid_epoch``: its first iteration continues an epoch of a run resumed from a checkpoint, where the
+    uninterrupted run had started it, and read the batch that comes first, before the checkpoint: what that start
+    and that batch draw now leaves the model's state as it was, so that the next draws are the uninterrupted run's."""
     own = copy.copy(loader)
     own.__class__ = _held(type(loader), "__iter__")
-    own.holding_the_generator, own.draws = held, _Draws()
+    own.holding_the_generator, own.draws, own.resumed_mid_epoch = held, _Draws(), resumed_mid_epoch
     return own
 
 
@@ -54,11 +58,13 @@ def _held(cls: type, name: str) -> type:
 
 def _held_iter(method: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def __iter__(self: Any) -> Any:
-        with self.holding_the_generator():
+        resumed, self.resumed_mid_epoch = self.resumed_mid_epoch, False
+        with self.holding_the_generator(), _kept_if(resumed):
             iterator = method(self)
         if self.num_workers == 0:
             iterator.__class__ = _held(type(iterator), "__next__")
             iterator.holding_the_generator, iterator.draws = self.holding_the_generator, self.draws
+            iterator.resumed_mid_epoch = resumed
         return iterator
 
     return __iter__
@@ -68,7 +74,8 @@ def _held_next(method: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def __next__(self: Any) -> Any:
         if self.draws.batches is False:
             return method(self)
-        with self.holding_the_generator():
+        resumed, self.resumed_mid_epoch = self.resumed_mid_epoch, False
+        with self.holding_the_generator(), _kept_if(resumed):
             before = generator_states(_CPU)
             try:
                 return method(self)
@@ -77,3 +84,8 @@ def _held_next(method: Callable[[Any], Any]) -> Callable[[Any], Any]:
                     self.draws.batches = states_differ(before, generator_states(_CPU))
 
     return __next__
+
+
+def _kept_if(kept: bool) -> AbstractContextManager[Any]:
+    """Inside, with ``kept``, what is drawn from torch's CPU generator is drawn again after."""
+    return torch.random.fork_rng(devices=[]) if kept else nullcontext()

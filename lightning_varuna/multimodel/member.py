@@ -12,7 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -39,6 +39,14 @@ class SweepMember:
     next_decision: Callable[[pl.Trainer], tuple[float, float]] | None = None
     # torch's generators' state when it was added (`generator_states`): what its draws start from, as alone.
     random_state: list[torch.Tensor] = field(default_factory=list)
+    resumed_mid_epoch: bool = False  # resumed from a checkpoint taken mid-epoch (`GeneratorCheckpoint`)
+
+    def resumes_mid_epoch(self, trainer: pl.Trainer) -> bool:
+        """Whether the DataLoader ``trainer`` processes now is the training one of an epoch that the model's fit
+        resumes mid-way (then no longer: the next one starts an epoch)."""
+        resumed = self.resumed_mid_epoch and trainer.state.stage == RunningStage.TRAINING
+        self.resumed_mid_epoch &= not resumed
+        return resumed
 
 
 class SweepMemberStrategy(SpillingStrategy):
@@ -112,9 +120,10 @@ class SweepMemberStrategy(SpillingStrategy):
         """A DataLoader draws from torch's global generator holding the model's own generator state, as alone
         (`draw_holding`)."""
         dataloader = super().process_dataloader(dataloader)
-        if isinstance(dataloader, DataLoader):
-            return draw_holding(dataloader, partial(self.scheduler.generator_held, self.sweep_name))
-        return dataloader
+        if not isinstance(dataloader, DataLoader):
+            return dataloader
+        resumed = self._member.resumes_mid_epoch(self._module.trainer)
+        return draw_holding(dataloader, partial(self.scheduler.generator_held, self.sweep_name), resumed)
 
 
 class SweepMemberLauncher(InProcessLauncher):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_varuna.multimodel.generator_checkpoint import GeneratorCheckpoint
 from lightning_varuna.multimodel.member import SweepMember
 from lightning_varuna.multimodel.report import SweepDisplay
 from lightning_varuna.multimodel.scheduler import DeviceScheduler
@@ -26,14 +28,16 @@ def step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) 
     return float(loss.detach()) * accumulated
 
 
-class SweepMemberCallback(pl.Callback):
+class SweepMemberCallback(GeneratorCheckpoint):
     """Reports ``member``'s progress to ``scheduler`` and to the sweep's display (``display()``: the one shown now,
-    if any; a sweep makes it as it starts, after its models were added)."""
+    if any; a sweep makes it as it starts, after its models were added); keeps its generator state in its
+    checkpoints."""
 
     def __init__(
         self, scheduler: DeviceScheduler, member: SweepMember, display: Callable[[], SweepDisplay | None]
     ) -> None:
-        self.scheduler, self.member, self.display = scheduler, member, display
+        super().__init__(member, partial(scheduler.generator_held, member.name), scheduler.generator_device)
+        self.scheduler, self.display = scheduler, display
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

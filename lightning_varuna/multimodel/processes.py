@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from multiprocessing.connection import Connection, wait
 from typing import Any, cast
 
@@ -28,24 +28,54 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_varuna._torch_private import distributed_state
+from lightning_varuna.multimodel.generator_checkpoint import GeneratorCheckpoint
+from lightning_varuna.multimodel.held_loaders import draw_holding
 from lightning_varuna.multimodel.member import SweepMember
 from lightning_varuna.multimodel.member_callback import step_loss
 from lightning_varuna.multimodel.report import ModelResult, SweepDisplay
 from lightning_varuna.multimodel.scheduler import DeviceSpan, SweepStopped
 from lightning_varuna.multimodel.signals import handled
 from lightning_varuna.strategies.callback_hooks import callbacks_of
+from lightning_varuna.strategies.spilling import SpillingStrategy
 
-__all__ = ["WorkerCallback", "ended_at_exit", "fit_in_processes", "own_end", "picklable", "start_forked"]
+__all__ = [
+    "WorkerCallback",
+    "WorkerStrategy",
+    "ended_at_exit",
+    "fit_in_processes",
+    "own_end",
+    "picklable",
+    "start_forked",
+]
 
 
-class WorkerCallback(pl.Callback):
-    """In a worker process: sends the model's progress to the sweep, and ends its fit at the next batch once the
-    worker is told to stop (SIGTERM, Ctrl-C)."""
+class WorkerStrategy(SpillingStrategy):
+    """`SpillingStrategy` of ``member`` in a worker process, where it draws from the process's generator alone: an
+    epoch its fit resumes mid-way starts its training DataLoader again without moving that generator's state
+    (`GeneratorCheckpoint`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, member: SweepMember, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._member = member
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        if isinstance(dataloader, DataLoader) and self._member.resumes_mid_epoch(self._module.trainer):
+            return draw_holding(dataloader, nullcontext, resumed_mid_epoch=True)
+        return dataloader
+
+
+class WorkerCallback(GeneratorCheckpoint):
+    """In a worker process: sends the model's progress to the sweep, ends its fit at the next batch once the worker
+    is told to stop (SIGTERM, Ctrl-C), and keeps its generator state (the process's) in its checkpoints."""
+
+    def __init__(self, member: SweepMember) -> None:
+        super().__init__(member, nullcontext, torch.device("cpu"))
         self.send: Callable[[tuple[Any, ...]], None] | None = None
         self.stop = threading.Event()
 

@@ -21,7 +21,7 @@ from lightning_varuna._torch_private import register_cuda_device_guard
 from lightning_varuna.multimodel.devices import check_one_gpu, cores_for, staying_models, torch_threads
 from lightning_varuna.multimodel.member import SweepMember, SweepMemberStrategy
 from lightning_varuna.multimodel.member_callback import SweepMemberCallback
-from lightning_varuna.multimodel.processes import WorkerCallback, fit_in_processes
+from lightning_varuna.multimodel.processes import WorkerCallback, WorkerStrategy, fit_in_processes
 from lightning_varuna.multimodel.report import (
     ModelResult,
     StudyDisplay,
@@ -182,8 +182,8 @@ class MultiModelTrainer:
             storage_options=self.storage_options,
         )
         if self.processes:  # alone in a worker process
-            strategy: SpillingStrategy = SpillingStrategy(**spilling)
-            progress: pl.Callback = WorkerCallback()
+            strategy: SpillingStrategy = WorkerStrategy(member, **spilling)
+            progress: pl.Callback = WorkerCallback(member)
         else:
             strategy = SweepMemberStrategy(self.scheduler, member, **spilling)
             progress = SweepMemberCallback(self.scheduler, member, lambda: self._display)
