@@ -81,10 +81,11 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerE
 #   and the strategy's `on_train_start` comes after the sanity check (which runs inside `isolate_rng()`, restoring
 #   torch's generator when it ends): a sweep's model holds the generator in between (multimodel/member.py).
 #   tests/test_multi_model.py::test_models_with_dropout_train_as_alone_from_the_generator_state_they_were_added_in.
-# - a fit resumed from a checkpoint taken after a training batch whose validation was due passes that validation
-#   over, creating its DataLoaders' iterators (`_EvaluationLoop.increment_progress_to_evaluation_end`): it draws
-#   their seeds as the uninterrupted fit did, which a sweep's model's generator state relies on
-#   (multimodel/generator_checkpoint.py).
+# - what a resumed fit draws from torch's generator before its first batch, which a sweep's model's generator state
+#   relies on (multimodel/generator_checkpoint.py): passing over a validation that was due after the checkpoint's
+#   batch (`_EvaluationLoop.increment_progress_to_evaluation_end`) starts its first DataLoader's iteration, drawing
+#   its seed, as the uninterrupted fit's validation did; `_FitLoop.setup_data` starts the training DataLoaders'
+#   iteration, and at an epoch's start the epoch loop may start it again.
 #   tests/test_multi_model.py::test_a_model_with_dropout_resumed_from_its_checkpoint_continues_as_uninterrupted.
 # - `TensorBoardLogger._log_graph` (whether `log_graph=True` was given and tensorboard is installed), read to refuse
 #   a graph of a model no process holds whole: strategies/requirements.py.

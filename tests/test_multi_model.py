@@ -774,23 +774,24 @@ class StopWithACheckpoint(L.Callback):
 
 @pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
 def test_a_model_with_dropout_resumed_from_its_checkpoint_continues_as_uninterrupted(processes, tmp_path):
-    """A sweep's models with dropout stop with a checkpoint mid-epoch before a validation (step 4), mid-epoch between
-    validations (step 6), at an epoch's end (step 8) and in a validation after it (step 12, by ModelCheckpoint);
-    a new sweep resumes each from its checkpoint, having drawn other numbers meanwhile: each model's losses, first
-    run then resumed, are those of the model trained alone without a stop, and so are its weights. The checkpoint
-    holds the model's own generator state and what the uninterrupted run draws before its next step."""
+    """A sweep's models with dropout stop with a checkpoint: mid-epoch before a validation (step 4); mid-epoch between
+    validations (step 6), with a dataset that augments as it is read; at an epoch's end (step 8, by ModelCheckpoint
+    as the epoch ends); in a validation mid-epoch (step 12, by ModelCheckpoint as it ends). A new sweep resumes each
+    from its checkpoint, having drawn other numbers meanwhile: each model's losses, first run then resumed, are those
+    of the model trained alone without a stop, and so are its weights."""
     specs = [(1, 5, 0.2, 4), (2, 2, 0.1, 6), (3, 5, 0.3, 8), (4, 2, 0.2, 12)]
-    fitted = dict(max_epochs=3, val_check_interval=4, **QUIET)
+    fitted = dict(max_steps=24, val_check_interval=4, **QUIET)
 
     def loaders(seed: int) -> dict[str, DataLoader]:
-        train, val = token_dataset(64, seed), token_dataset(16, seed)
-        return dict(train_dataloaders=DataLoader(train, batch_size=8), val_dataloaders=DataLoader(val, batch_size=8))
+        train = NoisyTokens(seed) if seed == 2 else token_dataset(64, seed)
+        val = DataLoader(token_dataset(16, seed), batch_size=8)
+        return dict(train_dataloaders=DataLoader(train, batch_size=8), val_dataloaders=val)
 
     def stopping(i: int, step: int) -> dict[str, Any]:
         """What makes model ``i`` stop at ``step`` with its checkpoint ``last.ckpt``."""
-        if step != 12:
+        if step < 8:
             return dict(fitted, callbacks=[StopWithACheckpoint(tmp_path / str(i) / "last.ckpt", step)])
-        checkpoints = ModelCheckpoint(tmp_path / str(i), save_last=True, save_on_train_epoch_end=False)
+        checkpoints = ModelCheckpoint(tmp_path / str(i), save_last=True, save_on_train_epoch_end=step == 8)
         return dict(fitted, callbacks=[checkpoints], enable_checkpointing=True, max_steps=step)
 
     budget = {} if processes else {"memory_budget": "85KB"}

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightning_varuna.pipeline.replay import generator_states, states_differ
 
-__all__ = ["draw_holding"]
+__all__ = ["ResumedEpoch", "draw_holding"]
 
 Held = Callable[[], AbstractContextManager[Any]]
 
@@ -30,16 +31,25 @@ class _Draws:
     batches: bool | None = None
 
 
-def draw_holding(loader: DataLoader, held: Held, resumed_mid_epoch: bool = False) -> DataLoader:
-    """A copy of ``loader`` (which other models may share) that starts its iterations, and reads its batches if it
-    reads them in this process, inside ``held()`` (a hold of the model's generator).
+@dataclass
+class ResumedEpoch:
+    """Of a fit resumed from a checkpoint, until its first training batch (``active``): the training iterations it
+    starts then that count, as the uninterrupted fit's draws. At an epoch resumed mid-way none does: the uninterrupted
+    fit had started that epoch before the checkpoint. At an epoch's start, the last one does: Lightning may start
+    one more than the uninterrupted fit did (as it sets up the data, and again as the epoch starts)."""
 
-    ``resumed_mid_epoch``: its first iteration continues an epoch of a run resumed from a checkpoint, where the
-    uninterrupted run had started it, and read the batch that comes first, before the checkpoint: what that start
-    and that batch draw now leaves the model's state as it was, so that the next draws are the uninterrupted run's."""
+    mid_epoch: bool
+    active: bool = True
+
+
+def draw_holding(loader: DataLoader, held: Held, resumed: ResumedEpoch | None = None) -> DataLoader:
+    """A copy of ``loader`` (which other models may share) that starts its iterations, and reads its batches if it
+    reads them in this process, inside ``held()`` (a hold of the model's generator); a training loader of a fit
+    resumed from a checkpoint starts its iterations before the first batch as ``resumed`` says (the seed each
+    draws)."""
     own = copy.copy(loader)
     own.__class__ = _held(type(loader), "__iter__")
-    own.holding_the_generator, own.draws, own.resumed_mid_epoch = held, _Draws(), resumed_mid_epoch
+    own.holding_the_generator, own.draws, own.resumed, own.before_last = held, _Draws(), resumed, None
     return own
 
 
@@ -58,13 +68,17 @@ def _held(cls: type, name: str) -> type:
 
 def _held_iter(method: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def __iter__(self: Any) -> Any:
-        resumed, self.resumed_mid_epoch = self.resumed_mid_epoch, False
-        with self.holding_the_generator(), _kept_if(resumed):
+        resumed = self.resumed if self.resumed is not None and self.resumed.active else None
+        mid_epoch = resumed is not None and resumed.mid_epoch
+        with self.holding_the_generator(), torch.random.fork_rng(devices=[], enabled=mid_epoch):
+            if resumed is not None and not mid_epoch:  # the one this loader started before does not count
+                if self.before_last is not None:
+                    torch.set_rng_state(self.before_last)
+                self.before_last = torch.get_rng_state()
             iterator = method(self)
         if self.num_workers == 0:
             iterator.__class__ = _held(type(iterator), "__next__")
             iterator.holding_the_generator, iterator.draws = self.holding_the_generator, self.draws
-            iterator.resumed_mid_epoch = resumed
         return iterator
 
     return __iter__
@@ -74,8 +88,7 @@ def _held_next(method: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def __next__(self: Any) -> Any:
         if self.draws.batches is False:
             return method(self)
-        resumed, self.resumed_mid_epoch = self.resumed_mid_epoch, False
-        with self.holding_the_generator(), _kept_if(resumed):
+        with self.holding_the_generator():
             before = generator_states(_CPU)
             try:
                 return method(self)
@@ -84,8 +97,3 @@ def _held_next(method: Callable[[Any], Any]) -> Callable[[Any], Any]:
                     self.draws.batches = states_differ(before, generator_states(_CPU))
 
     return __next__
-
-
-def _kept_if(kept: bool) -> AbstractContextManager[Any]:
-    """Inside, with ``kept``, what is drawn from torch's CPU generator is drawn again after."""
-    return torch.random.fork_rng(devices=[]) if kept else nullcontext()

@@ -16,7 +16,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_varuna.multimodel.held_loaders import draw_holding
+from lightning_varuna.multimodel.held_loaders import ResumedEpoch, draw_holding
 from lightning_varuna.multimodel.scheduler import DeviceScheduler, SweepStopped
 from lightning_varuna.strategies.launchers import InProcessLauncher
 from lightning_varuna.strategies.spilling import SpillingStrategy
@@ -39,14 +39,12 @@ class SweepMember:
     next_decision: Callable[[pl.Trainer], tuple[float, float]] | None = None
     # torch's generators' state when it was added (`generator_states`): what its draws start from, as alone.
     random_state: list[torch.Tensor] = field(default_factory=list)
-    resumed_mid_epoch: bool = False  # resumed from a checkpoint taken mid-epoch (`GeneratorCheckpoint`)
+    resumed: ResumedEpoch | None = None  # a fit resumed from a checkpoint, until its first batch
 
-    def resumes_mid_epoch(self, trainer: pl.Trainer) -> bool:
-        """Whether the DataLoader ``trainer`` processes now is the training one of an epoch that the model's fit
-        resumes mid-way (then no longer: the next one starts an epoch)."""
-        resumed = self.resumed_mid_epoch and trainer.state.stage == RunningStage.TRAINING
-        self.resumed_mid_epoch &= not resumed
-        return resumed
+    def resumed_training(self, trainer: pl.Trainer) -> ResumedEpoch | None:
+        """Where the DataLoaders ``trainer`` processes now are the training ones of a fit resumed from a checkpoint
+        that has not trained a batch yet, how it resumes."""
+        return self.resumed if trainer.state.stage == RunningStage.TRAINING else None
 
 
 class SweepMemberStrategy(SpillingStrategy):
@@ -122,7 +120,7 @@ class SweepMemberStrategy(SpillingStrategy):
         dataloader = super().process_dataloader(dataloader)
         if not isinstance(dataloader, DataLoader):
             return dataloader
-        resumed = self._member.resumes_mid_epoch(self._module.trainer)
+        resumed = self._member.resumed_training(self._module.trainer)
         return draw_holding(dataloader, partial(self.scheduler.generator_held, self.sweep_name), resumed)
 
 

@@ -36,7 +36,8 @@ class SweepMemberCallback(GeneratorCheckpoint):
     def __init__(
         self, scheduler: DeviceScheduler, member: SweepMember, display: Callable[[], SweepDisplay | None]
     ) -> None:
-        super().__init__(member, partial(scheduler.generator_held, member.name), scheduler.generator_device)
+        own_states, held = partial(scheduler.random_state, member.name), partial(scheduler.generator_held, member.name)
+        super().__init__(member, scheduler.generator_device, own_states, held)
         self.scheduler, self.display = scheduler, display
 
     @override

@@ -20,6 +20,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from multiprocessing.connection import Connection, wait
 from typing import Any, cast
 
@@ -39,6 +40,7 @@ from lightning_varuna.multimodel.member_callback import step_loss
 from lightning_varuna.multimodel.report import ModelResult, SweepDisplay
 from lightning_varuna.multimodel.scheduler import DeviceSpan, SweepStopped
 from lightning_varuna.multimodel.signals import handled
+from lightning_varuna.pipeline.replay import generator_states
 from lightning_varuna.strategies.callback_hooks import callbacks_of
 from lightning_varuna.strategies.spilling import SpillingStrategy
 
@@ -54,9 +56,8 @@ __all__ = [
 
 
 class WorkerStrategy(SpillingStrategy):
-    """`SpillingStrategy` of ``member`` in a worker process, where it draws from the process's generator alone: an
-    epoch its fit resumes mid-way starts its training DataLoader again without moving that generator's state
-    (`GeneratorCheckpoint`)."""
+    """`SpillingStrategy` of ``member`` in a worker process, where it draws from the process's generator alone: a fit
+    resumed from a checkpoint starts its training DataLoaders as the uninterrupted fit did (`GeneratorCheckpoint`)."""
 
     def __init__(self, member: SweepMember, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -65,8 +66,9 @@ class WorkerStrategy(SpillingStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
-        if isinstance(dataloader, DataLoader) and self._member.resumes_mid_epoch(self._module.trainer):
-            return draw_holding(dataloader, nullcontext, resumed_mid_epoch=True)
+        resumed = self._member.resumed_training(self._module.trainer)
+        if isinstance(dataloader, DataLoader) and resumed is not None:
+            return draw_holding(dataloader, nullcontext, resumed)
         return dataloader
 
 
@@ -75,7 +77,8 @@ class WorkerCallback(GeneratorCheckpoint):
     is told to stop (SIGTERM, Ctrl-C), and keeps its generator state (the process's) in its checkpoints."""
 
     def __init__(self, member: SweepMember) -> None:
-        super().__init__(member, nullcontext, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        super().__init__(member, cpu, partial(generator_states, cpu), nullcontext)
         self.send: Callable[[tuple[Any, ...]], None] | None = None
         self.stop = threading.Event()
 
@@ -85,6 +88,7 @@ class WorkerCallback(GeneratorCheckpoint):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, i)
         if self.stop.is_set():
             raise SweepStopped("the sweep was stopped (its worker process got SIGTERM or Ctrl-C)")
 

@@ -194,6 +194,15 @@ class DeviceScheduler:
     def clock(self, name: str) -> ModelClock:
         return self._clocks[name]
 
+    def random_state(self, name: str) -> list[torch.Tensor]:
+        """The generator state ``name``'s model draws from next, read without waiting for the generator: the
+        generator's own while the model holds it (or has no state of its own), else the state kept for it."""
+        with self._lock:
+            clock = self._clocks[name]
+            if self._generator_holder == name or clock.random_state is None:
+                return generator_states(self.generator_device)
+            return [state.clone() for state in clock.random_state]
+
     # ------------------------------------------------------------------------------------ remaining time
     def remaining_s(self, clock: ModelClock) -> float:
         """The device time ``clock``'s model still needs as the scheduler ranks it (``ranking``): measured, or
