@@ -37,6 +37,7 @@ from lightning_varuna.multimodel import scheduler as scheduler_module
 from lightning_varuna.multimodel.devices import staying_models
 from lightning_varuna.multimodel.pruning import next_decision
 from lightning_varuna.multimodel.scheduler import HOLD_S
+from lightning_varuna.pipeline.replay import generator_states
 
 
 class MLP(demos.MLP):
@@ -948,6 +949,24 @@ def test_a_build_waiting_for_the_generator_when_the_sweep_stops_runs_on():
     scheduler.stop("KeyboardInterrupt")
     builder.join(timeout=100 * HOLD_S)
     assert built.is_set()
+
+
+def test_a_models_generator_state_is_read_without_waiting_for_the_generator():
+    """What a model draws from next, as its checkpoint is taken: its own state, read at once while another model
+    holds the generator (and draws from it), and the generator's own while the model holds it."""
+    scheduler = DeviceScheduler(devices=1)
+    torch.manual_seed(1)
+    own = generator_states(torch.device("cpu"))
+    scheduler.add("saving", 10, own)
+    scheduler.add("drawing", 10, generator_states(torch.device("cpu")))
+    scheduler.hold_generator("drawing")
+    torch.rand(5)  # the drawing model's draws move the generator, not the saving model's state
+    assert torch.equal(scheduler.random_state("saving")[0], own[0])
+    scheduler.release_generator("drawing")
+    with scheduler.generator_held("saving"):
+        torch.rand(3)
+        assert torch.equal(scheduler.random_state("saving")[0], torch.get_rng_state())
+    assert not torch.equal(scheduler.random_state("saving")[0], own[0])
 
 
 def test_a_hold_of_the_generator_is_served_before_a_longer_models_set_up():
