@@ -42,7 +42,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,7 +57,7 @@ from lightning_varuna import SpillingStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_throughput import gpt_and_tokens  # noqa: E402
+from gpu_throughput import add_gpt_arguments, gpt_and_tokens, run_worker, timed_trainer  # noqa: E402
 from spilling import AnonymousMemory, disk_bandwidth  # noqa: E402
 
 VARIANTS = ["in-gpu", "fsdp2-offload", "spill-host", "spill-disk"]
@@ -111,19 +110,7 @@ def lightning_steps(variant: str, args: argparse.Namespace, model: L.LightningMo
 
 def lightning_fit(strategy: Any, args: argparse.Namespace, model: L.LightningModule, data: TensorDataset) -> dict:
     timer = StepTimer()
-    trainer = L.Trainer(
-        accelerator=args.accelerator,
-        devices=1,
-        strategy=strategy,
-        precision=args.precision,
-        max_steps=args.warmup + args.steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-    )
+    trainer = timed_trainer(args, strategy, timer)
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     if not timer.moved:
         return {"step_s": timer.step_s}
@@ -201,23 +188,12 @@ def worker(variant: str, args: argparse.Namespace, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--accelerator", default="gpu")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--block", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=50304)
-    parser.add_argument("--batch", type=int, default=4, help="rows a step")
-    parser.add_argument("--precision", default="bf16-mixed")
+    add_gpt_arguments(parser, layers=16, dim=1024, heads=16, batch=4, warmup=2, steps=4)
     parser.add_argument("--budget", default="2.4GB", help="SpillingStrategy's memory_budget (the state: 4.1 GB)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--spill-dir", default=tempfile.gettempdir(), help="folder on the disk of the disk tier")
     parser.add_argument("--port", type=int, default=29571, help="FSDP2's process group of one")
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_spilling.json"))
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args, Path(args.worker_out))
@@ -225,16 +201,10 @@ def main() -> None:
 
     rows = []
     for variant in args.variants:
-        result_file = Path(args.out).with_suffix(f".{variant}.part")
-        result_file.unlink(missing_ok=True)
-        command = [sys.executable, __file__, *sys.argv[1:], "--worker", variant, "--worker-out", str(result_file)]
-        done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        if done.returncode != 0 or not result_file.exists():
-            rows.append({"variant": variant, "error": f"exit {done.returncode}"})
-            print(f"{variant}: failed (exit {done.returncode})", flush=True)
+        row = run_worker(variant, args.out)
+        if "error" in row:
+            rows.append(row)
             continue
-        row = json.loads(result_file.read_text())
-        result_file.unlink()
         row["host_bytes_per_parameter"] = row["anonymous_growth_bytes"] / row["parameters"]
         rows.append(row)
         gib = 2.0**30

@@ -82,6 +82,54 @@ def gpt_and_tokens(args: argparse.Namespace, rows: int) -> tuple[GPT, TensorData
     return model, TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
+def timed_trainer(args: argparse.Namespace, strategy: Any, timer: L.Callback, devices: int = 1) -> L.Trainer:
+    """A Trainer for ``args``'s warm-up and timed steps with ``timer``, and nothing else (no validation, logger,
+    checkpoints or progress bar)."""
+    return L.Trainer(
+        accelerator=args.accelerator,
+        devices=devices,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.warmup + args.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+
+
+def add_gpt_arguments(parser: argparse.ArgumentParser, **defaults: int) -> None:
+    """The GPT's shape, precision and steps, and the worker's own arguments; ``defaults`` for layers, dim, heads,
+    batch, warmup and steps."""
+    parser.add_argument("--accelerator", default="gpu")
+    for name in ("layers", "dim", "heads"):
+        parser.add_argument(f"--{name}", type=int, default=defaults[name])
+    parser.add_argument("--block", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--batch", type=int, default=defaults["batch"], help="rows a step")
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--warmup", type=int, default=defaults["warmup"])
+    parser.add_argument("--steps", type=int, default=defaults["steps"])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+
+
+def run_worker(variant: str, out: str) -> dict:
+    """Run ``variant`` in a fresh process (this script again, with ``--worker``): what it wrote, or its ``error``."""
+    result_file = Path(out).with_suffix(f".{variant}.part")
+    result_file.unlink(missing_ok=True)
+    command = [sys.executable, sys.argv[0], *sys.argv[1:], "--worker", variant, "--worker-out", str(result_file)]
+    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if done.returncode != 0 or not result_file.exists():
+        print(f"{variant}: failed (exit {done.returncode})", flush=True)
+        return {"variant": variant, "error": f"exit {done.returncode}"}
+    row = json.loads(result_file.read_text())
+    result_file.unlink()
+    return row
+
+
 def flops_per_token(model: GPT, args: argparse.Namespace) -> float:
     n = sum(p.numel() for p in model.parameters()) - model.pos.numel()
     return 6 * n + 12 * args.layers * args.block * args.dim
@@ -101,19 +149,7 @@ def worker(variant: str, args: argparse.Namespace, out: Path) -> None:
         strategy = VarunaStrategy(pipeline_parallel_size=2, micro_batch_size=args.batch // 4, parallel_devices=shared)
         devices = 1 if on_gpu else 2
     timer = WindowTimer(args.warmup, args.steps)
-    trainer = L.Trainer(
-        accelerator=args.accelerator,
-        devices=devices,
-        strategy=strategy,
-        precision=args.precision,
-        max_steps=args.warmup + args.steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-    )
+    trainer = timed_trainer(args, strategy, timer, devices)
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     fit_s = time.perf_counter() - timer.fit_start
     peak = torch.cuda.max_memory_allocated() if on_gpu else None
@@ -142,21 +178,10 @@ def peak_tflops(args: argparse.Namespace) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--accelerator", default="gpu")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--block", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=50304)
-    parser.add_argument("--batch", type=int, default=16, help="rows a step (divisible by 4)")
-    parser.add_argument("--precision", default="bf16-mixed")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
+    add_gpt_arguments(parser, layers=12, dim=768, heads=12, batch=16, warmup=5, steps=20)  # batch: divisible by 4
     parser.add_argument("--peak-tflops", type=float, help="the device's peak at --precision (default: by its name)")
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_throughput.json"))
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args, Path(args.worker_out))
@@ -165,18 +190,13 @@ def main() -> None:
     peak = peak_tflops(args)
     rows = []
     for variant in args.variants:
-        result_file = Path(args.out).with_suffix(f".{variant}.part")
-        result_file.unlink(missing_ok=True)
-        command = [sys.executable, __file__, *sys.argv[1:], "--worker", variant, "--worker-out", str(result_file)]
-        done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        if done.returncode != 0 or not result_file.exists():
-            rows.append({"variant": variant, "error": f"exit {done.returncode}"})
-            print(f"{variant}: failed (exit {done.returncode})", flush=True)
+        row = run_worker(variant, args.out)
+        if "error" in row:
+            rows.append(row)
             continue
-        row = json.loads(result_file.read_text())
-        others = sorted(result_file.parent.glob(f"{result_file.stem}.rank*"))
+        others = sorted(Path(args.out).parent.glob(f"{Path(args.out).stem}.{variant}.rank*"))
         row["peak_gpu_bytes_per_process"] = [row.pop("peak_gpu_bytes")] + [json.loads(f.read_text()) for f in others]
-        for f in [result_file, *others]:
+        for f in others:
             f.unlink()
         row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / (peak * 1e12) if peak else None
         rows.append(row)
