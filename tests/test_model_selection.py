@@ -20,6 +20,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 optuna = pytest.importorskip("optuna", reason="model selection needs Optuna: pip install lightning-varuna[optuna]")
 from conftest import clean_env  # noqa: E402
@@ -27,6 +28,8 @@ from study_models import LossLog, fit_kwargs, logged_losses, regression_mlp, tra
 
 from lightning_varuna import MultiModelTrainer  # noqa: E402
 from lightning_varuna._optuna_private import as_new_worker, set_user_attr  # noqa: E402
+from lightning_varuna.demos import MLP  # noqa: E402
+from lightning_varuna.multimodel.devices import torch_threads  # noqa: E402
 from lightning_varuna.multimodel.study import HANDED_OVER, HEARTBEAT, RESUMES  # noqa: E402
 from lightning_varuna.multimodel.trial_callback import TrialCallback  # noqa: E402
 
@@ -106,6 +109,70 @@ def test_trials_train_in_worker_processes_each_as_if_alone(tmp_path, capsys):
         steps = 4 if trial.number % 2 else 12
         assert sorted(logged) == list(range(1, steps + 1))
         torch.testing.assert_close(list(logged.values()), losses[:steps], rtol=1e-5, atol=1e-6)
+
+
+class ThreadsLog(L.Callback):
+    """Appends each step's loss, torch's threads and the cores its thread may run on to ``path``; saves the final
+    weights beside it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        cores = len(os.sched_getaffinity(0))
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"loss": float(outputs["loss"]), "threads": torch.get_num_threads(), "cores": cores}))
+            f.write("\n")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        torch.save(pl_module.state_dict(), self.path.with_suffix(".pt"))
+
+
+def wide_trial(trial: optuna.trial.Trial, max_steps: int) -> tuple[L.LightningModule, dict[str, Any]]:
+    """A trial's model wide enough for torch to split its steps between threads, and how it is fitted."""
+    torch.manual_seed(trial.suggest_int("seed", 0, 0))
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 512, generator=generator)
+    data = DataLoader(TensorDataset(x, torch.tanh(x.roll(1, 1))), batch_size=64)
+    fit = dict(train_dataloaders=data, val_dataloaders=data, max_steps=max_steps, val_check_interval=4)
+    return MLP(512, 3, lr=0.01, optimizer="sgd"), fit
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending a core needs two")
+def test_a_worker_with_no_trial_left_lends_its_core_to_the_trial_still_training(tmp_path):
+    """``processes=True`` on 2 cores, a study of 2 trials: a short one and a long one. Once the short trial's worker
+    has no trial left to ask, the long trial's steps compute with 2 threads on both cores (its first steps with
+    one, on its own); it still trains as alone on one thread: the same per-step losses and final weights."""
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.log")))
+    study = optuna.create_study(storage=storage)
+    steps = {0: 4, 1: 150}
+
+    def build(trial: optuna.trial.Trial) -> dict:
+        model, fit = wide_trial(trial, steps[trial.number])
+        return dict(model=model, callbacks=[ThreadsLog(tmp_path / f"trial-{trial.number}.jsonl")], **fit)
+
+    sweep = MultiModelTrainer(devices=2, checkpoint_dir=str(tmp_path / "ckpt"), processes=True)
+    sweep.optimize(study, build, n_trials=2, monitor="val_loss")
+    for number, max_steps in steps.items():
+        logged = [json.loads(line) for line in (tmp_path / f"trial-{number}.jsonl").read_text().splitlines()]
+        used = [(step["threads"], step["cores"]) for step in logged]
+        if number == 0:
+            assert set(used) == {(1, 1)}, "the short trial trains while the other worker trains: on its own core"
+        else:
+            assert used[0] == (1, 1) and used[-1] == (2, 2), used
+        model, fit = wide_trial(study.trials[number], max_steps)
+        losses = LossLog(tmp_path / f"alone-{number}.jsonl")
+        trainer = L.Trainer(
+            max_steps=max_steps, val_check_interval=4, callbacks=[losses], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        with torch_threads(1):
+            trainer.fit(model, fit["train_dataloaders"], fit["val_dataloaders"])
+        alone = logged_losses(losses.path)
+        torch.testing.assert_close([step["loss"] for step in logged], list(alone.values()), rtol=1e-5, atol=1e-6)
+        weights = torch.load(tmp_path / f"trial-{number}.pt")
+        for name, tensor in model.state_dict().items():
+            torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_worker_processes_need_a_study_they_can_share(tmp_path):

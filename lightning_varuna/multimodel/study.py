@@ -135,6 +135,8 @@ class StudyRunner:
         max_running: the most trials training at once in this worker.
         preempted: set by a signal: running trials checkpoint and are handed over; no more are asked.
         display: where the running trials and the study's progress show, if anywhere.
+        idle: told whether the worker has nothing to train (no trial left to ask, it waits for others' trials), and
+            when it trains again (`LentCores.set_idle`).
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class StudyRunner:
         max_running: int,
         preempted: threading.Event,
         display: StudyDisplay | None = None,
+        idle: Callable[[bool], None] | None = None,
     ) -> None:
         import optuna
 
@@ -160,7 +163,7 @@ class StudyRunner:
         self.n_trials, self.monitor, self.value = n_trials, monitor, value
         self.checkpoint_dir, self.checkpoint_interval = checkpoint_dir.rstrip("/"), checkpoint_interval
         self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period
-        self.max_running, self.preempted, self.display = max_running, preempted, display
+        self.max_running, self.preempted, self.display, self.idle = max_running, preempted, display, idle
         self.minimize = study.direction == optuna.study.StudyDirection.MINIMIZE
         self.outcomes: list[TrialOutcome] = []
         self._running: dict[int, _Running] = {}  # by trial number
@@ -182,6 +185,8 @@ class StudyRunner:
                     and self._start_next()
                 ):
                     pass
+                if self.idle is not None:
+                    self.idle(not self._running)
                 if not self._running and (self.preempted.is_set() or not self._others_may_need_us()):
                     return self.outcomes
                 # Nothing ended: time to look for silent trials again (soon, if this worker only waits for others').

@@ -1,7 +1,8 @@
 """`MultiModelTrainer.optimize` with ``processes=True``: the study's trials trained in D worker processes forked as
 it starts, each a one-device sweep pinned to a core of its own and a worker of the study, as a worker on another
 machine would be (sharing its storage, taking over a dead worker's trials). Trials whose steps are mostly Python
-(small models on the CPU) then do not wait for one another's interpreter lock, as threads of one process do."""
+(small models on the CPU) then do not wait for one another's interpreter lock, as threads of one process do. A worker
+left with no trial to ask lends its core to those still training (`CoreLending`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, cast
 
 from lightning_varuna._optuna_private import as_new_worker, shareable_storage
+from lightning_varuna.multimodel.core_lending import CoreLending, LentCores
 from lightning_varuna.multimodel.devices import cores_for
 from lightning_varuna.multimodel.processes import ended_at_exit, own_end, picklable, start_forked
 from lightning_varuna.multimodel.report import StudyDisplay
@@ -35,7 +37,7 @@ SHOWN_EVERY_S = 0.5  # how often the display reads the study's storage
 def optimize_in_processes(
     study: optuna.Study,
     devices: int,
-    run_worker: Callable[[], list[TrialOutcome]],
+    run_worker: Callable[[LentCores | None], list[TrialOutcome]],
     monitor: str,
     rows: int,
 ) -> list[TrialOutcome]:
@@ -52,9 +54,10 @@ def optimize_in_processes(
         )
     cores = cores_for(devices)
     context = multiprocessing.get_context("fork")
+    lending = CoreLending(cores, context) if cores is not None else None
     pipes = [context.Pipe(duplex=False) for _ in range(devices)]
     workers = [
-        context.Process(target=_work, args=(study, run_worker, k, cores, pipes), name=f"study worker {k}")
+        context.Process(target=_work, args=(study, run_worker, k, lending, pipes), name=f"study worker {k}")
         for k in range(devices)
     ]
     start_forked(workers)
@@ -83,6 +86,8 @@ def optimize_in_processes(
                     kind, payload = receiving.recv()
                 except EOFError:  # it died without a word (killed): the other workers take over its trials
                     workers[k].join()
+                    if lending is not None:
+                        lending.set_idle(k, True)
                     log.warning(
                         f"Study worker process {k} died (exit code {workers[k].exitcode}); the other workers take "
                         "over its running trials after the grace period, from their last checkpoints (or the next "
@@ -151,17 +156,19 @@ class _StoredStudyView:
 
 def _work(
     study: optuna.Study,
-    run_worker: Callable[[], list[TrialOutcome]],
+    run_worker: Callable[[LentCores | None], list[TrialOutcome]],
     k: int,
-    cores: list[int] | None,
+    lending: CoreLending | None,
     pipes: list[tuple[Connection, Connection]],
 ) -> None:
-    """Worker process ``k``: pinned to ``cores[k]``, run the study; send back how its trials ended (or its error)."""
+    """Worker process ``k``: pinned to its core (and those lent to it), run the study; send back how its trials
+    ended (or its error)."""
     sending = own_end(pipes, k)
-    if cores is not None:
-        os.sched_setaffinity(0, {cores[k]})
+    if lending is not None:
+        os.sched_setaffinity(0, {lending.cores[k]})
     as_new_worker(study)
     try:
-        sending.send(("outcomes", run_worker()))
+        outcomes = run_worker(lending.of(k) if lending is not None else None)
+        sending.send(("outcomes", outcomes))
     except BaseException as error:  # noqa: BLE001 - sent to the sweep's process, which raises it
         sending.send(("error", picklable(error)))

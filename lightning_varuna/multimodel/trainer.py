@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_varuna._torch_private import register_cuda_device_guard
+from lightning_varuna.multimodel.core_lending import LentCores
 from lightning_varuna.multimodel.devices import check_one_gpu, cores_for, staying_models, torch_threads
 from lightning_varuna.multimodel.member import SweepMember, SweepMemberStrategy
 from lightning_varuna.multimodel.member_callback import SweepMemberCallback
@@ -121,6 +122,7 @@ class MultiModelTrainer:
         self.results: list[ModelResult] = []
         self._members: list[SweepMember] = []
         self._display: SweepDisplay | StudyDisplay | None = None
+        self._lent: LentCores | None = None  # of a worker process's sweep: the cores other workers lend it
 
     def add(
         self,
@@ -309,8 +311,8 @@ class MultiModelTrainer:
         if self.processes:  # a one-device sweep per process, each a worker of the study
             each = max(1, (max_running or self.devices) // self.devices)
 
-            def worker() -> list[TrialOutcome]:  # in its process: its sweep pins to that process's core
-                return self._one_device_sweep().optimize(
+            def worker(lent: LentCores | None) -> list[TrialOutcome]:  # in its process, pinned to its core
+                return self._one_device_sweep(lent).optimize(
                     study, build, n_trials, monitor, value=value, max_running=each,
                     checkpoint_interval=checkpoint_interval, heartbeat_interval=heartbeat_interval,
                     grace_period=grace_period,
@@ -324,6 +326,7 @@ class MultiModelTrainer:
         runner = StudyRunner(
             self, study, build, n_trials, monitor, value, self.checkpoint_dir, checkpoint_interval,
             heartbeat_interval, grace_period, max_running, preempted, display,
+            self._lent.set_idle if self._lent is not None else None,
         )  # fmt: skip
         if not torch.cuda.is_available():
             register_cuda_device_guard()
@@ -338,13 +341,17 @@ class MultiModelTrainer:
             self._display.close()
         return outcomes
 
-    def _one_device_sweep(self) -> MultiModelTrainer:
-        """A sweep like this one on one device (this process's first core), in threads, without a display."""
-        return MultiModelTrainer(
+    def _one_device_sweep(self, lent: LentCores | None) -> MultiModelTrainer:
+        """A sweep like this one on one device (this process's first core, and the cores ``lent`` to it), in
+        threads, without a display."""
+        sweep = MultiModelTrainer(
             devices=1, memory_budget=self.memory_budget, spill_dir=self.spill_dir, prefetch=self.prefetch,
             storage_options=self.storage_options, enable_progress_bar=False, keep_on_device=self.keep_on_device,
             checkpoint_dir=self.checkpoint_dir, ranking=self.scheduler.ranking,
         )  # fmt: skip
+        if lent is not None:
+            sweep._lent, sweep.scheduler.borrowed = lent, lent.borrowed
+        return sweep
 
     def launch(self, trainer: pl.Trainer, ended: Callable[[ModelResult], None]) -> ModelResult:
         """Start fitting the model added with ``trainer`` (alongside those training); ``ended(result)`` runs in its
