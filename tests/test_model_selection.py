@@ -29,6 +29,7 @@ from study_models import LossLog, fit_kwargs, logged_losses, regression_mlp, tra
 from lightning_varuna import MultiModelTrainer  # noqa: E402
 from lightning_varuna._optuna_private import as_new_worker, set_user_attr  # noqa: E402
 from lightning_varuna.demos import MLP  # noqa: E402
+from lightning_varuna.multimodel.core_lending import CoreLending  # noqa: E402
 from lightning_varuna.multimodel.devices import torch_threads  # noqa: E402
 from lightning_varuna.multimodel.study import HANDED_OVER, HEARTBEAT, RESUMES  # noqa: E402
 from lightning_varuna.multimodel.trial_callback import TrialCallback  # noqa: E402
@@ -112,17 +113,21 @@ def test_trials_train_in_worker_processes_each_as_if_alone(tmp_path, capsys):
 
 
 class ThreadsLog(L.Callback):
-    """Appends each step's loss, torch's threads and the cores its thread may run on to ``path``; saves the final
-    weights beside it."""
+    """Appends each step's loss, time, torch's threads and the cores its thread may run on to ``path``; saves the
+    final weights beside it. With ``widened``: stops the fit once that many steps ran on more than one core (or after
+    a minute)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, widened: int | None = None) -> None:
+        self.path, self.widened, self.started = path, widened, time.monotonic()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        cores = len(os.sched_getaffinity(0))
+        step = {"loss": float(outputs["loss"]), "at": time.time(), "threads": torch.get_num_threads()}
+        step["cores"] = len(os.sched_getaffinity(0))
         with open(self.path, "a") as f:
-            f.write(json.dumps({"loss": float(outputs["loss"]), "threads": torch.get_num_threads(), "cores": cores}))
-            f.write("\n")
+            f.write(json.dumps(step) + "\n")
+        if self.widened is not None:
+            self.widened -= step["cores"] > 1
+            trainer.should_stop = self.widened <= 0 or time.monotonic() - self.started > 60
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         torch.save(pl_module.state_dict(), self.path.with_suffix(".pt"))
@@ -138,41 +143,64 @@ def wide_trial(trial: optuna.trial.Trial, max_steps: int) -> tuple[L.LightningMo
     return MLP(512, 3, lr=0.01, optimizer="sgd"), fit
 
 
+def until_both_asked(folder: Path, trial: optuna.trial.Trial) -> None:
+    """Wait until trials 0 and 1 have both been asked (by then each of 2 workers holds one)."""
+    (folder / f"asked-{trial.number}").touch()
+    deadline = time.monotonic() + 60
+    while not all((folder / f"asked-{n}").exists() for n in (0, 1)):
+        assert time.monotonic() < deadline, "the other worker asked no trial within a minute"
+        time.sleep(0.01)
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending a core needs two")
 def test_a_worker_with_no_trial_left_lends_its_core_to_the_trial_still_training(tmp_path):
-    """``processes=True`` on 2 cores, a study of 2 trials: a short one and a long one. Once the short trial's worker
-    has no trial left to ask, the long trial's steps compute with 2 threads on both cores (its first steps with
-    one, on its own); it still trains as alone on one thread: the same per-step losses and final weights."""
+    """``processes=True`` on 2 cores, a study of 2 trials, one per worker: a short one and a long one. While both
+    train, each computes with one thread on its own core; once the short trial's worker has no trial left to ask,
+    the long trial's steps compute with 2 threads on both cores. Each still trains as alone on one thread: the same
+    per-step losses and final weights."""
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.log")))
     study = optuna.create_study(storage=storage)
-    steps = {0: 4, 1: 150}
 
     def build(trial: optuna.trial.Trial) -> dict:
-        model, fit = wide_trial(trial, steps[trial.number])
-        return dict(model=model, callbacks=[ThreadsLog(tmp_path / f"trial-{trial.number}.jsonl")], **fit)
+        until_both_asked(tmp_path, trial)
+        model, fit = wide_trial(trial, max_steps=4 if trial.number == 0 else 10_000)
+        log = ThreadsLog(tmp_path / f"trial-{trial.number}.jsonl", widened=None if trial.number == 0 else 10)
+        return dict(model=model, callbacks=[log], **fit)
 
     sweep = MultiModelTrainer(devices=2, checkpoint_dir=str(tmp_path / "ckpt"), processes=True)
     sweep.optimize(study, build, n_trials=2, monitor="val_loss")
-    for number, max_steps in steps.items():
-        logged = [json.loads(line) for line in (tmp_path / f"trial-{number}.jsonl").read_text().splitlines()]
-        used = [(step["threads"], step["cores"]) for step in logged]
-        if number == 0:
-            assert set(used) == {(1, 1)}, "the short trial trains while the other worker trains: on its own core"
-        else:
-            assert used[0] == (1, 1) and used[-1] == (2, 2), used
-        model, fit = wide_trial(study.trials[number], max_steps)
+    logged = {n: list(map(json.loads, (tmp_path / f"trial-{n}.jsonl").read_text().splitlines())) for n in (0, 1)}
+    short_ended = logged[0][-1]["at"]
+    while_both = [(s["threads"], s["cores"]) for s in logged[0] + [s for s in logged[1] if s["at"] < short_ended]]
+    assert set(while_both) == {(1, 1)}, "while both train, each on its own core"
+    assert (logged[1][-1]["threads"], logged[1][-1]["cores"]) == (2, 2), "the long trial ends on both cores"
+    for number, steps in logged.items():
+        model, fit = wide_trial(study.trials[number], max_steps=len(steps))
         losses = LossLog(tmp_path / f"alone-{number}.jsonl")
         trainer = L.Trainer(
-            max_steps=max_steps, val_check_interval=4, callbacks=[losses], logger=False, enable_checkpointing=False,
+            max_steps=len(steps), val_check_interval=4, callbacks=[losses], logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
         with torch_threads(1):
             trainer.fit(model, fit["train_dataloaders"], fit["val_dataloaders"])
         alone = logged_losses(losses.path)
-        torch.testing.assert_close([step["loss"] for step in logged], list(alone.values()), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close([step["loss"] for step in steps], list(alone.values()), rtol=1e-5, atol=1e-6)
         weights = torch.load(tmp_path / f"trial-{number}.pt")
         for name, tensor in model.state_dict().items():
             torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_idle_workers_cores_are_shared_out_in_turn_among_the_workers_that_train():
+    lending = CoreLending([10, 11, 12, 13], multiprocessing.get_context("fork"))
+    assert [lending.borrowed(k) for k in range(4)] == [(), (), (), ()]
+    lending.set_idle(3, True)
+    assert [lending.borrowed(k) for k in range(4)] == [(13,), (), (), ()]
+    lending.set_idle(1, True)
+    assert [lending.borrowed(k) for k in range(4)] == [(11,), (), (13,), ()]
+    lending.set_idle(0, True)
+    assert [lending.borrowed(k) for k in range(4)] == [(), (), (10, 11, 13), ()]
+    lending.set_idle(1, False)
+    assert [lending.borrowed(k) for k in range(4)] == [(), (10,), (13,), ()]
 
 
 def test_worker_processes_need_a_study_they_can_share(tmp_path):

@@ -1,15 +1,19 @@
 """The cores of a sweep's worker processes (one each, on the CPU), lent by a worker that has nothing to train to those
 still training: near a study's end, when no trial is left to ask, the last trials' steps compute with more threads
-instead of leaving cores idle while they run alone. A worker takes its core back as soon as it trains again.
+instead of leaving cores idle while they run alone. A worker takes its core back as soon as it is about to train
+again; the workers that borrowed it give it up at their next turn.
 
 A step computed with more threads trains the same model within float tolerance (a kernel may split a sum between
 threads); the tests compare such trials with each trained alone on one thread."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from multiprocessing.context import BaseContext
+
+import torch
 
 __all__ = ["CoreLending", "LentCores"]
 
@@ -28,26 +32,39 @@ class CoreLending:
 
     def borrowed(self, worker: int) -> tuple[int, ...]:
         """The idle workers' cores that ``worker`` computes on now besides its own (none while it is idle itself)."""
-        idle = [k for k, flag in enumerate(self._idle) if flag]
-        training = [k for k, flag in enumerate(self._idle) if not flag]
+        flags = list(self._idle)  # one reading: a flag that changes meanwhile must not count twice
+        idle = [k for k, flag in enumerate(flags) if flag]
+        training = [k for k, flag in enumerate(flags) if not flag]
         if worker not in training:
             return ()
         return tuple(self.cores[k] for n, k in enumerate(idle) if training[n % len(training)] == worker)
 
     def of(self, worker: int) -> LentCores:
-        """Worker ``worker``'s side of the lending."""
+        """Worker ``worker``'s side of the lending (in its process)."""
         return LentCores(self, worker)
 
 
-@dataclass(frozen=True)
 class LentCores:
-    """One worker's side of a `CoreLending`: the cores lent to it, and saying whether it is idle."""
+    """One worker's side of a `CoreLending`: say whether it is idle, and compute on its core and those lent to it."""
 
-    lending: CoreLending
-    worker: int
-
-    def borrowed(self) -> tuple[int, ...]:
-        return self.lending.borrowed(self.worker)
+    def __init__(self, lending: CoreLending, worker: int) -> None:
+        self.lending, self.worker = lending, worker
+        # What the process is pinned to: at first its own core (the worker pins itself as it starts).
+        self._pinned: tuple[int, ...] = (lending.cores[worker],)
 
     def set_idle(self, idle: bool) -> None:
         self.lending.set_idle(self.worker, idle)
+
+    def use(self) -> None:
+        """Compute on this worker's core and those lent to it now (a turn starts): every thread of the process pinned
+        to them, since the threads of torch's pools keep the cores they started with, and the calling thread's torch
+        computing with a thread per core (checked each time: a thread may have taken another count from the process's
+        default)."""
+        cores = (self.lending.cores[self.worker], *self.lending.borrowed(self.worker))
+        if cores != self._pinned:
+            for thread in os.listdir("/proc/self/task"):
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.sched_setaffinity(int(thread), cores)
+            self._pinned = cores
+        if torch.get_num_threads() != len(cores):
+            torch.set_num_threads(len(cores))

@@ -43,9 +43,8 @@ turns never share a core while another core idles, and a computing thread is not
 sweep's makespan 2-3% shorter at batches of 256 rows). A thread is pinned when it first runs on a core and stays
 pinned there between its turns, until a turn on another device (a model is given the device of its last turn when
 it is free): pinning it for each turn and back after took 7 ms a call on a loaded machine, longer than a small
-model's turn. ``pin=False`` leaves the threads where the OS puts them. A sweep in a worker process may also compute
-on cores that other workers lend it (``borrowed()``, `CoreLending`): a turn's thread is then pinned to those too,
-and computes with a torch thread per core.
+model's turn. ``pin=False`` leaves the threads where the OS puts them. A one-device sweep in a worker process may
+also compute on cores that other workers lend it (``lent``, `CoreLending`): each turn then starts on those too.
 
 On CUDA a device is a GPU: a turn on device k runs with ``gpus[k]`` as the current device. A GPU works
 asynchronously: a turn ends when its work is issued, so its time (what the ranking counts, and `spans`) is the host's
@@ -63,13 +62,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 
+from lightning_varuna.multimodel.core_lending import LentCores
 from lightning_varuna.pipeline.replay import generator_states, set_generator_states, states_differ
 
 __all__ = ["HOLD_S", "DeviceScheduler", "DeviceSpan", "ModelClock", "Ranking", "SweepStopped"]
@@ -138,8 +138,8 @@ class _Request:
 
 class DeviceScheduler:
     """``devices`` device slots shared by the models of a sweep, handed out longest remaining time first; on the CPU,
-    device k is the core ``cores[k]`` (None, or ``pin=False``: the OS places the threads) and those ``borrowed()``
-    from idle worker processes, on CUDA the GPU ``gpus[k]``.
+    device k is the core ``cores[k]`` (None, or ``pin=False``: the OS places the threads; ``lent``: and the cores
+    idle worker processes lend this one), on CUDA the GPU ``gpus[k]``.
 
     Whenever a device comes free (or a model starts waiting), the dispatcher gives the free devices to the waiting
     models in order of remaining time and wakes only those.
@@ -152,7 +152,7 @@ class DeviceScheduler:
         gpus: Sequence[torch.device] | None = None,
         ranking: Ranking = "end",
         pin: bool = True,
-        borrowed: Callable[[], tuple[int, ...]] | None = None,
+        lent: LentCores | None = None,
     ) -> None:
         if cores is not None and len(cores) < devices:
             raise ValueError(f"{devices} devices need as many cores; {list(cores)} were given.")
@@ -163,7 +163,7 @@ class DeviceScheduler:
                 f'DeviceScheduler ranks models by "expected" remaining time or time to their "end", not {ranking!r}.'
             )
         self.devices, self.cores, self.gpus, self.ranking, self.pin = devices, cores, gpus, ranking, pin
-        self.borrowed = borrowed
+        self.lent = lent
         self.spans: list[DeviceSpan] = []
         self._gpu_marks: list[tuple[DeviceSpan, torch.cuda.Event, torch.cuda.Event]] = []  # a turn's host span, events
         self._gpu_origins: dict[int, tuple[torch.cuda.Event, float]] = {}  # device -> an event and its host time
@@ -181,7 +181,7 @@ class DeviceScheduler:
         self._hold_due: float | None = None  # when the devices held now are held no longer (`_dispatch_later`)
         self._hold_thread: threading.Thread | None = None  # which dispatches again then
         self._hold_changed = threading.Condition(self._lock)
-        # Of each thread: ``.cores``, the cores it is pinned to (see `_on_device`); ``.turns``, model -> the turn it
+        # Of each thread: ``.core``, the core it is pinned to (see `_on_device`); ``.turns``, model -> the turn it
         # holds a device for in this thread.
         self._thread = threading.local()
         self._holders: dict[int, str] = {}  # device -> the model whose turn it runs
@@ -366,12 +366,11 @@ class DeviceScheduler:
         if self.cores is None or not self.pin:
             yield
             return
-        cores = (self.cores[device], *(self.borrowed() if self.borrowed is not None else ()))
-        if getattr(self._thread, "cores", None) != cores:
-            os.sched_setaffinity(0, set(cores))
-            if self.borrowed is not None:  # this thread's torch computes with a thread per core it may use
-                torch.set_num_threads(len(cores))
-            self._thread.cores = cores
+        if self.lent is not None:  # one device, in a worker process: its core and those lent to it
+            self.lent.use()
+        elif getattr(self._thread, "core", None) != self.cores[device]:
+            os.sched_setaffinity(0, {self.cores[device]})
+            self._thread.core = self.cores[device]
         yield
 
     @contextmanager

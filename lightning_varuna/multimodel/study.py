@@ -218,6 +218,8 @@ class StudyRunner:
         study is full."""
         if self._size() >= self.n_trials and not self._waiting():
             return False
+        if self.idle is not None:  # its core, if lent, is taken back before the trial is built
+            self.idle(False)
         trial = self.study.ask()
         resumes = trial.user_attrs.get(RESUMES)
         url = join(self.checkpoint_dir, f"trial-{trial.number}")

@@ -82,12 +82,12 @@ def optimize_in_processes(
         while waiting:
             for receiving in cast(list[Connection], wait(list(waiting), timeout=SHOWN_EVERY_S)):
                 k = waiting.pop(receiving)
+                if lending is not None:  # it has ended (its one message says how), or died: its core is free
+                    lending.set_idle(k, True)
                 try:
                     kind, payload = receiving.recv()
                 except EOFError:  # it died without a word (killed): the other workers take over its trials
                     workers[k].join()
-                    if lending is not None:
-                        lending.set_idle(k, True)
                     log.warning(
                         f"Study worker process {k} died (exit code {workers[k].exitcode}); the other workers take "
                         "over its running trials after the grace period, from their last checkpoints (or the next "

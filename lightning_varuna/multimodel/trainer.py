@@ -350,7 +350,7 @@ class MultiModelTrainer:
             checkpoint_dir=self.checkpoint_dir, ranking=self.scheduler.ranking,
         )  # fmt: skip
         if lent is not None:
-            sweep._lent, sweep.scheduler.borrowed = lent, lent.borrowed
+            sweep._lent = sweep.scheduler.lent = lent
         return sweep
 
     def launch(self, trainer: pl.Trainer, ended: Callable[[ModelResult], None]) -> ModelResult:
