@@ -81,8 +81,9 @@ class MultiModelTrainer:
             threads of this process: faster for small models, whose steps are mostly Python, which one process runs
             a thread at a time. `fit` loads what each fit left (weights, progress, metrics, checkpoint paths) into
             its model and Trainer here. `optimize` runs a worker of the study in each process (a one-device sweep;
-            this process shows the study as its storage has it); the trials' models here are not trained, their
-            checkpoints and the study hold the results.
+            this process shows the study as its storage has it; a worker with no trial left to ask lends its core to
+            those still training); the trials' models here are not trained, their checkpoints and the study hold the
+            results.
     """
 
     def __init__(
