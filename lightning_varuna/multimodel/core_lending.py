@@ -49,8 +49,7 @@ class LentCores:
 
     def __init__(self, lending: CoreLending, worker: int) -> None:
         self.lending, self.worker = lending, worker
-        # What the process is pinned to: at first its own core (the worker pins itself as it starts).
-        self._pinned: tuple[int, ...] = (lending.cores[worker],)
+        self._pinned: tuple[int, ...] = ()  # the cores the process's threads are pinned to (none yet)
 
     def set_idle(self, idle: bool) -> None:
         self.lending.set_idle(self.worker, idle)

@@ -164,11 +164,12 @@ def _work(
     """Worker process ``k``: pinned to its core (and those lent to it), run the study; send back how its trials
     ended (or its error)."""
     sending = own_end(pipes, k)
-    if lending is not None:
-        os.sched_setaffinity(0, {lending.cores[k]})
+    lent = lending.of(k) if lending is not None else None
+    if lent is not None:
+        lent.use()  # pinned to its own core (and any already lent to it)
     as_new_worker(study)
     try:
-        outcomes = run_worker(lending.of(k) if lending is not None else None)
+        outcomes = run_worker(lent)
         sending.send(("outcomes", outcomes))
     except BaseException as error:  # noqa: BLE001 - sent to the sweep's process, which raises it
         sending.send(("error", picklable(error)))

@@ -123,7 +123,6 @@ class MultiModelTrainer:
         self.results: list[ModelResult] = []
         self._members: list[SweepMember] = []
         self._display: SweepDisplay | StudyDisplay | None = None
-        self._lent: LentCores | None = None  # of a worker process's sweep: the cores other workers lend it
 
     def add(
         self,
@@ -327,7 +326,7 @@ class MultiModelTrainer:
         runner = StudyRunner(
             self, study, build, n_trials, monitor, value, self.checkpoint_dir, checkpoint_interval,
             heartbeat_interval, grace_period, max_running, preempted, display,
-            self._lent.set_idle if self._lent is not None else None,
+            self.scheduler.lent.set_idle if self.scheduler.lent is not None else None,
         )  # fmt: skip
         if not torch.cuda.is_available():
             register_cuda_device_guard()
@@ -351,7 +350,7 @@ class MultiModelTrainer:
             checkpoint_dir=self.checkpoint_dir, ranking=self.scheduler.ranking,
         )  # fmt: skip
         if lent is not None:
-            sweep._lent = sweep.scheduler.lent = lent
+            sweep.scheduler.lent = lent
         return sweep
 
     def launch(self, trainer: pl.Trainer, ended: Callable[[ModelResult], None]) -> ModelResult:
