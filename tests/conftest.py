@@ -39,8 +39,21 @@ def _run_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def clean_env() -> dict[str, str]:
     """The environment for a fresh multi-process job: without the launch variables that in-process
-    Lightning runs of this test session left in ``os.environ``."""
-    return {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("PL_")}
+    Lightning runs of this test session left in ``os.environ``; with Python's fault handler on, so that a job that
+    times out is stopped with SIGABRT and each of its Pythons writes where it was (`JobTimedOut`)."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("PL_")}
+    return {**env, "PYTHONFAULTHANDLER": "1"}
+
+
+class JobTimedOut(AssertionError):
+    """A test job that did not end in time: the message has the end of its output, where each of its Pythons was
+    when it was stopped included."""
+
+    def __init__(self, args: list[str], timeout: float, stdout: str, stderr: str) -> None:
+        super().__init__(
+            f"{' '.join(args)} did not end within {timeout} s; stopped with SIGABRT.\n"
+            f"--- stdout (end) ---\n{stdout[-3000:]}\n--- stderr (end: each Python's threads) ---\n{stderr[-12000:]}"
+        )
 
 
 def run_job(
@@ -61,6 +74,13 @@ def run_job(
     )
     try:
         stdout, stderr = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            stdout, stderr = job.communicate(timeout=10)
+            raise JobTimedOut(command, timeout, stdout, stderr) from None
+        raise
     finally:
         _stop_process_group(job)
     return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
@@ -120,7 +140,10 @@ class _PreloadedJobs:
             try:
                 status = self._reply(server, timeout)
                 if status is None:
-                    raise subprocess.TimeoutExpired(command, timeout, stdout.read_text(), stderr.read_text())
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(job, signal.SIGABRT)
+                    status = self._reply(server, 10)
+                    raise JobTimedOut(command, timeout, stdout.read_text(), stderr.read_text())
             finally:
                 self._stop(server, job, ended=status is not None)
             return subprocess.CompletedProcess(command, int(status), stdout.read_text(), stderr.read_text())

@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch.nn.functional as F
-from conftest import clean_env, run_job, run_ranks
+from conftest import JobTimedOut, clean_env, run_job, run_ranks
 from models import TinyLM, token_dataset
 from torch.utils.data import DataLoader
 
@@ -267,3 +267,23 @@ def test_a_failure_on_rank_0_alone_leaves_an_on_exception_checkpoint(tmp_path):
     assert proc.returncode != 0
     assert "RuntimeError: a failure on rank 0 alone" in proc.stderr.rstrip().splitlines()[-1], proc.stderr[-3000:]
     assert (tmp_path / "on_exception.ckpt").is_dir(), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("own_env", [False, True], ids=["forked-from-the-job-server", "fresh-python"])
+def test_a_test_job_that_hangs_fails_with_where_each_of_its_processes_was(tmp_path, own_env):
+    """The tests' own harness: a job past its timeout is stopped, and the failure shows its output and the stack of
+    every thread of its Pythons, its children included, so that a hang in CI says where it hung."""
+    script = tmp_path / "hangs.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "print('started', flush=True)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time\\ndef child_waits():\\n    time.sleep(60)\\n"
+        "child_waits()'])\n"
+        "def parent_waits():\n    time.sleep(60)\n"
+        "parent_waits()\n"
+    )
+    with pytest.raises(JobTimedOut) as hung:
+        run_job([str(script)], tmp_path, timeout=5, env={"HANGS": "1"} if own_env else None)
+    message = str(hung.value)
+    assert "did not end within 5 s" in message and "started" in message
+    assert "in parent_waits" in message and "in child_waits" in message
