@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 optuna = pytest.importorskip("optuna", reason="model selection needs Optuna: pip install lightning-varuna[optuna]")
 from conftest import clean_env  # noqa: E402
+from real_models import HFImageClassifier  # noqa: E402
 from study_models import LossLog, fit_kwargs, logged_losses, regression_mlp, train_alone, trial_kwargs  # noqa: E402
 
 from lightning_varuna import MultiModelTrainer  # noqa: E402
@@ -188,6 +189,60 @@ def test_a_worker_with_no_trial_left_lends_its_core_to_the_trial_still_training(
         weights = torch.load(tmp_path / f"trial-{number}.pt")
         for name, tensor in model.state_dict().items():
             torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class ConvNet(HFImageClassifier):
+    """Hugging Face's ResNet wide enough that oneDNN splits a convolution's weight gradient between threads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import ResNetConfig, ResNetForImageClassification
+
+        config = ResNetConfig(embedding_size=32, hidden_sizes=[32, 64], depths=[1, 1], num_labels=4)
+        self.model = ResNetForImageClassification(config)
+
+
+def conv_trial(trial: optuna.trial.Trial, max_steps: int) -> tuple[L.LightningModule, dict[str, Any]]:
+    torch.manual_seed(trial.suggest_int("seed", 0, 0))
+    generator = torch.Generator().manual_seed(0)
+    images = TensorDataset(
+        torch.randn(64, 3, 64, 64, generator=generator), torch.randint(0, 4, (64,), generator=generator)
+    )
+    data = DataLoader(images, batch_size=8)
+    return ConvNet(), dict(train_dataloaders=data, val_dataloaders=data, max_steps=max_steps, val_check_interval=4)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending a core needs two")
+def test_a_trial_that_asks_for_determinism_borrows_no_core(tmp_path):
+    """On 2 threads a convolution's weight gradient differs from one thread's in its last bits, and SGD carries that
+    on; a trial with Lightning's ``deterministic=True`` keeps one thread on its own core after the other worker has
+    no trial left, and trains bit for bit as plain Lightning on one thread."""
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.log")))
+    study = optuna.create_study(storage=storage)
+
+    def build(trial: optuna.trial.Trial) -> dict:
+        until_both_asked(tmp_path, trial)
+        model, fit = conv_trial(trial, max_steps=4 if trial.number == 0 else 24)
+        return dict(
+            model=model, callbacks=[ThreadsLog(tmp_path / f"trial-{trial.number}.jsonl")], deterministic=True, **fit
+        )
+
+    sweep = MultiModelTrainer(devices=2, checkpoint_dir=str(tmp_path / "ckpt"), processes=True)
+    sweep.optimize(study, build, n_trials=2, monitor="val_loss")
+    logged = {n: list(map(json.loads, (tmp_path / f"trial-{n}.jsonl").read_text().splitlines())) for n in (0, 1)}
+    assert [s for s in logged[1] if s["at"] > logged[0][-1]["at"]], "the long trial trains on after the short one"
+    assert {(s["threads"], s["cores"]) for s in logged[1]} == {(1, 1)}
+    model, fit = conv_trial(study.trials[1], max_steps=24)
+    losses = LossLog(tmp_path / "alone.jsonl")
+    trainer = L.Trainer(
+        max_steps=24, val_check_interval=4, deterministic=True, callbacks=[losses], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with torch_threads(1):
+        trainer.fit(model, fit["train_dataloaders"], fit["val_dataloaders"])
+    assert [step["loss"] for step in logged[1]] == list(logged_losses(losses.path).values())
+    weights = torch.load(tmp_path / "trial-1.pt")
+    assert all(torch.equal(weights[name], tensor) for name, tensor in model.state_dict().items())
 
 
 def test_idle_workers_cores_are_shared_out_in_turn_among_the_workers_that_train():

@@ -3,8 +3,10 @@ still training: near a study's end, when no trial is left to ask, the last trial
 instead of leaving cores idle while they run alone. A worker takes its core back as soon as it is about to train
 again; the workers that borrowed it give it up at their next turn.
 
-A step computed with more threads trains the same model within float tolerance (a kernel may split a sum between
-threads); the tests compare such trials with each trained alone on one thread."""
+A step computed with more threads trains the same model within float rounding: a kernel may split a sum between threads
+(a convolution's weight gradient in oneDNN differs in its last bits on 2 threads, and the optimizer's steps carry that
+on). A trial whose process asks torch for deterministic algorithms (Lightning's ``Trainer(deterministic=True)``)
+borrows no core: it computes on its own core and one thread throughout, bit for bit as alone on one thread."""
 
 from __future__ import annotations
 
@@ -58,8 +60,9 @@ class LentCores:
         """Compute on this worker's core and those lent to it now (a turn starts): every thread of the process pinned
         to them, since the threads of torch's pools keep the cores they started with, and the calling thread's torch
         computing with a thread per core (checked each time: a thread may have taken another count from the process's
-        default)."""
-        cores = (self.lending.cores[self.worker], *self.lending.borrowed(self.worker))
+        default). With deterministic algorithms asked for, its own core alone."""
+        borrowed = () if torch.are_deterministic_algorithms_enabled() else self.lending.borrowed(self.worker)
+        cores = (self.lending.cores[self.worker], *borrowed)
         if cores != self._pinned:
             for thread in os.listdir("/proc/self/task"):
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
