@@ -14,12 +14,14 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint, OnExceptionCheckpoint
 from models import VOCAB, TinyLM, token_dataset
 from spilled_runs import BUDGETS, assert_same_model, fit, losses
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_collate
 
-from lightning_varuna import SpillingStrategy, VarunaStrategy
+from lightning_varuna import CutPoint, SpillingStrategy, VarunaStrategy
 
 
 class BatchesRead(L.Callback):
@@ -165,6 +167,46 @@ def test_a_tensor_of_the_batch_given_whole_to_every_micro_batch_is_named():
     loader = DataLoader(data, batch_size=8, collate_fn=lambda rows: (*default_collate(rows), torch.zeros(3, 2)))
     with pytest.warns(UserWarning, match=r"gives `batch\[2\]` whole to every micro-batch: .* \(8, the rows"):
         fit(TableLM(), VarunaStrategy(micro_batch_size=4), loader=loader, max_steps=1)
+
+
+class ListOfSamples(L.LightningModule):
+    """Takes its inputs as a tuple of samples, one tensor each, stacked inside (as torchvision's detection models take
+    their images, or a model that pads its sequences itself, sequence first)."""
+
+    def __init__(self, images: bool) -> None:
+        super().__init__()
+        self.images = images
+        self.embed = nn.Conv2d(3, 4, 3, padding=1) if images else nn.Embedding(VOCAB, 4)
+        self.cut, self.head = CutPoint(), nn.Linear(4, 2)
+
+    def forward(self, samples: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if self.images:
+            return self.head(self.cut(self.embed(torch.stack(samples)).relu().mean((2, 3))))
+        tokens = self.cut(self.embed(torch.stack(samples, dim=1)))  # sequence first, as nn.Transformer's default
+        return self.head(tokens.mean(0))
+
+    def training_step(self, batch: tuple[tuple[torch.Tensor, ...], ...], batch_idx: int) -> torch.Tensor:
+        samples, labels = batch
+        return F.cross_entropy(self(samples), torch.stack(labels))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("images", [True, False], ids=["images", "token-sequences"])
+def test_a_batch_that_lists_its_samples_is_refused(images):
+    """4 samples collated as a tuple of tensors (images of [3, 8, 8], or sequences of 8 tokens): the batch's first
+    tensor's dim 0 is a channel or a token, not a sample. Split along it, each sequence trained in pieces of 2 tokens,
+    silently (the images stopped at their CutPoint's check of the batch size); set-up refuses such a batch, naming
+    it."""
+    generator = torch.Generator().manual_seed(0)
+    make = (lambda: torch.randn(3, 8, 8, generator=generator)) if images else lambda: torch.randint(0, VOCAB, (8,))
+    loader = DataLoader(
+        [(make(), torch.tensor(i % 2)) for i in range(16)], batch_size=4, collate_fn=lambda s: tuple(zip(*s))
+    )
+    rows = 3 if images else 8
+    with pytest.raises(ValueError, match=rf"`batch\[0\]` holds the batch's 4 samples as a list.*dim 0 \({rows} here\)"):
+        fit(ListOfSamples(images), VarunaStrategy(micro_batch_size=2), loader=loader)
 
 
 @pytest.mark.parametrize("budget", ["1GB", BUDGETS[5]], ids=["whole", "cut"])

@@ -18,6 +18,7 @@ __all__ = [
     "has_ignored_labels",
     "merge_microbatches",
     "microbatch_sizes",
+    "per_sample_items",
     "split_microbatches",
     "unsplit_leaves",
 ]
@@ -88,6 +89,24 @@ def unsplit_leaves(batch: Any) -> list[str]:
     return [
         keystr(path) for path, leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] != size
     ]
+
+
+def per_sample_items(batch: Any, samples: int) -> str | None:
+    """Where ``batch`` holds a list or tuple of ``samples`` items, each a tensor or a dict (one per sample, as a
+    detection model's images and targets, rather than rows of a tensor), as ``[0]``; None where it holds none."""
+
+    def find(node: Any, path: str) -> str | None:
+        if isinstance(node, Mapping):
+            children = [(f"[{key!r}]", child) for key, child in node.items()]
+        elif isinstance(node, (list, tuple)):
+            if len(node) == samples and all(isinstance(item, (Tensor, Mapping)) for item in node):
+                return path
+            children = [(f"[{i}]", child) for i, child in enumerate(node)]
+        else:
+            return None
+        return next((found for key, child in children if (found := find(child, path + key)) is not None), None)
+
+    return find(batch, "")
 
 
 def first_rows(batch: Any, rows: int) -> Any:

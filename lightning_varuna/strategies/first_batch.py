@@ -13,8 +13,9 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import IterableDataset
 
-from lightning_varuna.data.microbatch import batch_size_of, split_microbatches, unsplit_leaves
+from lightning_varuna.data.microbatch import batch_size_of, per_sample_items, split_microbatches, unsplit_leaves
 from lightning_varuna.pipeline.step import capture_forward_inputs
 from lightning_varuna.random_states import global_random_states_kept
 
@@ -30,10 +31,12 @@ STEP_OF_FN = {
 
 @dataclass(frozen=True)
 class FirstBatch:
-    """`first_batch`, and the number of DataLoaders whose batches it combines."""
+    """`first_batch`, the number of DataLoaders whose batches it combines, and how many samples the first DataLoader
+    collated into it (None where its sampler does not say: an iterable dataset)."""
 
     batch: Any
     loaders: int
+    samples: int | None = None
 
 
 def first_batch(trainer: pl.Trainer) -> Any:
@@ -49,14 +52,31 @@ def first_forward_inputs(
 ) -> tuple[tuple, dict]:
     """The forward arguments of the first micro-batch of ``micro_batch_size`` rows of ``first`` (moved by
     ``batch_to_device``): what the loop's first step passes to ``self(...)`` (which also checks that the step calls
-    it; ``example_input_array`` would not). A training batch combined from several DataLoaders is refused when it
-    would be split."""
+    it; ``example_input_array`` would not). A batch that holds its samples as a list is refused, and a training
+    batch combined from several DataLoaders where it would be split."""
     batch, loaders = batch_to_device(first.batch), first.loaders
+    _refuse_samples_listed(batch, first.samples)
     microbatches = split_microbatches(batch, micro_batch_size)
     if len(microbatches) > 1:
         _check_rows_split(batch, loaders, micro_batch_size)
     assert trainer.state.fn is not None
     return capture_forward_inputs(trainer.lightning_module, STEP_OF_FN[trainer.state.fn], microbatches[0])
+
+
+def _refuse_samples_listed(batch: Any, samples: int | None) -> None:
+    """Refuse a batch that holds its ``samples`` as a list of tensors (or dicts) while its first tensor's dim 0 is
+    not the number of samples: VarunaStrategy takes that dim 0 as the batch's rows, and would cut each sample's
+    tensor into micro-batches (a sequence's tokens: trained on, silently, in pieces)."""
+    rows = batch_size_of(batch)
+    listed = per_sample_items(batch, samples) if samples is not None and samples != rows else None
+    if listed is not None:
+        raise ValueError(
+            f"`batch{listed}` holds the batch's {samples} samples as a list, one tensor or dict each (as detection "
+            f"models take images and targets), but VarunaStrategy takes a batch's rows from its first tensor's dim 0 "
+            f"({rows} here) to split it into micro-batches and to check what crosses a CutPoint: it would cut each "
+            "sample's tensor instead. Collate the samples into tensors with the batch in dim 0 (pad the sequences, "
+            "or bring the images to one size, and stack them)."
+        )
 
 
 def _check_rows_split(batch: Any, loaders: int, micro_batch_size: int) -> None:
@@ -94,9 +114,19 @@ def first_batch_of_loaders(trainer: pl.Trainer) -> FirstBatch:
         loaders = CombinedLoader(loaders, "max_size_cycle" if fitting else "sequential")
     with _random_numbers_kept(loaders.flattened):
         batch, _, _ = next(iter(loaders))
+        samples = _samples_in_first_batch(loaders.flattened[0])
     batch = trainer.precision_plugin.convert_input(batch)
     combined = len(loaders.flattened) if fitting else 1  # an evaluation step reads one DataLoader's batch
-    return FirstBatch(trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0), combined)
+    return FirstBatch(trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0), combined, samples)
+
+
+def _samples_in_first_batch(loader: Any) -> int | None:
+    """How many samples ``loader`` collates into its first batch, by its batch sampler; None for an iterable dataset
+    (its sampler does not know) or what is not a DataLoader."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if batch_sampler is None or isinstance(getattr(loader, "dataset", None), IterableDataset):
+        return None
+    return len(next(iter(batch_sampler), []))
 
 
 @contextmanager
