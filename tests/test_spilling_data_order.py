@@ -209,6 +209,20 @@ def test_a_batch_that_lists_its_samples_is_refused(images):
         fit(ListOfSamples(images), VarunaStrategy(micro_batch_size=2), loader=loader)
 
 
+class SequenceFirst(TinyLM):
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        idx, labels = batch
+        return super().training_step((idx.T, labels.T), batch_idx)
+
+
+def test_a_sequence_first_batch_split_into_micro_batches_is_warned_of():
+    """A batch collated as (tokens, batch) has the DataLoader's 8 samples in dim 1: split along dim 0, each sequence
+    would train in pieces. Its rows are not the samples the DataLoader collated, and set-up warns saying so."""
+    loader = DataLoader(token_dataset(64), batch_size=8, collate_fn=lambda rows: [t.T for t in default_collate(rows)])
+    with pytest.warns(UserWarning, match=r"along its first tensor's dim 0 \(6 rows\), but the DataLoader collated 8"):
+        fit(SequenceFirst(), VarunaStrategy(micro_batch_size=4), loader=loader, max_steps=1)
+
+
 @pytest.mark.parametrize("budget", ["1GB", BUDGETS[5]], ids=["whole", "cut"])
 def test_a_dataset_augmented_with_python_and_numpy_random_numbers_reads_as_on_one_device(budget):
     """Set-up's look at the first batch gives Python's and NumPy's generators back their states: the loop's batches

@@ -58,7 +58,7 @@ def first_forward_inputs(
     _refuse_samples_listed(batch, first.samples)
     microbatches = split_microbatches(batch, micro_batch_size)
     if len(microbatches) > 1:
-        _check_rows_split(batch, loaders, micro_batch_size)
+        _check_rows_split(batch, loaders, first.samples, micro_batch_size)
     assert trainer.state.fn is not None
     return capture_forward_inputs(trainer.lightning_module, STEP_OF_FN[trainer.state.fn], microbatches[0])
 
@@ -79,9 +79,10 @@ def _refuse_samples_listed(batch: Any, samples: int | None) -> None:
         )
 
 
-def _check_rows_split(batch: Any, loaders: int, micro_batch_size: int) -> None:
+def _check_rows_split(batch: Any, loaders: int, samples: int | None, micro_batch_size: int) -> None:
     """Refuse a batch of several DataLoaders, which `split_microbatches` would split by the first one's rows; warn of
-    tensors it gives whole to every micro-batch."""
+    a first tensor whose rows are not the DataLoader's ``samples`` (a sequence-first batch), and of tensors given
+    whole to every micro-batch."""
     if loaders > 1:
         raise ValueError(
             f"This fit trains on {loaders} DataLoaders combined (a batch of each per step), but VarunaStrategy "
@@ -89,11 +90,19 @@ def _check_rows_split(batch: Any, loaders: int, micro_batch_size: int) -> None:
             "tensor, which would give every micro-batch the whole batch of the others. Train on one DataLoader "
             "(a Dataset that returns the pair), or pass a `micro_batch_size` of the whole batch (one micro-batch)."
         )
+    rows = batch_size_of(batch)
+    if samples is not None and rows != samples:
+        rank_zero_warn(
+            f"VarunaStrategy splits the batch into micro-batches of `micro_batch_size={micro_batch_size}` rows along "
+            f"its first tensor's dim 0 ({rows} rows), but the DataLoader collated {samples} samples into it. Right if "
+            "each sample makes several rows; if dim 0 is not the batch (a sequence-first batch of shape (tokens, "
+            "batch)), put the batch in dim 0 and transpose it in the model."
+        )
     unsplit = unsplit_leaves(batch)
     if unsplit:
         rank_zero_warn(
             f"VarunaStrategy gives `batch{unsplit[0]}` whole to every micro-batch: its dim 0 is not the batch size "
-            f"({batch_size_of(batch)}, the rows of the batch's first tensor). Right for a table every row reads; "
+            f"({rows}, the rows of the batch's first tensor). Right for a table every row reads; "
             "if it holds rows of the batch, make the batch size its dim 0 or pass a `micro_batch_size` of the whole "
             "batch."
         )
