@@ -191,6 +191,26 @@ def test_a_worker_with_no_trial_left_lends_its_core_to_the_trial_still_training(
             torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning is seen with two cores or more")
+def test_worker_processes_of_a_sweep_that_does_not_pin_run_where_the_os_puts_them(tmp_path):
+    """``sweep.scheduler.pin = False`` (a machine shared with other jobs) reaches the worker processes: every step of
+    each trial may run on any of the process's cores, on one thread, and no worker lends its core when it is idle."""
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.log")))
+    study = optuna.create_study(storage=storage)
+
+    def build(trial: optuna.trial.Trial) -> dict:
+        model, fit = wide_trial(trial, max_steps=4 if trial.number == 0 else 12)
+        return dict(model=model, callbacks=[ThreadsLog(tmp_path / f"trial-{trial.number}.jsonl")], **fit)
+
+    sweep = MultiModelTrainer(devices=2, checkpoint_dir=str(tmp_path / "ckpt"), processes=True)
+    sweep.scheduler.pin = False
+    sweep.optimize(study, build, n_trials=2, monitor="val_loss")
+    every_core = len(os.sched_getaffinity(0))
+    for n in (0, 1):
+        steps = [json.loads(line) for line in (tmp_path / f"trial-{n}.jsonl").read_text().splitlines()]
+        assert {(step["threads"], step["cores"]) for step in steps} == {(1, every_core)}
+
+
 class ConvNet(HFImageClassifier):
     """Hugging Face's ResNet wide enough that oneDNN splits a convolution's weight gradient between threads."""
 

@@ -40,11 +40,13 @@ def optimize_in_processes(
     run_worker: Callable[[LentCores | None], list[TrialOutcome]],
     monitor: str,
     rows: int,
+    pin: bool = True,
 ) -> list[TrialOutcome]:
-    """Run ``run_worker`` (a one-device sweep's `optimize` of ``study``) in each of ``devices`` forked processes;
-    return how the trials they ran ended. SIGTERM, SIGUSR1 and Ctrl-C are passed on to them. With ``rows``, a
-    display shows the study as its storage has it: that many rows for running trials (their steps and ``monitor``
-    as of their last report), and the study's line."""
+    """Run ``run_worker`` (a one-device sweep's `optimize` of ``study``) in each of ``devices`` forked processes,
+    each pinned to a core of its own, which it lends while it has no trial (``pin=False``: the OS places them, and
+    none lends); return how the trials they ran ended. SIGTERM, SIGUSR1 and Ctrl-C are passed on to them. With
+    ``rows``, a display shows the study as its storage has it: that many rows for running trials (their steps and
+    ``monitor`` as of their last report), and the study's line."""
     if not shareable_storage(study):
         raise ValueError(
             "`processes=True` trains the trials in worker processes that share the study through its storage, and a "
@@ -52,7 +54,7 @@ def optimize_in_processes(
             '`optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend("study.log"))`, or a '
             'database URL such as "sqlite:///study.db").'
         )
-    cores = cores_for(devices)
+    cores = cores_for(devices) if pin else None
     context = multiprocessing.get_context("fork")
     lending = CoreLending(cores, context) if cores is not None else None
     pipes = [context.Pipe(duplex=False) for _ in range(devices)]

@@ -319,7 +319,7 @@ class MultiModelTrainer:
                 )  # fmt: skip
 
             rows = each * self.devices if self.enable_progress_bar else 0
-            return optimize_in_processes(study, self.devices, worker, monitor, rows)
+            return optimize_in_processes(study, self.devices, worker, monitor, rows, self.scheduler.pin)
         preempted = threading.Event()
         max_running = max_running or self.devices
         display = self._display = StudyDisplay(max_running, study.study_name) if self.enable_progress_bar else None
@@ -342,15 +342,14 @@ class MultiModelTrainer:
         return outcomes
 
     def _one_device_sweep(self, lent: LentCores | None) -> MultiModelTrainer:
-        """A sweep like this one on one device (this process's first core, and the cores ``lent`` to it), in
-        threads, without a display."""
+        """A sweep like this one on one device (this process's first core, and the cores ``lent`` to it; wherever
+        the OS puts its threads if this sweep's are not pinned), in threads, without a display."""
         sweep = MultiModelTrainer(
             devices=1, memory_budget=self.memory_budget, spill_dir=self.spill_dir, prefetch=self.prefetch,
             storage_options=self.storage_options, enable_progress_bar=False, keep_on_device=self.keep_on_device,
             checkpoint_dir=self.checkpoint_dir, ranking=self.scheduler.ranking,
         )  # fmt: skip
-        if lent is not None:
-            sweep.scheduler.lent = lent
+        sweep.scheduler.pin, sweep.scheduler.lent = self.scheduler.pin, lent
         return sweep
 
     def launch(self, trainer: pl.Trainer, ended: Callable[[ModelResult], None]) -> ModelResult:
