@@ -2,6 +2,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import select
 import shutil
 import signal
@@ -18,6 +19,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# A job that times out is stopped with SIGABRT (`JobTimedOut`): no core files from its processes.
+resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
 from ports import free_port  # noqa: E402
 from slurm_cluster import SlurmCluster, missing_requirements  # noqa: E402
 
@@ -75,8 +78,7 @@ def run_job(
     try:
         stdout, stderr = job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGABRT)
+        _abort_with_descendants(job.pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
             stdout, stderr = job.communicate(timeout=10)
             raise JobTimedOut(command, timeout, stdout, stderr) from None
@@ -84,6 +86,24 @@ def run_job(
     finally:
         _stop_process_group(job)
     return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
+
+
+def _abort_with_descendants(root: int) -> None:
+    """SIGABRT to ``root`` and every process it started, those in sessions of their own too (torchrun's workers):
+    each Python among them writes where its threads were (its fault handler) and ends."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):  # ended meanwhile
+            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry))
+    tree, unvisited = [], [root]
+    while unvisited:
+        pid = unvisited.pop()
+        tree.append(pid)
+        unvisited += children.get(pid, [])
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
 
 
 def _stop_process_group(job: subprocess.Popen) -> None:
@@ -140,8 +160,7 @@ class _PreloadedJobs:
             try:
                 status = self._reply(server, timeout)
                 if status is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(job, signal.SIGABRT)
+                    _abort_with_descendants(job)
                     status = self._reply(server, 10)
                     raise JobTimedOut(command, timeout, stdout.read_text(), stderr.read_text())
             finally:

@@ -272,13 +272,14 @@ def test_a_failure_on_rank_0_alone_leaves_an_on_exception_checkpoint(tmp_path):
 @pytest.mark.parametrize("own_env", [False, True], ids=["forked-from-the-job-server", "fresh-python"])
 def test_a_test_job_that_hangs_fails_with_where_each_of_its_processes_was(tmp_path, own_env):
     """The tests' own harness: a job past its timeout is stopped, and the failure shows its output and the stack of
-    every thread of its Pythons, its children included, so that a hang in CI says where it hung."""
+    every thread of its Pythons, its children in sessions of their own included (as torchrun's workers), so that a
+    hang in CI says where it hung."""
     script = tmp_path / "hangs.py"
     script.write_text(
         "import subprocess, sys, time\n"
         "print('started', flush=True)\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time\\ndef child_waits():\\n    time.sleep(60)\\n"
-        "child_waits()'])\n"
+        "child_waits()'], start_new_session=True)\n"  # as torchrun starts its workers
         "def parent_waits():\n    time.sleep(60)\n"
         "parent_waits()\n"
     )

@@ -158,9 +158,12 @@ def test_a_worker_with_no_trial_left_lends_its_core_to_the_trial_still_training(
     """``processes=True`` on 2 cores, a study of 2 trials, one per worker: a short one and a long one. While both
     train, each computes with one thread on its own core; once the short trial's worker has no trial left to ask,
     the long trial's steps compute with 2 threads on both cores. Each still trains as alone on one thread: the same
-    per-step losses and final weights."""
+    per-step losses and final weights. This process computes on 2 threads first, as a user's script may: a forked
+    worker's main thread keeps that OpenMP team, where a step on 2 threads would hang."""
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.log")))
     study = optuna.create_study(storage=storage)
+    with torch_threads(2):
+        (torch.randn(512, 512) @ torch.randn(512, 512)).sum()
 
     def build(trial: optuna.trial.Trial) -> dict:
         until_both_asked(tmp_path, trial)

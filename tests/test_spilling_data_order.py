@@ -223,6 +223,23 @@ def test_a_sequence_first_batch_split_into_micro_batches_is_warned_of():
         fit(SequenceFirst(), VarunaStrategy(micro_batch_size=4), loader=loader, max_steps=1)
 
 
+def test_a_batch_of_two_rows_a_sample_is_split_with_a_warning_and_trains_as_one_micro_batch():
+    """A collate that makes two rows of each of 2 samples: a batch (ids, labels) of 4 rows, as many fields as
+    samples. Its rows are split into micro-batches (warned of: they are not the samples), not refused as a list of
+    samples, and train as the whole batch in one micro-batch."""
+    loader = DataLoader(
+        token_dataset(16), batch_size=2, collate_fn=lambda s: [t.repeat(2, 1) for t in default_collate(s)]
+    )
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    expected = fit(reference, VarunaStrategy(micro_batch_size=4), loader=loader)
+    with pytest.warns(UserWarning, match=r"dim 0 \(4 rows\), but the DataLoader collated 2 samples"):
+        trainer = fit(model, VarunaStrategy(micro_batch_size=2), loader=loader)
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
 @pytest.mark.parametrize("budget", ["1GB", BUDGETS[5]], ids=["whole", "cut"])
 def test_a_dataset_augmented_with_python_and_numpy_random_numbers_reads_as_on_one_device(budget):
     """Set-up's look at the first batch gives Python's and NumPy's generators back their states: the loop's batches

@@ -92,14 +92,21 @@ def unsplit_leaves(batch: Any) -> list[str]:
 
 
 def per_sample_items(batch: Any, samples: int) -> str | None:
-    """Where ``batch`` holds a list or tuple of ``samples`` items, each a tensor or a dict (one per sample, as a
-    detection model's images and targets, rather than rows of a tensor), as ``[0]``; None where it holds none."""
+    """Where ``batch`` holds (within it, not as its own fields) a list or tuple of ``samples`` items alike, tensors of
+    one dtype and number of dims or dicts (one per sample, as a detection model's images and targets, rather than
+    rows of a tensor), as ``[0]``; None where it holds none."""
+
+    def alike(items: list | tuple) -> bool:
+        if all(isinstance(item, Mapping) for item in items):
+            return True
+        kinds = {(item.dtype, item.dim()) if isinstance(item, Tensor) else None for item in items}
+        return None not in kinds and len(kinds) == 1
 
     def find(node: Any, path: str) -> str | None:
         if isinstance(node, Mapping):
             children = [(f"[{key!r}]", child) for key, child in node.items()]
         elif isinstance(node, (list, tuple)):
-            if len(node) == samples and all(isinstance(item, (Tensor, Mapping)) for item in node):
+            if path and len(node) == samples and alike(node):  # within the batch: the batch's own fields are not
                 return path
             children = [(f"[{i}]", child) for i, child in enumerate(node)]
         else:

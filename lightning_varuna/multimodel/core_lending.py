@@ -6,7 +6,11 @@ again; the workers that borrowed it give it up at their next turn.
 A step computed with more threads trains the same model within float rounding: a kernel may split a sum between threads
 (a convolution's weight gradient in oneDNN differs in its last bits on 2 threads, and the optimizer's steps carry that
 on). A trial whose process asks torch for deterministic algorithms (Lightning's ``Trainer(deterministic=True)``)
-borrows no core: it computes on its own core and one thread throughout, bit for bit as alone on one thread."""
+borrows no core: it computes on its own core and one thread throughout, bit for bit as alone on one thread.
+
+Only threads started after the fork may compute with more threads: a forked process's main thread keeps its parent's
+OpenMP team (libgomp is not fork-safe), and a parallel region of more than one thread there hangs once the parent
+has run one. The sweep's turns run in threads of their own; the worker's main thread only pins itself."""
 
 from __future__ import annotations
 
@@ -56,12 +60,14 @@ class LentCores:
     def set_idle(self, idle: bool) -> None:
         self.lending.set_idle(self.worker, idle)
 
-    def use(self) -> None:
+    def use(self, borrowing: bool = True) -> None:
         """Compute on this worker's core and those lent to it now (a turn starts): every thread of the process pinned
         to them, since the threads of torch's pools keep the cores they started with, and the calling thread's torch
         computing with a thread per core (checked each time: a thread may have taken another count from the process's
-        default). With deterministic algorithms asked for, its own core alone."""
-        borrowed = () if torch.are_deterministic_algorithms_enabled() else self.lending.borrowed(self.worker)
+        default). With deterministic algorithms asked for, or not ``borrowing`` (the process's main thread, see
+        module), its own core alone."""
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        borrowed = self.lending.borrowed(self.worker) if borrowing and not deterministic else ()
         cores = (self.lending.cores[self.worker], *borrowed)
         if cores != self._pinned:
             for thread in os.listdir("/proc/self/task"):

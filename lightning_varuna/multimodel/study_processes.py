@@ -168,7 +168,7 @@ def _work(
     sending = own_end(pipes, k)
     lent = lending.of(k) if lending is not None else None
     if lent is not None:
-        lent.use()  # pinned to its own core (and any already lent to it)
+        lent.use(borrowing=False)  # pinned to its own core; only the sweep's threads borrow (see `core_lending`)
     as_new_worker(study)
     try:
         outcomes = run_worker(lent)

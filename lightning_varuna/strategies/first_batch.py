@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import IterableDataset
+from torch.utils.data import BatchSampler
 
 from lightning_varuna.data.microbatch import batch_size_of, per_sample_items, split_microbatches, unsplit_leaves
 from lightning_varuna.pipeline.step import capture_forward_inputs
@@ -123,19 +123,24 @@ def first_batch_of_loaders(trainer: pl.Trainer) -> FirstBatch:
         loaders = CombinedLoader(loaders, "max_size_cycle" if fitting else "sequential")
     with _random_numbers_kept(loaders.flattened):
         batch, _, _ = next(iter(loaders))
-        samples = _samples_in_first_batch(loaders.flattened[0])
+    samples = _samples_in_first_batch(loaders.flattened[0])
     batch = trainer.precision_plugin.convert_input(batch)
     combined = len(loaders.flattened) if fitting else 1  # an evaluation step reads one DataLoader's batch
     return FirstBatch(trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0), combined, samples)
 
 
 def _samples_in_first_batch(loader: Any) -> int | None:
-    """How many samples ``loader`` collates into its first batch, by its batch sampler; None for an iterable dataset
-    (its sampler does not know) or what is not a DataLoader."""
+    """How many samples ``loader`` collates into its first batch, where its batch sampler is torch's fixed-size
+    `BatchSampler` (a batch of ``batch_size``, fewer if the sampler has fewer); None otherwise (a batch sampler of
+    one's own may make batches of any size, and is not read ahead)."""
     batch_sampler = getattr(loader, "batch_sampler", None)
-    if batch_sampler is None or isinstance(getattr(loader, "dataset", None), IterableDataset):
+    if type(batch_sampler) is not BatchSampler:
         return None
-    return len(next(iter(batch_sampler), []))
+    try:
+        samples = min(batch_sampler.batch_size, len(batch_sampler.sampler))  # type: ignore[arg-type]
+    except TypeError:  # a sampler without a length
+        return None
+    return samples or None
 
 
 @contextmanager
