@@ -2,6 +2,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import resource
 import select
 import shutil
@@ -53,6 +54,7 @@ class JobTimedOut(AssertionError):
     when it was stopped included."""
 
     def __init__(self, args: list[str], timeout: float, stdout: str, stderr: str) -> None:
+        stderr = re.sub(r"\nExtension modules: [^\n]*", "", stderr)  # the fault handler's list of them, long
         super().__init__(
             f"{' '.join(args)} did not end within {timeout} s; stopped with SIGABRT.\n"
             f"--- stdout (end) ---\n{stdout[-3000:]}\n--- stderr (end: each Python's threads) ---\n{stderr[-12000:]}"
@@ -101,9 +103,23 @@ def _abort_with_descendants(root: int) -> None:
         pid = unvisited.pop()
         tree.append(pid)
         unvisited += children.get(pid, [])
-    for pid in tree:
+    for pid in reversed(tree):  # the children first, one at a time: their stacks are not written into each other's
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGABRT)
+        _until_ended(pid, timeout=2.0)
+
+
+def _until_ended(pid: int, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for process ``pid`` to end (to be gone, or a zombie)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)
 
 
 def _stop_process_group(job: subprocess.Popen) -> None:
