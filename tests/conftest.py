@@ -93,20 +93,24 @@ def run_job(
 def _abort_with_descendants(root: int) -> None:
     """SIGABRT to ``root`` and every process it started, those in sessions of their own too (torchrun's workers):
     each Python among them writes where its threads were (its fault handler) and ends."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):  # ended meanwhile
-            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry))
     tree, unvisited = [], [root]
     while unvisited:
         pid = unvisited.pop()
         tree.append(pid)
-        unvisited += children.get(pid, [])
+        unvisited += children_of(pid)
     for pid in reversed(tree):  # the children first, one at a time: their stacks are not written into each other's
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGABRT)
         _until_ended(pid, timeout=2.0)
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes that any thread of process ``pid`` started (none if it has ended)."""
+    children: list[int] = []
+    with contextlib.suppress(OSError):  # it ended meanwhile
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            children += map(int, (task / "children").read_text().split())
+    return children
 
 
 def _until_ended(pid: int, timeout: float) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch.nn.functional as F
-from conftest import JobTimedOut, clean_env, run_job, run_ranks
+from conftest import JobTimedOut, children_of, clean_env, run_job, run_ranks
 from models import TinyLM, token_dataset
 from torch.utils.data import DataLoader
 
@@ -137,7 +137,7 @@ def test_sigterm_ends_ranks_that_wait_for_a_pipeline_message(tmp_path, fault, st
     children = []
     try:
         _wait_for_file(marker, job, timeout_s=120)
-        children = _children(job.pid)
+        children = children_of(job.pid)
         time.sleep(1)  # the other stage now waits for the stalled one
         if signalled == "job":
             job.send_signal(signal.SIGTERM)  # Lightning's launcher passes it on to the other process
@@ -159,10 +159,6 @@ def _wait_for_file(path: Path, job: subprocess.Popen, timeout_s: float) -> None:
         assert job.poll() is None, f"the job ended before it stalled (exit code {job.returncode})"
         assert time.monotonic() < deadline, f"the job did not stall within {timeout_s} s"
         time.sleep(0.1)
-
-
-def _children(pid: int) -> list[int]:
-    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def _kill(pid: int) -> None:

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 optuna = pytest.importorskip("optuna", reason="model selection needs Optuna: pip install lightning-varuna[optuna]")
-from conftest import clean_env  # noqa: E402
+from conftest import children_of, clean_env  # noqa: E402
 from real_models import HFImageClassifier  # noqa: E402
 from study_models import LossLog, fit_kwargs, logged_losses, regression_mlp, train_alone, trial_kwargs  # noqa: E402
 
@@ -573,9 +573,8 @@ def test_a_killed_worker_process_s_trial_is_taken_over_by_its_sibling(tmp_path):
     study completes its four trials, none run twice, every step as alone."""
     config = dict(n_trials=4, max_steps=600, devices=2, max_running=2, processes=True, seed=0)
     worker = start_worker(tmp_path, heartbeat=0.5, grace_period=10, checkpoint_interval=0.2, **config)
-    children = Path(f"/proc/{worker.pid}/task/{worker.pid}/children")
     wait_for_steps(tmp_path, trials=2, steps=10)
-    assert len(children.read_text().split()) == 2
+    assert len(children_of(worker.pid)) == 2
     deadline = time.monotonic() + 120
     while True:  # a trial still training that has checkpointed: kill the process that trains it
         running = [t for t in study_in(tmp_path).trials if t.state.name == "RUNNING"]

@@ -32,7 +32,7 @@ STEP_OF_FN = {
 @dataclass(frozen=True)
 class FirstBatch:
     """`first_batch`, the number of DataLoaders whose batches it combines, and how many samples the first DataLoader
-    collated into it (None where its sampler does not say: an iterable dataset)."""
+    collated into it (None where its batch sampler is not torch's `BatchSampler`, see `_samples_in_first_batch`)."""
 
     batch: Any
     loaders: int
@@ -55,19 +55,19 @@ def first_forward_inputs(
     it; ``example_input_array`` would not). A batch that holds its samples as a list is refused, and a training
     batch combined from several DataLoaders where it would be split."""
     batch, loaders = batch_to_device(first.batch), first.loaders
-    _refuse_samples_listed(batch, first.samples)
+    rows = batch_size_of(batch)
+    _refuse_samples_listed(batch, rows, first.samples)
     microbatches = split_microbatches(batch, micro_batch_size)
     if len(microbatches) > 1:
-        _check_rows_split(batch, loaders, first.samples, micro_batch_size)
+        _check_rows_split(batch, rows, loaders, first.samples, micro_batch_size)
     assert trainer.state.fn is not None
     return capture_forward_inputs(trainer.lightning_module, STEP_OF_FN[trainer.state.fn], microbatches[0])
 
 
-def _refuse_samples_listed(batch: Any, samples: int | None) -> None:
-    """Refuse a batch that holds its ``samples`` as a list of tensors (or dicts) while its first tensor's dim 0 is
-    not the number of samples: VarunaStrategy takes that dim 0 as the batch's rows, and would cut each sample's
-    tensor into micro-batches (a sequence's tokens: trained on, silently, in pieces)."""
-    rows = batch_size_of(batch)
+def _refuse_samples_listed(batch: Any, rows: int, samples: int | None) -> None:
+    """Refuse a batch that holds its ``samples`` as a list of tensors (or dicts) while its first tensor's dim 0
+    (``rows``) is not the number of samples: VarunaStrategy takes that dim 0 as the batch's rows, and would cut each
+    sample's tensor into micro-batches (a sequence's tokens: trained on, silently, in pieces)."""
     listed = per_sample_items(batch, samples) if samples is not None and samples != rows else None
     if listed is not None:
         raise ValueError(
@@ -79,9 +79,9 @@ def _refuse_samples_listed(batch: Any, samples: int | None) -> None:
         )
 
 
-def _check_rows_split(batch: Any, loaders: int, samples: int | None, micro_batch_size: int) -> None:
+def _check_rows_split(batch: Any, rows: int, loaders: int, samples: int | None, micro_batch_size: int) -> None:
     """Refuse a batch of several DataLoaders, which `split_microbatches` would split by the first one's rows; warn of
-    a first tensor whose rows are not the DataLoader's ``samples`` (a sequence-first batch), and of tensors given
+    a first tensor whose ``rows`` are not the DataLoader's ``samples`` (a sequence-first batch), and of tensors given
     whole to every micro-batch."""
     if loaders > 1:
         raise ValueError(
@@ -90,7 +90,6 @@ def _check_rows_split(batch: Any, loaders: int, samples: int | None, micro_batch
             "tensor, which would give every micro-batch the whole batch of the others. Train on one DataLoader "
             "(a Dataset that returns the pair), or pass a `micro_batch_size` of the whole batch (one micro-batch)."
         )
-    rows = batch_size_of(batch)
     if samples is not None and rows != samples:
         rank_zero_warn(
             f"VarunaStrategy splits the batch into micro-batches of `micro_batch_size={micro_batch_size}` rows along "
