@@ -76,9 +76,15 @@ def logged_losses(logger_dir: Path) -> list[float]:
 
 
 def fit_alone(model: L.LightningModule, train: DataLoader, val: DataLoader | None = None, **kwargs: Any) -> L.Trainer:
-    """Plain single-device Lightning training."""
-    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[StepLosses()], **{**QUIET, **kwargs})
-    trainer.fit(model, train, val)
+    """Plain single-device Lightning training, on one thread as a sweep's CPU device computes (on more threads some
+    CPUs sum in another order: 2e-6 apart after 6 clipped Adam steps)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[StepLosses()], **{**QUIET, **kwargs})
+        trainer.fit(model, train, val)
+    finally:
+        torch.set_num_threads(threads)
     return trainer
 
 
