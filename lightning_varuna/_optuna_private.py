@@ -46,9 +46,11 @@ def as_new_worker(study: optuna.Study) -> None:
     """In a forked process: make the study's storage this process's own. A journal gets a worker id of its own (the
     parent's would make each process take the other's logs for its own), and the database connections of the
     parent's pool are dropped without closing them for the parent (SQLAlchemy's advice for a pool inherited across
-    a fork); the process opens its own."""
+    a fork); the process opens its own. The sampler draws from a generator of its own, reseeded (as Optuna's
+    ``n_jobs`` threads do): the parent's state, copied into every worker, would suggest the same parameters in each."""
     import optuna
 
+    study.sampler.reseed_rng()
     for storage in _storages(study):
         if isinstance(storage, optuna.storages.JournalStorage):
             with storage._thread_lock:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_varuna.demos import MLP
 
 WIDTH, ROWS, BATCH = 16, 96, 8
+VAL_EVERY = 4  # steps between validations, each reported to the study
 
 
 def data() -> TensorDataset:
@@ -40,7 +41,7 @@ def fit_kwargs(max_steps: int) -> dict[str, Any]:
         train_dataloaders=DataLoader(data(), batch_size=BATCH),
         val_dataloaders=DataLoader(data(), batch_size=32),
         max_steps=max_steps,
-        val_check_interval=4,
+        val_check_interval=VAL_EVERY,
         logger=False,
         enable_checkpointing=False,
     )
@@ -60,7 +61,7 @@ def train_alone(
             losses.append(float(outputs["loss"]))
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, val_check_interval=4, logger=False,
+        accelerator="cpu", devices=1, max_steps=max_steps, val_check_interval=VAL_EVERY, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()],
     )  # fmt: skip
     trainer.fit(model, kwargs["train_dataloaders"], kwargs["val_dataloaders"])

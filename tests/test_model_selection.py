@@ -25,7 +25,15 @@ from torch.utils.data import DataLoader, TensorDataset
 optuna = pytest.importorskip("optuna", reason="model selection needs Optuna: pip install lightning-varuna[optuna]")
 from conftest import children_of, clean_env  # noqa: E402
 from real_models import HFImageClassifier  # noqa: E402
-from study_models import LossLog, fit_kwargs, logged_losses, regression_mlp, train_alone, trial_kwargs  # noqa: E402
+from study_models import (  # noqa: E402
+    VAL_EVERY,
+    LossLog,
+    fit_kwargs,
+    logged_losses,
+    regression_mlp,
+    train_alone,
+    trial_kwargs,
+)
 
 from lightning_varuna import MultiModelTrainer  # noqa: E402
 from lightning_varuna._optuna_private import as_new_worker, set_user_attr  # noqa: E402
@@ -105,6 +113,8 @@ def test_trials_train_in_worker_processes_each_as_if_alone(tmp_path, capsys):
     assert re.search(r"study .*: 2 complete, 2 pruned; best val_loss", shown), shown[-2000:]
     pids = {t.user_attrs["pid"] for t in study.trials}
     assert len(pids) == 2 and os.getpid() not in pids
+    drawn = [tuple(t.params.values()) for t in study.trials]
+    assert len(set(drawn)) == 4, f"the workers' seeded samplers drew alike: {drawn}"
     for trial in study.trials:
         losses, _ = train_alone(trial.params["layers"], trial.params["lr"], 12, dropout=0.1)
         logged = logged_losses(tmp_path / "losses" / f"trial-{trial.number}.jsonl")
@@ -378,6 +388,50 @@ def test_a_trial_that_fails_is_marked_failed_and_the_others_go_on(tmp_path):
     assert [o.state for o in sorted(outcomes, key=lambda o: o.number)] == ["complete", "failed", "complete"]
 
 
+class LogsAs(MLP):
+    """The trial's MLP, whose validation logs ``name`` (its loss, or NaN: a diverged trial's)."""
+
+    def __init__(self, name: str, nan: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.name, self.nan = name, nan
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log(self.name, float("nan") if self.nan else torch.nn.functional.mse_loss(self(x), y))
+
+
+def test_a_trial_built_or_logged_wrongly_fails_saying_what_to_change(tmp_path):
+    """A `build` that returns the model alone, one that returns a `ckpt_path` (the study's to set), a validation that
+    logs no `monitor` (misspelled: the trial fails at that first validation, step 4 of 12, listing what it logged),
+    a diverged trial (its value NaN, with `value="last"` and `"best"`): each fails with what to change; a trial built
+    right completes."""
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0), pruner=optuna.pruners.NopPruner())
+
+    def build(trial: optuna.trial.Trial) -> Any:
+        kwargs = trial_kwargs(trial, max_steps=12)
+        if trial.number == 0:
+            return kwargs["model"]
+        if trial.number == 1:
+            return {**kwargs, "ckpt_path": "last"}
+        if trial.number in (2, 3, 8):
+            kwargs["model"] = LogsAs("val_los" if trial.number == 2 else "val_loss", nan=trial.number != 2, width=16)
+        return kwargs
+
+    outcomes = {}
+    for value in ("last", "best"):
+        sweep = MultiModelTrainer(devices=2, checkpoint_dir=str(tmp_path / value), enable_progress_bar=False)
+        for outcome in sweep.optimize(study, build, n_trials=len(study.trials) + 5, monitor="val_loss", value=value):
+            outcomes[outcome.number] = outcome
+    reasons = {t.number: t.user_attrs.get("fail_reason", "") for t in study.trials}
+    assert "returns what `MultiModelTrainer.add` takes, as a dict" in reasons[0] and "returned MLP" in reasons[0]
+    assert "returned ['ckpt_path'], which the study sets" in reasons[1]
+    assert "`monitor='val_loss'` is not among" in reasons[2] and "'val_los'" in reasons[2]
+    assert outcomes[2].steps == 4
+    assert "last `val_loss` is not a number" in reasons[3] and "best `val_loss` is not a number" in reasons[8]
+    assert outcomes[3].state == outcomes[8].state == "failed"
+    assert [t.number for t in study.trials if t.state.name == "COMPLETE"] == [4, 5, 6, 7, 9]
+
+
 class FailAtStep(L.Callback):
     def __init__(self, step: int) -> None:
         self.step = step
@@ -442,6 +496,8 @@ def test_a_study_needs_a_checkpoint_folder_and_one_objective(tmp_path):
     study = optuna.create_study()
     with pytest.raises(ValueError, match=r"checkpoint_dir=\.\.\."):
         MultiModelTrainer().optimize(study, lambda trial: {}, n_trials=1, monitor="val_loss")
+    with pytest.raises(OSError, match="Cannot write checkpoints to '/proc/checkpoints'"):
+        MultiModelTrainer(checkpoint_dir="/proc/checkpoints").optimize(study, lambda t: {}, n_trials=1, monitor="v")
     two = optuna.create_study(directions=["minimize", "maximize"])
     with pytest.raises(ValueError, match="one objective"):
         MultiModelTrainer(checkpoint_dir=str(tmp_path)).optimize(two, lambda trial: {}, n_trials=1, monitor="v")
@@ -503,10 +559,13 @@ def study_in(folder: Path) -> optuna.Study:
 def assert_every_trial_trained_as_alone(
     folder: Path, study: optuna.Study, max_steps: int, dropout: float = 0.0
 ) -> None:
-    """Every step any trial logged (a handed-over trial's and its retry's) equals that step trained alone, and each
-    trial that counts completed all its steps, those of the trials it continues included."""
+    """Every step any trial logged (a handed-over trial's and its retry's) equals that step trained alone, it reported
+    at its validations only (none as it stopped for its retry), and each trial that counts completed all its steps,
+    those of the trials it continues included."""
     by_number = {t.number: t for t in study.trials}
     for trial in study.trials:
+        reported = sorted(trial.intermediate_values)
+        assert all(step % VAL_EVERY == 0 for step in reported), (trial.number, reported)
         losses, _ = train_alone(trial.params["layers"], trial.params["lr"], max_steps, dropout)
         logged = logged_losses(folder / "losses" / f"trial-{trial.number}.jsonl")
         for step, loss in logged.items():

@@ -29,7 +29,7 @@ from spilled_runs import losses as step_losses
 from study_models import LossLog
 from study_models import logged_losses as logged_step_losses
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_varuna import MultiModelTrainer, SpillingStrategy, demos
 from lightning_varuna.multimodel import DeviceScheduler, SweepStopped
@@ -721,6 +721,34 @@ def dropout_lm(seed: int, blocks: int, p: float) -> TinyLM:
     """TinyLM with dropout, initialized from ``seed`` (which also seeds what it draws next, as before a fit)."""
     torch.manual_seed(seed)
     return TinyLM(blocks=blocks, dropout=p)
+
+
+class RowsRead(L.Callback):
+    """Writes the rows of each training batch to ``path``, by their first feature (their index in the dataset)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any) -> None:
+        with open(self.path, "a") as f:
+            f.write("".join(f"{row}\n" for row in batch[0][:, 0].long().tolist()))
+
+
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_a_model_s_shuffled_data_follows_the_seed_it_was_added_with(processes, monkeypatch, tmp_path):
+    """Two models added after `L.seed_everything(1)` and `(2)`, with shuffled DataLoaders: each reads its epoch in the
+    permutation of its own seed (as it does alone), not in that of the seed set last."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # restored after the test: seed_everything sets it
+    data = TensorDataset(torch.arange(16.0)[:, None].expand(16, 8).clone(), torch.zeros(16, 8))
+    sweep = MultiModelTrainer(devices=2, processes=processes, enable_progress_bar=False)
+    for seed in (1, 2):
+        L.seed_everything(seed, verbose=False)
+        loader = DataLoader(data, batch_size=4, shuffle=True)
+        sweep.add(MLP(8, 2), train_dataloaders=loader, callbacks=[RowsRead(tmp_path / f"{seed}")], max_steps=4, **QUIET)
+    sweep.fit()
+    for seed in (1, 2):
+        rows = [int(row) for row in (tmp_path / f"{seed}").read_text().split()]
+        assert rows == list(DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=seed)), seed
 
 
 @pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])

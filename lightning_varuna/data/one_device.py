@@ -13,7 +13,12 @@ __all__ = ["resumable_on_one_device"]
 
 
 def resumable_on_one_device(
-    dataloader: DataLoader, progress: DataProgress, *, shuffle: bool | None = None, batch_size: int | None = None
+    dataloader: DataLoader,
+    progress: DataProgress,
+    *,
+    shuffle: bool | None = None,
+    batch_size: int | None = None,
+    seed: int | None = None,
 ) -> DataLoader:
     """``dataloader`` made resumable by ``progress`` if it reads a map-style dataset in order or shuffled by torch's
     default samplers (shuffled: a permutation seeded by ``seed_everything`` and the epoch, as Lightning's sampler
@@ -22,6 +27,7 @@ def resumable_on_one_device(
 
     ``shuffle`` (None: as the loader does) and ``batch_size`` (None: the loader's) read it as a pipelined run of one
     replica does: Lightning shuffles every distributed run's training data, and ``global_batch_size`` re-batches it.
+    ``seed`` (None: ``seed_everything``'s now, as Lightning's sampler reads it) seeds the shuffled order.
 
     Raises:
         ValueError: ``batch_size`` is given for a loader that is kept as it is.
@@ -45,7 +51,8 @@ def resumable_on_one_device(
         return dataloader
     if shuffle is None:
         shuffle = isinstance(sampler, RandomSampler)
-    batch_size, seed = batch_size or dataloader.batch_size, int(os.getenv("PL_GLOBAL_SEED", 0))
+    batch_size = batch_size or dataloader.batch_size
+    seed = int(os.getenv("PL_GLOBAL_SEED", 0)) if seed is None else seed
     one_replica: DistributedSampler = DistributedSampler(
         dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed
     )

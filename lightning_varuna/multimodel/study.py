@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from queue import Empty, Queue
@@ -231,7 +232,7 @@ class StudyRunner:
             ckpt_path = self._resume_point(trial, resumes, callback)
             # The build seeds and initializes while other trials train; `add` takes the generator's state it left.
             with self.sweep.building():
-                kwargs = dict(self.build(trial))
+                kwargs = _what_add_takes(self.build(trial))
                 model = kwargs.pop("model")
                 kwargs["callbacks"] = [*(kwargs.pop("callbacks", None) or []), callback]
                 name = row_name(trial)
@@ -281,6 +282,11 @@ class StudyRunner:
         if callback.handed_over:
             self._record(running, "handed over", result.steps, result.seconds)
         elif callback.interrupted or result.status == "stopped":
+            if result.status == "failed":  # its checkpoint as the sweep was preempted (`TrialCallback.save`)
+                log.warning(
+                    f"Trial {number} was preempted but could not checkpoint ({type(result.error).__name__}: "
+                    f"{result.error}); its retry resumes from its last complete checkpoint, or starts over."
+                )
             self._hand_over(running.trial.number, "preempted", running.trial.params, callback.checkpoint_url)
             self._record(running, "handed over", result.steps, result.seconds)
         elif result.status == "failed":
@@ -291,11 +297,13 @@ class StudyRunner:
             self._tell(running, "complete", result.steps, result.seconds)
 
     def _tell(self, running: _Running, state: str, steps: int, seconds: float) -> None:
-        value = running.callback.value(self.value)
-        if state == "complete" and value is None:
-            self._fail(
-                running, ValueError(f"the trial logged no `{self.monitor}` (no validation ran?)"), steps, seconds
-            )
+        value, last = running.callback.value(self.value), running.callback.last
+        if state == "complete" and (value is None or math.isnan(value)):
+            if last is None:
+                why = f"the trial logged no `{self.monitor}` (it ran no validation)"
+            else:  # the best of values none of which is a number, or a last one that is not
+                why = f"the trial's {self.value} `{self.monitor}` is not a number (its last: {last})"
+            self._fail(running, ValueError(why), steps, seconds)
         elif state == "pruned":
             self._finish(running, state, steps, seconds, state=self._optuna.trial.TrialState.PRUNED)
         else:
@@ -306,7 +314,7 @@ class StudyRunner:
         with contextlib.suppress(Exception):  # finished meanwhile (handed over): the reason is not needed then
             running.trial.set_user_attr("fail_reason", message)
         if self._finish(running, "failed", steps, seconds, state=self._optuna.trial.TrialState.FAIL):
-            log.warning(f"Trial {running.trial.number} failed: {message}")
+            log.warning(f"Trial {running.trial.number} failed: {message}", exc_info=error)
 
     def _finish(
         self, running: _Running, ended_as: str, steps: int, seconds: float, value: float | None = None, **tell: Any
@@ -422,3 +430,24 @@ def row_name(trial: optuna.trial.Trial | optuna.trial.FrozenTrial) -> str:
     """A trial's row in the display: its number and parameters."""
     params = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items())
     return f"trial {trial.number} ({params})" if params else f"trial {trial.number}"
+
+
+_THE_TRIALS = ("ckpt_path", "name", "next_decision")  # what `add` takes that the study sets for each trial
+
+
+def _what_add_takes(built: object) -> dict[str, Any]:
+    """What ``build(trial)`` returned, as `MultiModelTrainer.add`'s arguments; a clear error for anything else."""
+    if not isinstance(built, Mapping) or "model" not in built:
+        raise TypeError(
+            "`build(trial)` returns what `MultiModelTrainer.add` takes, as a dict: `dict(model=..., "
+            f"train_dataloaders=..., max_steps=...)`; it returned {type(built).__name__}"
+            + (f" with keys {sorted(built)}" if isinstance(built, Mapping) else "")
+        )
+    theirs = sorted(set(built) & set(_THE_TRIALS))
+    if theirs:
+        raise ValueError(
+            f"`build(trial)` returned {theirs}, which the study sets for each trial: its name (the trial's number and "
+            "parameters) and where it resumes (its own checkpoint under `checkpoint_dir`, when a preempted trial "
+            "continues)."
+        )
+    return dict(built)

@@ -36,6 +36,7 @@ from lightning_varuna.multimodel.study import StudyRunner, TrialOutcome
 from lightning_varuna.multimodel.study_processes import optimize_in_processes
 from lightning_varuna.partition.packing import format_bytes
 from lightning_varuna.pipeline.replay import default_dtype, generator_states
+from lightning_varuna.storage import Storage
 from lightning_varuna.strategies.spilling import SpillingStrategy
 
 if TYPE_CHECKING:
@@ -308,6 +309,7 @@ class MultiModelTrainer:
             raise ValueError(f"`optimize` runs a study of one objective (`monitor={monitor!r}`), not {objectives}.")
         if value not in ("last", "best"):
             raise ValueError(f'`value={value!r}`: a trial\'s value is its "last" or "best" `{monitor}`.')
+        Storage(self.storage_options).check_writable(self.checkpoint_dir)  # not first at a preemption's checkpoint
         if self.processes:  # a one-device sweep per process, each a worker of the study
             each = max(1, (max_running or self.devices) // self.devices)
 

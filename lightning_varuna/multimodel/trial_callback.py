@@ -64,15 +64,19 @@ class TrialCallback(pl.Callback):
         self._checkpointed_s = time.monotonic()
         self._steps.started(trainer)
         if self.handed_over:  # while it was built and set up: it ends before its first step
-            trainer.should_stop = True
+            _stop_without_validating(trainer)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or self.handed_over:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or self.handed_over or self.interrupted:
             return
         logged = trainer.callback_metrics.get(self.monitor)
-        if logged is None:
-            return
+        if logged is None:  # as Lightning's EarlyStopping, at the first validation without it
+            raise ValueError(
+                f"The study's `monitor={self.monitor!r}` is not among the values the trial has logged after its "
+                f"validation: {sorted(trainer.callback_metrics)}. Log it with `self.log({self.monitor!r}, ...)` in "
+                "`validation_step`, or pass the name that is logged."
+            )
         value = float(logged.item() if isinstance(logged, torch.Tensor) else logged)
         self.last = value
         if math.isfinite(value) and (self.best is None or (value < self.best if self.minimize else value > self.best)):
@@ -94,11 +98,11 @@ class TrialCallback(pl.Callback):
         if not self._steps.stepped(trainer):
             return  # a batch that accumulates: not a step boundary
         if self.handed_over:  # set by its worker's heartbeat, which found it told
-            trainer.should_stop = True
+            _stop_without_validating(trainer)
         elif self.preempted.is_set() and not self.interrupted:
             self.interrupted = True
             self.save(trainer)
-            trainer.should_stop = True
+            _stop_without_validating(trainer)
         elif time.monotonic() - self._checkpointed_s >= self.checkpoint_interval:
             self.save(trainer)
 
@@ -107,7 +111,8 @@ class TrialCallback(pl.Callback):
         another worker has handed it over meanwhile (it had not heard from it for too long), end it instead: its
         retry resumes from the checkpoint there, which a new save would replace while the retry reads it."""
         if frozen_trial(self.trial.study, self.trial.number).state.is_finished():
-            self.handed_over = trainer.should_stop = True
+            self.handed_over = True
+            _stop_without_validating(trainer)
             return
         trainer.save_checkpoint(self.checkpoint_url)
         self._checkpointed_s = time.monotonic()
@@ -121,3 +126,11 @@ class TrialCallback(pl.Callback):
     def value(self, which: str) -> float | None:
         """The trial's value: its ``"last"`` or ``"best"`` reported ``monitor``."""
         return self.best if which == "best" else self.last
+
+
+def _stop_without_validating(trainer: pl.Trainer) -> None:
+    """End the fit at this step boundary. Lightning validates once more when a fit is stopped mid-epoch; a trial that
+    stops for its retry to carry on neither reports that value (off the validation schedule, it would reach the
+    pruner and the retry's history) nor spends the preemption's notice on it."""
+    trainer.should_stop = True
+    trainer.limit_val_batches = 0

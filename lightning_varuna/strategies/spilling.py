@@ -98,6 +98,7 @@ class SpillingStrategy(ResumableTraining, SingleDeviceStrategy):
         self.memory_budget = parse_bytes(memory_budget) if memory_budget is not None else None
         self.spill_dir = Path(spill_dir) if spill_dir is not None else None
         self.prefetch = prefetch
+        self.data_seed: int | None = None  # the training data's shuffled order's; None: `seed_everything`'s at fit
         self._devices: list[torch.device] = []
         self._sharded: ShardedModel | None = None
         self._folder: SpillFolder | None = None
@@ -145,7 +146,7 @@ class SpillingStrategy(ResumableTraining, SingleDeviceStrategy):
         """Make the training DataLoader resumable mid-epoch (a map-style dataset read in order or shuffled)."""
         if self._module.trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
             return dataloader
-        return resumable_on_one_device(dataloader, self._data)
+        return resumable_on_one_device(dataloader, self._data, seed=self.data_seed)
 
     # ---------------------------------------------------------------------------------------------- set-up
     @override
