@@ -139,6 +139,36 @@ def test_a_step_drawing_random_numbers_before_its_forward_trains_like_one_device
     assert_same_model(model, reference)
 
 
+class ChangesItselfBeforeItsForward(TinyLM):
+    """A step whose code before `self(...)` changes the module's state: it decays the learning rate by hand, counts
+    its steps, keeps the steps it saw and marks its first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps_seen, self.batches = 0, []  # type: ignore[var-annotated]
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.optimizers().param_groups[0]["lr"] *= 0.5  # type: ignore[union-attr]
+        self.steps_seen += 1
+        self.batches.append(batch_idx)
+        if not hasattr(self, "first_step"):
+            self.first_step = self.global_step
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_changing_its_module_before_its_forward_trains_like_one_device():
+    """What set-up's run of the first step up to `self(...)` changes of the module (its attributes, its optimizer's
+    learning rate) is given back: training sees it as on one device."""
+    torch.manual_seed(0)
+    reference = ChangesItselfBeforeItsForward()
+    model = copy.deepcopy(reference)
+    runs = [fit(reference, "auto"), fit(model, SpillingStrategy(memory_budget=BUDGETS[5]))]
+    torch.testing.assert_close(losses(runs[1]), losses(runs[0]), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+    assert (model.steps_seen, model.batches, model.first_step) == (8, list(range(8)), 0)
+    assert runs[1].optimizers[0].param_groups[0]["lr"] == runs[0].optimizers[0].param_groups[0]["lr"]
+
+
 class DictBatchLM(TinyLM):
     """Called with the whole batch as a dict, as `self.model(**batch)` calls a Hugging Face model with its labels:
     the first shard reads one entry of it."""

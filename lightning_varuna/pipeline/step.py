@@ -33,7 +33,7 @@ from lightning_varuna.pipeline.runtime import StageRuntime
 from lightning_varuna.pipeline.schedules import Action, Phase
 from lightning_varuna.pipeline.stage import Stage
 from lightning_varuna.pipeline.step_logging import LogRecorder
-from lightning_varuna.random_states import global_random_states_kept
+from lightning_varuna.random_states import global_random_states_kept, step_state_kept
 
 __all__ = ["MicroBatchedStep", "StageForwardDone", "capture_forward_inputs", "patched_forward", "run_schedule"]
 
@@ -218,7 +218,8 @@ def _shapes(microbatch: Any) -> list[Any]:
 
 def capture_forward_inputs(module: pl.LightningModule, step_name: str, microbatch: Any) -> tuple[tuple, dict]:
     """The arguments the step passes to ``self(...)`` for ``microbatch``, found by running the step up to that call
-    (without gradients, logging nothing, and leaving the random numbers the run draws next as they were)."""
+    (without gradients, logging nothing, and leaving the random numbers the run draws next, and the module's state
+    that `step_state_kept` keeps, as they were)."""
     captured: list[tuple[tuple, dict]] = []
 
     def capture(*args: Any, **kwargs: Any) -> None:
@@ -227,6 +228,7 @@ def capture_forward_inputs(module: pl.LightningModule, step_name: str, microbatc
 
     with (
         global_random_states_kept(),
+        step_state_kept(module),
         torch.no_grad(),
         LogRecorder().capture(module),
         patched_forward(module, capture),
