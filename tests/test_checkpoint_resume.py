@@ -29,17 +29,18 @@ GLOBAL_BATCH, ROWS, EPOCHS = 6, 18, 4  # 3 steps per epoch
 
 
 def shape(pp: int, dp: int, schedule: str = "1f1b", **extra) -> dict:
-    """A run at (P, D) with the same global batch: the DataLoader batch is GLOBAL_BATCH / D."""
-    return dict(
-        pipeline_parallel_size=pp,
-        data_parallel_size=dp,
-        batch_size=GLOBAL_BATCH // dp,
-        micro_batch_size=1 if GLOBAL_BATCH // dp < 4 else 2,
-        schedule=schedule,
-        rows=ROWS,
-        scheduler=True,
+    """A run at (P, D) with the same global batch: the DataLoader batch is GLOBAL_BATCH / D; ``extra`` adds to it
+    or replaces its settings."""
+    return {
+        "pipeline_parallel_size": pp,
+        "data_parallel_size": dp,
+        "batch_size": GLOBAL_BATCH // dp,
+        "micro_batch_size": 1 if GLOBAL_BATCH // dp < 4 else 2,
+        "schedule": schedule,
+        "rows": ROWS,
+        "scheduler": True,
         **extra,
-    )
+    }
 
 
 def run(tmp_path, name: str, config: dict, env: dict | None = None, expect_ok: bool = True) -> tuple[dict, dict]:

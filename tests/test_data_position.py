@@ -88,3 +88,16 @@ def test_accumulated_run_continues_after_max_epochs(tmp_path):
     run(tmp_path, "first", shape(2, 1, epochs=1, accumulate=2, save_to=end))
     result, weights = run(tmp_path, "resumed", shape(2, 1, epochs=epochs, accumulate=2, resume=end))
     assert_continues(result, weights, (reference["losses"], final), from_step=3)
+
+
+def test_a_checkpoint_just_before_an_epoch_s_short_last_batch_resumes_at_another_shape(tmp_path):
+    """14 rows in batches of 6: every epoch ends with a batch of 2 rows. A checkpoint taken just before it resumes
+    with that batch, in micro-batches of 3 rows (chosen for the loader's whole batch; more than the 2 rows, which
+    was refused as larger than the batch) and continues exactly."""
+    short_last = {"rows": 14, "micro_batch_size": 3, "epochs": 2}
+    reference, final = train_reference(shape(1, 1, **short_last))
+    every_step = {"dirpath": str(tmp_path / "steps"), "save_top_k": -1}
+    run(tmp_path, "first", shape(1, 1, **{**short_last, "epochs": 1}, checkpoint_every_step=every_step))
+    resume = str(tmp_path / "steps" / "epoch=0-step=2.ckpt")
+    result, weights = run(tmp_path, "resumed", shape(2, 1, **short_last, resume=resume))
+    assert_continues(result, weights, (reference["losses"], final), from_step=2)

@@ -260,7 +260,6 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
         run_hook_inside(trainer, BaseFinetuning, "on_train_epoch_start", lambda _: self._whole_model_for_optimizers())
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._batches.fit_started()
         self.setup_precision_plugin()
         scaler = getattr(self.precision_plugin, "scaler", None)
         loss_scaler = shardwise(scaler) if scaler is not None else None
@@ -276,12 +275,13 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
     def _stage_of_this_model(self, trainer: pl.Trainer, topology: Topology) -> Stage:
         """This rank's stage, cut again for another model (`cut_model`) after choosing the default micro-batch size,
         which sets the shapes it is traced with."""
-        # The default comes from the training batch, also where a `validate` on the same Trainer chose one first.
-        chosen_for_another_run = self._micro_batch_size_chosen_for not in (None, TrainerFn.FITTING)
+        chosen_for_another_run = self._micro_batch_size_chosen_for not in (None, TrainerFn.FITTING)  # e.g. `validate`
         first = cache(partial(first_batch_of_loaders, trainer))  # read once: it may start the loader's workers
         if not self.micro_batch_size or (trainer.state.fn == TrainerFn.FITTING and chosen_for_another_run):
             self.micro_batch_size = default_micro_batch_size_of(trainer, first, topology, self.global_batch_size)
             self._micro_batch_size_chosen_for = trainer.state.fn
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._batches.fit_started(first().batch)
         if self._stages is None or self._stages.module is not self.model:
             with self.precision_plugin.tensor_init_context():  # as in the steps: the forward's new tensors ("true")
                 self._stages = cut_model(
