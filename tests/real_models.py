@@ -157,6 +157,18 @@ class HFGPT2(HFCausalLM):
         self.model = tiny_gpt2()
 
 
+class HFGPT2OwnLoss(HFGPT2):
+    """GPT-2 computing its own loss from labels, as Hugging Face's causal LMs do: the loss casts the logits to float32
+    (``logits.float()``), a cast that is no-op in fp32 and real under bf16 autocast."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:  # type: ignore[override]
+        return self.model(input_ids=input_ids, labels=labels)
+
+    def step_loss(self, batch: Any) -> torch.Tensor:
+        ids, _ = batch
+        return self(ids, ids).loss
+
+
 class HFLlama(HFCausalLM):
     """Hugging Face's ``LlamaForCausalLM`` from a small config: 4 query heads sharing 2 key/value heads, tied head."""
 
@@ -320,6 +332,7 @@ MODELS: dict[str, tuple[type[RealModel], Callable[[torch.Generator, int], Any]]]
     "resnet": (HFResNet, lambda g, i: (torch.randn(3, 16, 16, generator=g), torch.randint(0, 4, (), generator=g))),
     "bert": (HFBert, _masked_tokens),
     "gpt2": (HFGPT2, _tokens(50, 8)),
+    "gpt2_own_loss": (HFGPT2OwnLoss, _tokens(50, 8)),
     "llama": (HFLlama, _tokens(50, 8)),
     "t5": (HFT5, _tokens(50, 8)),
     "mixtral": (HFMixtral, _tokens(50, 8)),

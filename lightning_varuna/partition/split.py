@@ -199,7 +199,11 @@ def _make_generated_code_safe(stage_module: nn.Module) -> None:
       have other strides at run time than while tracing (attention's, once its inputs require gradients), and
       torch.export drops a ``.contiguous()`` that was a no-op while tracing (seen with torch 2.11 in
       ``nn.MultiheadAttention``): a view of the output would then fail. A reshape is that view wherever one is
-      possible, and a copy elsewhere.
+      possible, and a copy elsewhere;
+    * cast where the graph asserts a dtype. The model is traced in its own dtype, autocast off, and torch.export
+      drops a ``.to(dtype)`` (``.float()``) that was a no-op then, asserting the dtype instead: under autocast the
+      value has another dtype there (Hugging Face's loss takes ``logits.float()``), so the assertion fails, and the
+      cast is what the forward does on one device (`_casts_restored`).
     """
     for module in stage_module.modules():
         graph = getattr(module, "graph", None)
@@ -215,8 +219,35 @@ def _make_generated_code_safe(stage_module: nn.Module) -> None:
         ]
         for node in views:
             node.target = torch.ops.aten.reshape.default
-        if clashing or views:
+        casts = _casts_restored(graph)
+        if clashing or views or casts:
             module.__dict__["graph_module"] = fx.GraphModule(module, graph)
+
+
+def _casts_restored(graph: fx.Graph) -> int:
+    """Replace each assertion of a value's dtype in ``graph`` by a cast to that dtype (``aten.to.dtype``: the value
+    itself where it has the dtype, as while tracing), which the operations after it read; how many there were."""
+    asserts = [
+        node
+        for node in graph.nodes
+        if node.target is torch.ops.aten._assert_tensor_metadata.default and _asserted_dtype(node) is not None
+    ]
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    for node in asserts:
+        value = node.args[0]
+        assert isinstance(value, fx.Node)
+        with graph.inserting_after(node):
+            cast = graph.call_function(torch.ops.aten.to.dtype, (value, _asserted_dtype(node)))
+        for user in [user for user in value.users if order.get(user, -1) > order[node]]:
+            user.replace_input_with(value, cast)
+        graph.erase_node(node)
+    return len(asserts)
+
+
+def _asserted_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype an ``aten._assert_tensor_metadata`` node asserts (its 4th argument), if any."""
+    dtype = node.kwargs.get("dtype", node.args[3] if len(node.args) > 3 else None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def _changed_in_place(*nodes: object) -> bool:
