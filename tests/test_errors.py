@@ -133,8 +133,8 @@ class UnregisteredParameter(TinyLM):
     ("model", "error", "match"),
     [
         (CutPointTwice(), ValueError, r"CutPoint `cuts.0` was called twice"),
-        (TupleAtCutPoint(), TypeError, r"CutPoint `cuts.0` got a `tuple`"),
-        (TransposedAtCutPoint(), ValueError, r"shape \(6, 4, 16\) but the batch size is 4"),
+        (TupleAtCutPoint(), TypeError, r"CutPoint `cuts.0` got a value of type `tuple`"),
+        (TransposedAtCutPoint(), ValueError, r"shape \(6, 4, 16\), but the batch the forward was run with has 4 rows"),
         (DataDependentBranch(), RuntimeError, r"Cannot cut `DataDependentBranch.forward` into pipeline stages"),
         (SpectralNormLM(), RuntimeError, r"changes the grad mode inside .*`spectral_norm`.* calls `blocks.2` without"),
         (CallsASubmodule(), RuntimeError, r"never called `self\(...\)`.*a submodule called directly"),
@@ -239,13 +239,14 @@ trainer.fit(model, DataLoader(token_dataset(8), batch_size=4))
             2,
             "pipeline_parallel_size=2",
             1,
-            r"pipeline_parallel_size=2\)` needs at least 1 CutPoints in the forward, but `TinyLM` calls 0",
+            r"pipeline_parallel_size=2\)` needs at least 1 CutPoint\(s\) in the forward, but `TinyLM` calls 0",
         ),
         (
             2,
             "pipeline_parallel_size=2, schedule='interleaved-1f1b', stages_per_rank=3",
             5,
-            r"stages_per_rank=3\)` cuts 6 stages and needs at least 5 CutPoints in the forward, but `TinyLM` calls 4",
+            r"stages_per_rank=3\)` cuts 6 stages and needs at least 5 CutPoint\(s\) in the forward, but `TinyLM` "
+            r"calls 4",
         ),
         (
             2,

@@ -42,13 +42,14 @@ def observe_cutpoints(
             )
         if not isinstance(x, Tensor):
             raise TypeError(
-                f"CutPoint `{name}` got a `{type(x).__name__}`; its input must be one tensor whose dim 0 is "
-                "the batch. Move the CutPoint to where a single activation tensor flows between blocks."
+                f"CutPoint `{name}` got a value of type `{type(x).__name__}`; its input must be one tensor whose "
+                "dim 0 is the batch. Move the CutPoint to where a single activation tensor flows between blocks."
             )
         if x.dim() == 0 or x.shape[0] != batch_size:
             raise ValueError(
-                f"CutPoint `{name}` got a tensor of shape {tuple(x.shape)} but the batch size is {batch_size}: "
-                "its input must keep the batch as dim 0."
+                f"CutPoint `{name}` got a tensor of shape {tuple(x.shape)}, but the batch the forward was run with "
+                f"has {batch_size} rows (dim 0 of its first tensor): a CutPoint's input must keep the batch as dim 0 "
+                "(move it to where the activation is batch-first, not transposed or flattened across the batch)."
             )
         order.append(name)
         return None if on_call is None else on_call(x)

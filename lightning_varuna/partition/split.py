@@ -382,8 +382,9 @@ def _split_traced(
     )
     if pipeline_graph.num_stages != len(boundaries) + 1:
         merged = ValueError(
-            f"Cutting at {len(boundaries)} CutPoint(s) gave {pipeline_graph.num_stages} stages instead of "
-            f"{len(boundaries) + 1}: some stage has no computation. Put work between consecutive CutPoints."
+            f"Cutting at CutPoint(s) {list(boundaries)} gave {pipeline_graph.num_stages} stage(s) instead of "
+            f"{len(boundaries) + 1}: some stage has no computation (a CutPoint at the forward's input, or two with "
+            "nothing between them). Put work before the first CutPoint and between consecutive ones."
         )
         if changes_grad_mode(module, args, kwargs):  # CutPoints inside a reentrant checkpoint: its stages merge
             raise untraceable_forward_error(module, merged, grad_mode_changed=True) from merged

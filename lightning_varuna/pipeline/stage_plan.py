@@ -39,9 +39,9 @@ def plan_stage(
                 f"stages_per_rank={topology.stages_per_rank})` cuts {num_stages} stages and"
             )
         raise ValueError(
-            f"{asked} needs at least {num_stages - 1} CutPoints in "
+            f"{asked} needs at least {num_stages - 1} CutPoint(s) in "
             f"the forward, but `{type(module).__name__}` calls {len(cutpoints)}: {cutpoints} (one whose output is the "
-            f"forward's output has no work after it and does not count). Use at most {len(cutpoints) + 1} stages or "
+            f"forward's output has no work after it and does not count). Use at most {len(cutpoints) + 1} stage(s) or "
             "add CutPoints between the model's layers."
         )
     boundaries: list[str] = []
