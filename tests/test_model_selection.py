@@ -40,6 +40,7 @@ from lightning_varuna._optuna_private import as_new_worker, set_user_attr  # noq
 from lightning_varuna.demos import MLP  # noqa: E402
 from lightning_varuna.multimodel.core_lending import CoreLending  # noqa: E402
 from lightning_varuna.multimodel.devices import torch_threads  # noqa: E402
+from lightning_varuna.multimodel.report import StudyDisplay  # noqa: E402
 from lightning_varuna.multimodel.study import HANDED_OVER, HEARTBEAT, RESUMES  # noqa: E402
 from lightning_varuna.multimodel.trial_callback import TrialCallback  # noqa: E402
 
@@ -488,8 +489,19 @@ def test_a_trial_s_row_says_how_it_ended(tmp_path, capsys):
     outcomes = sweep.optimize(study, build, n_trials=3, monitor="val_loss", max_running=3)
     assert {o.number: o.state for o in outcomes} == {0: "complete", 1: "pruned", 2: "failed"}
     shown = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", capsys.readouterr().err)
-    assert re.search(r"pruned: trial 1 \(", shown) and re.search(r"failed: trial 2 \(", shown)
-    assert re.search(r"complete: trial 0 \(", shown) and "stopped early" not in shown
+    for number, ended in (0, "complete"), (1, "pruned"), (2, "failed"):  # on the trial's row, after its name
+        assert re.search(rf"trial {number} \([^\r\n]*{ended}", shown), (number, shown[-3000:])
+    assert "stopped early" not in shown
+
+
+def test_a_row_taken_by_the_next_trial_no_longer_says_how_the_last_one_ended(capsys):
+    display = StudyDisplay(rows=1, study_name="s")
+    display.started("trial 0", 8, 0)
+    display.ended("trial 0", "pruned")
+    display.started("trial 1", 8, 0)
+    display.close()
+    shown = capsys.readouterr().err
+    assert "trial 1" in shown and not re.search(r"trial 1[^\r\n]*pruned", shown), shown
 
 
 def test_a_study_needs_a_checkpoint_folder_and_one_objective(tmp_path):

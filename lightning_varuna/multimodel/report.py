@@ -79,8 +79,8 @@ class SweepDisplay:
 
     @contextmanager
     def logs_above(self) -> Iterator[None]:
-        """Print Lightning's log lines and Python's warnings above the bars, not into them."""
-        loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+        """Print Lightning's and this package's log lines and Python's warnings above the bars, not into them."""
+        loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_varuna")]
         show = warnings.showwarning
         warnings.showwarning = _write_warning_above_bars
         try:
@@ -109,8 +109,9 @@ class StudyDisplay(SweepDisplay):
         self._monitors[name] = monitor, value
 
     def started(self, name: str, total_steps: float, steps_before: int) -> None:
-        if name not in self._bars:
+        if name not in self._bars:  # a free row, which says how its last trial ended until now
             self._bars[name] = self._free.pop(0)
+            self._bars[name].set_postfix_str("", refresh=False)
             self._bars[name].set_description_str(name)
         super().started(name, total_steps, steps_before)
 
@@ -132,7 +133,7 @@ class StudyDisplay(SweepDisplay):
         says so until the next trial takes it."""
         bar = self._bars.pop(name, None)
         if bar is not None:
-            bar.set_postfix_str(f"{status}: {name}")
+            bar.set_postfix_str(status)
             bar.refresh()
             self._free.append(bar)
 

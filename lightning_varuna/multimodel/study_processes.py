@@ -129,7 +129,8 @@ class _StoredStudyView:
         for trial in trials:
             if trial.state == self._states.RUNNING:
                 self._running(trial)
-            elif trial.number in self.shown:
+            elif trial.number in self.shown:  # its row shows its last reported step, then how it ended
+                self.display.stepped(self.shown[trial.number], max(trial.intermediate_values, default=0), None)
                 self.display.ended(self.shown.pop(trial.number), self._ended_as(trial))
         finished = [self._outcome(t) for t in trials if t.state.is_finished()]
         self.display.summary(progress_line(self.study.study_name, finished, self.monitor, self.minimize))
