@@ -22,6 +22,7 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available as syn
 # Moving optimizer state to the device after a checkpoint is loaded. tests/test_checkpoint_resume.py.
 from lightning.fabric.utilities.optimizer import _optimizer_to_device as optimizer_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 # The optimizers, schedulers and monitor in what `configure_optimizers` returns (any of its forms), to read a
@@ -95,6 +96,18 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerE
 # Lightning works it out: `resolve_checkpoint_dir(callback, trainer)`. tests/test_checkpoint_storage.py.
 resolve_checkpoint_dir = ModelCheckpoint._ModelCheckpoint__resolve_ckpt_dir  # type: ignore[attr-defined]
 
+
+def validates_as_scheduled(trainer: Trainer) -> bool:
+    """Whether the fit validates after the training batch it is at (from its `on_train_batch_end`) as scheduled, not
+    because `should_stop` is set: the epoch loop's `_should_check_val_fx`, asked with `should_stop` off.
+    tests/test_model_selection.py::test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly."""
+    stop, trainer.should_stop = trainer.should_stop, False
+    try:
+        return trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)  # type: ignore[arg-type]
+    finally:
+        trainer.should_stop = stop
+
+
 __all__ = [
     "CheckpointConnector",
     "disable_module_memory_sharing",
@@ -113,4 +126,5 @@ __all__ = [
     "resolve_checkpoint_dir",
     "set_num_threads_if_needed",
     "sync_ddp_if_available",
+    "validates_as_scheduled",
 ]

@@ -7,6 +7,7 @@ import copy
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 
 import lightning.pytorch as pl
 import numpy as np
@@ -35,8 +36,8 @@ def step_state_kept(module: pl.LightningModule) -> Iterator[None]:
     """Inside, a step may change what a step's own code often changes: its module's plain attributes (numbers and
     strings; the contents of its public lists and dicts; public attributes it adds) and its optimizers'
     hyperparameters (a learning rate scaled by hand); after, they are as before."""
-    attributes = vars(module)
-    plain = {name: value for name, value in attributes.items() if isinstance(value, _PLAIN)}
+    attributes, framework = vars(module), _lightning_module_attributes()
+    plain = {n: value for n, value in attributes.items() if isinstance(value, _PLAIN) and n not in framework}
     contents = {  # each with a copy of what it holds
         name: (value, copy.copy(value))
         for name, value in attributes.items()
@@ -44,7 +45,7 @@ def step_state_kept(module: pl.LightningModule) -> Iterator[None]:
     }
     before = set(attributes)
     optimizers = module.trainer.optimizers
-    groups = [[{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in o.param_groups] for o in optimizers]
+    groups = [[{k: _copied(v) for k, v in g.items() if k != "params"} for g in o.param_groups] for o in optimizers]
     try:
         yield
     finally:
@@ -57,4 +58,18 @@ def step_state_kept(module: pl.LightningModule) -> Iterator[None]:
             attributes[name] = container
         for optimizer, saved in zip(optimizers, groups):
             for group, hyperparameters in zip(optimizer.param_groups, saved):
-                group.update(hyperparameters)
+                for key, value in hyperparameters.items():
+                    if isinstance(value, torch.Tensor) and isinstance(group.get(key), torch.Tensor):
+                        group[key].copy_(value)  # in place: a scheduler may hold it
+                    else:
+                        group[key] = value
+
+
+@cache
+def _lightning_module_attributes() -> frozenset[str]:
+    """The attributes every LightningModule has (torch's and Lightning's own, such as ``training``): not the step's."""
+    return frozenset(vars(pl.LightningModule()))
+
+
+def _copied(value: object) -> object:
+    return value.clone() if isinstance(value, torch.Tensor) else copy.copy(value)

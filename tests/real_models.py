@@ -169,6 +169,17 @@ class HFGPT2OwnLoss(HFGPT2):
         return self(ids, ids).loss
 
 
+class HFGPT2FloatLogits(HFGPT2):
+    """GPT-2 whose LightningModule's own forward casts the logits to float32 (``.float()``) for its loss."""
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        return self.model(input_ids=input_ids).logits.float()
+
+    def step_loss(self, batch: Any) -> torch.Tensor:
+        ids, targets = batch
+        return F.cross_entropy(self(ids).flatten(0, 1), targets.flatten())
+
+
 class HFLlama(HFCausalLM):
     """Hugging Face's ``LlamaForCausalLM`` from a small config: 4 query heads sharing 2 key/value heads, tied head."""
 
@@ -333,6 +344,7 @@ MODELS: dict[str, tuple[type[RealModel], Callable[[torch.Generator, int], Any]]]
     "bert": (HFBert, _masked_tokens),
     "gpt2": (HFGPT2, _tokens(50, 8)),
     "gpt2_own_loss": (HFGPT2OwnLoss, _tokens(50, 8)),
+    "gpt2_float_logits": (HFGPT2FloatLogits, _tokens(50, 8)),
     "llama": (HFLlama, _tokens(50, 8)),
     "t5": (HFT5, _tokens(50, 8)),
     "mixtral": (HFMixtral, _tokens(50, 8)),

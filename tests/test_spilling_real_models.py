@@ -92,13 +92,13 @@ def test_real_model_trains_spilled_like_one_device(tmp_path, name):
     assert_same_weights(model, reference)
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2", "gpt2_own_loss"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "gpt2_own_loss", "gpt2_float_logits"])
 def test_real_model_trains_spilled_in_bf16_bit_for_bit_as_on_one_device(tmp_path, name):
     """bf16-mixed computes what one device computes, bit for bit: a value a shard receives is cast to bf16 anew by
     each layer that reads it (BERT's query, key and value), as on one device; the float32 logits of Hugging Face's
-    own loss too (traced in float32, where that cast was a no-op). (Autocast keeps one cast of a leaf
-    that needs a gradient, which the received value was: the three gradients were summed in bf16, 1e-5 off in the
-    weights after four steps.)"""
+    own loss, and of a LightningModule's forward, too (traced in float32, where that cast was a no-op). (Autocast
+    keeps one cast of a leaf that needs a gradient, which the received value was: the three gradients were summed in
+    bf16, 1e-5 off in the weights after four steps.)"""
     model, data = build(name)
     reference = copy.deepcopy(model)
     budget = budget_for_two_or_more_shards(model, data)

@@ -79,8 +79,9 @@ class SweepDisplay:
 
     @contextmanager
     def logs_above(self) -> Iterator[None]:
-        """Print Lightning's and this package's log lines and Python's warnings above the bars, not into them."""
-        loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_varuna")]
+        """Print log lines (Lightning's, which do not propagate, and those that reach the root logger: this package's)
+        and Python's warnings above the bars, not into them."""
+        loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", None)]
         show = warnings.showwarning
         warnings.showwarning = _write_warning_above_bars
         try:

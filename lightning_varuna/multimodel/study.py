@@ -260,6 +260,7 @@ class StudyRunner:
             trial.report(value, step)
             callback.reported_steps.add(step)
             callback.last = value
+            callback.keep_if_best(value)
         try:
             open_complete(self._storage, resumes["checkpoint"])
         except IncompleteCheckpointError:
@@ -281,25 +282,30 @@ class StudyRunner:
         self.sweep.forget(result.trainer)
         if callback.handed_over:
             self._record(running, "handed over", result.steps, result.seconds)
+        elif callback.pruned and result.status != "failed":  # (at the validation as it was preempted too)
+            self._tell(running, "pruned", result.steps, result.seconds)
         elif callback.interrupted or result.status == "stopped":
-            if result.status == "failed":  # its checkpoint as the sweep was preempted (`TrialCallback.save`)
+            if callback.save_error is not None:
                 log.warning(
-                    f"Trial {number} was preempted but could not checkpoint ({type(result.error).__name__}: "
-                    f"{result.error}); its retry resumes from its last complete checkpoint, or starts over."
+                    f"Trial {number} was preempted but could not checkpoint ({type(callback.save_error).__name__}: "
+                    f"{callback.save_error}); its retry resumes from its last complete checkpoint, or starts over."
                 )
             self._hand_over(running.trial.number, "preempted", running.trial.params, callback.checkpoint_url)
             self._record(running, "handed over", result.steps, result.seconds)
         elif result.status == "failed":
             self._fail(running, result.error, result.steps, result.seconds)
-        elif callback.pruned:
-            self._tell(running, "pruned", result.steps, result.seconds)
         else:
             self._tell(running, "complete", result.steps, result.seconds)
 
     def _tell(self, running: _Running, state: str, steps: int, seconds: float) -> None:
         value, last = running.callback.value(self.value), running.callback.last
         if state == "complete" and (value is None or math.isnan(value)):
-            if last is None:
+            if last is None and running.callback.logged_instead is not None:
+                why = (
+                    f"the trial logged no `{self.monitor}` after its validations, but "
+                    f"{running.callback.logged_instead}: log it, or pass the name that is logged as `monitor`"
+                )
+            elif last is None:
                 why = f"the trial logged no `{self.monitor}` (it ran no validation)"
             else:  # the best of values none of which is a number, or a last one that is not
                 why = f"the trial's {self.value} `{self.monitor}` is not a number (its last: {last})"
@@ -314,7 +320,8 @@ class StudyRunner:
         with contextlib.suppress(Exception):  # finished meanwhile (handed over): the reason is not needed then
             running.trial.set_user_attr("fail_reason", message)
         if self._finish(running, "failed", steps, seconds, state=self._optuna.trial.TrialState.FAIL):
-            log.warning(f"Trial {running.trial.number} failed: {message}", exc_info=error)
+            traceback = error if error is not None and error.__traceback__ is not None else None
+            log.warning(f"Trial {running.trial.number} failed: {message}", exc_info=traceback)
 
     def _finish(
         self, running: _Running, ended_as: str, steps: int, seconds: float, value: float | None = None, **tell: Any
@@ -447,7 +454,7 @@ def _what_add_takes(built: object) -> dict[str, Any]:
     if theirs:
         raise ValueError(
             f"`build(trial)` returned {theirs}, which the study sets for each trial: its name (the trial's number and "
-            "parameters) and where it resumes (its own checkpoint under `checkpoint_dir`, when a preempted trial "
-            "continues)."
+            "parameters), where it resumes (its own checkpoint under `checkpoint_dir`, when a preempted trial "
+            "continues) and when its pruner decides next (`next_decision`)."
         )
     return dict(built)

@@ -13,8 +13,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_varuna._lightning_private import validates_as_scheduled
 from lightning_varuna._optuna_private import frozen_trial
 from lightning_varuna.callbacks.optimizer_steps import OptimizerSteps
 from lightning_varuna.multimodel.pruning import next_decision, next_validation
@@ -56,6 +58,8 @@ class TrialCallback(pl.Callback):
         self.interrupted = False  # stopped by the preemption, with a checkpoint
         self.handed_over = False  # told by another worker, which found it silent: it ends at its next step boundary
         self.reported_steps: set[int] = set()
+        self.save_error: Exception | None = None  # why its last checkpoint could not be written
+        self.logged_instead: list[str] | None = None  # what a validation without ``monitor`` had logged
         self._checkpointed_s = time.monotonic()
         self._steps = OptimizerSteps()
 
@@ -68,19 +72,20 @@ class TrialCallback(pl.Callback):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or self.handed_over or self.interrupted:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or self.handed_over:
             return
         logged = trainer.callback_metrics.get(self.monitor)
-        if logged is None:  # as Lightning's EarlyStopping, at the first validation without it
-            raise ValueError(
-                f"The study's `monitor={self.monitor!r}` is not among the values the trial has logged after its "
-                f"validation: {sorted(trainer.callback_metrics)}. Log it with `self.log({self.monitor!r}, ...)` in "
-                "`validation_step`, or pass the name that is logged."
-            )
+        if logged is None:  # (a value logged at epoch ends only may come later)
+            if self.logged_instead is None:
+                rank_zero_warn(
+                    f"The study's `monitor={self.monitor!r}` is not among the values trial {self.trial.number} has "
+                    f"logged after its validation at step {trainer.global_step}: {sorted(trainer.callback_metrics)}."
+                )
+            self.logged_instead = sorted(trainer.callback_metrics)
+            return
         value = float(logged.item() if isinstance(logged, torch.Tensor) else logged)
         self.last = value
-        if math.isfinite(value) and (self.best is None or (value < self.best if self.minimize else value > self.best)):
-            self.best = value
+        self.keep_if_best(value)
         step = trainer.global_step
         if step not in self.reported_steps:  # Optuna keeps one value per step
             try:
@@ -102,7 +107,10 @@ class TrialCallback(pl.Callback):
         elif self.preempted.is_set() and not self.interrupted:
             self.interrupted = True
             self.save(trainer)
-            _stop_without_validating(trainer)
+            if validates_as_scheduled(trainer):  # its value is reported (a resumed fit passes that validation over)
+                trainer.should_stop = True
+            else:
+                _stop_without_validating(trainer)
         elif time.monotonic() - self._checkpointed_s >= self.checkpoint_interval:
             self.save(trainer)
 
@@ -114,8 +122,17 @@ class TrialCallback(pl.Callback):
             self.handed_over = True
             _stop_without_validating(trainer)
             return
-        trainer.save_checkpoint(self.checkpoint_url)
+        try:
+            trainer.save_checkpoint(self.checkpoint_url)
+        except Exception as error:
+            self.save_error = error
+            raise
         self._checkpointed_s = time.monotonic()
+
+    def keep_if_best(self, value: float) -> None:
+        """Keep ``value`` as the trial's best reported ``monitor`` if it is (a number, and better)."""
+        if math.isfinite(value) and (self.best is None or (value < self.best if self.minimize else value > self.best)):
+            self.best = value
 
     def next_decision(self, trainer: pl.Trainer) -> tuple[float, float]:
         """The global step of the study's pruner's next decision on the trial, and the share of trials that go on
@@ -131,6 +148,6 @@ class TrialCallback(pl.Callback):
 def _stop_without_validating(trainer: pl.Trainer) -> None:
     """End the fit at this step boundary. Lightning validates once more when a fit is stopped mid-epoch; a trial that
     stops for its retry to carry on neither reports that value (off the validation schedule, it would reach the
-    pruner and the retry's history) nor spends the preemption's notice on it."""
+    pruner and the retry's history) nor spends the preemption's notice on it. (The Trainer trains no more.)"""
     trainer.should_stop = True
     trainer.limit_val_batches = 0

@@ -200,10 +200,10 @@ def _make_generated_code_safe(stage_module: nn.Module) -> None:
       torch.export drops a ``.contiguous()`` that was a no-op while tracing (seen with torch 2.11 in
       ``nn.MultiheadAttention``): a view of the output would then fail. A reshape is that view wherever one is
       possible, and a copy elsewhere;
-    * cast where the graph asserts a dtype. The model is traced in its own dtype, autocast off, and torch.export
-      drops a ``.to(dtype)`` (``.float()``) that was a no-op then, asserting the dtype instead: under autocast the
-      value has another dtype there (Hugging Face's loss takes ``logits.float()``), so the assertion fails, and the
-      cast is what the forward does on one device (`_casts_restored`).
+    * cast without first asserting the dtype cast from. The model is traced in its own dtype, autocast off, and
+      torch.export asserts a value's dtype before a ``.to(dtype)`` (``.float()``) that was a no-op then: under
+      autocast the value has another dtype there (Hugging Face's loss takes ``logits.float()``), the assertion would
+      fail, and the cast does what it does on one device (`_dtype_casts_unchecked`; in the stage's own graph too).
     """
     for module in stage_module.modules():
         graph = getattr(module, "graph", None)
@@ -219,35 +219,28 @@ def _make_generated_code_safe(stage_module: nn.Module) -> None:
         ]
         for node in views:
             node.target = torch.ops.aten.reshape.default
-        casts = _casts_restored(graph)
+        casts = _dtype_casts_unchecked(graph)
         if clashing or views or casts:
             module.__dict__["graph_module"] = fx.GraphModule(module, graph)
+    if isinstance(stage_module, fx.GraphModule) and _dtype_casts_unchecked(stage_module.graph):  # the stage's own
+        stage_module.recompile()
 
 
-def _casts_restored(graph: fx.Graph) -> int:
-    """Replace each assertion of a value's dtype in ``graph`` by a cast to that dtype (``aten.to.dtype``: the value
-    itself where it has the dtype, as while tracing), which the operations after it read; how many there were."""
+def _dtype_casts_unchecked(graph: fx.Graph) -> int:
+    """Drop from ``graph`` the assertion of a value's dtype that torch.export puts before a cast to that dtype
+    (``aten.to.dtype``) which was a no-op while tracing; how many there were. Other assertions are kept (a
+    ``.to(device)`` is traced as a cast to the dtype it saw, which one device would not make under autocast)."""
     asserts = [
         node
         for node in graph.nodes
-        if node.target is torch.ops.aten._assert_tensor_metadata.default and _asserted_dtype(node) is not None
+        if node.target is torch.ops.aten._assert_tensor_metadata.default
+        and node.next.target is torch.ops.aten.to.dtype
+        and node.next.args[0] is node.args[0]
+        and node.next.args[1] == node.kwargs.get("dtype")
     ]
-    order = {node: index for index, node in enumerate(graph.nodes)}
     for node in asserts:
-        value = node.args[0]
-        assert isinstance(value, fx.Node)
-        with graph.inserting_after(node):
-            cast = graph.call_function(torch.ops.aten.to.dtype, (value, _asserted_dtype(node)))
-        for user in [user for user in value.users if order.get(user, -1) > order[node]]:
-            user.replace_input_with(value, cast)
         graph.erase_node(node)
     return len(asserts)
-
-
-def _asserted_dtype(node: fx.Node) -> torch.dtype | None:
-    """The dtype an ``aten._assert_tensor_metadata`` node asserts (its 4th argument), if any."""
-    dtype = node.kwargs.get("dtype", node.args[3] if len(node.args) > 3 else None)
-    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def _changed_in_place(*nodes: object) -> bool:

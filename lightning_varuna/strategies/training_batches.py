@@ -35,11 +35,13 @@ class TrainingBatches:
         self._first_of_fit = True
         self._resumed_shape: dict[str, Any] | None = None  # of the checkpoint resumed from, until the first batch
 
-    def fit_started(self, first: Any) -> None:
-        """The next batch is the first of a fit, whose loop's first batch set-up read as ``first``: a whole batch of
-        the loader, where a fit resumed just before an epoch's short last batch begins with that one."""
+    def fit_started(self, first: Any | None) -> None:
+        """The next batch is the first of a fit, whose loop's first batch set-up read as ``first`` (None: it read
+        none): a whole batch of the loader, where a fit resumed just before an epoch's short last batch begins with
+        that one."""
         self._first_of_fit = True
-        self.largest = max(self.largest or 0, batch_size_of(first))
+        if first is not None:
+            self.largest = max(self.largest or 0, batch_size_of(first))
 
     def resumed(self, shape: dict[str, Any] | None) -> None:
         """The run resumes from a checkpoint of run ``shape`` (`run_shape`; None: a plain Lightning checkpoint)."""

@@ -280,8 +280,6 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
         if not self.micro_batch_size or (trainer.state.fn == TrainerFn.FITTING and chosen_for_another_run):
             self.micro_batch_size = default_micro_batch_size_of(trainer, first, topology, self.global_batch_size)
             self._micro_batch_size_chosen_for = trainer.state.fn
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._batches.fit_started(first().batch)
         if self._stages is None or self._stages.module is not self.model:
             with self.precision_plugin.tensor_init_context():  # as in the steps: the forward's new tensors ("true")
                 self._stages = cut_model(
@@ -290,6 +288,8 @@ class VarunaStrategy(ResumableTraining, MultiProcessStrategy):
             self._steps = StageSteps(
                 self._module, self._stages, topology, self._groups, self.root_device, self.loss_items
             )
+        if trainer.state.fn == TrainerFn.FITTING:  # the batch set-up read, if it read one (a refit may not)
+            self._batches.fit_started(first().batch if first.cache_info().currsize else None)
         return self._stages
 
     @override
