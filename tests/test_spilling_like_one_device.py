@@ -139,6 +139,21 @@ def test_a_step_drawing_random_numbers_before_its_forward_trains_like_one_device
     assert_same_model(model, reference)
 
 
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_a_model_with_a_frozen_shard_trains_clipped_like_one_device(algorithm):
+    """Two frozen blocks: a shard of them has no gradients to clip (clipping by value failed there, torch refusing an
+    empty list of gradients)."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    reference.blocks[:2].requires_grad_(False)
+    model = copy.deepcopy(reference)
+    clipped = {"gradient_clip_algorithm": algorithm, "gradient_clip_val": 0.05}
+    runs = [fit(reference, "auto", **clipped), fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), **clipped)]
+    assert len(runs[1].strategy.shards) >= 3, runs[1].strategy.shards
+    torch.testing.assert_close(losses(runs[1]), losses(runs[0]), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
 class ChangesItselfBeforeItsForward(TinyLM):
     """A step whose code before `self(...)` changes the module's state: it decays the learning rate by hand, counts
     its steps, keeps the steps it saw and marks its first."""

@@ -72,8 +72,14 @@ class ShardwiseStep:
         self._clip = lambda params, total: torch.nn.utils.clip_grads_with_norm_(_with_grads(params), max_norm, total)
 
     def clip_by_value(self, value: float) -> None:
-        """Clip each gradient to ``[-value, value]`` as its shard steps (Lightning's request)."""
-        self._clip = lambda params, total: torch.nn.utils.clip_grad_value_(_with_grads(params), value)
+        """Clip each gradient to ``[-value, value]`` as its shard steps (Lightning's request); a shard without
+        gradients (frozen, or its weights tied to another's) has none to clip."""
+
+        def clip(params: list[nn.Parameter], total: Any) -> None:
+            if grads := _with_grads(params):
+                torch.nn.utils.clip_grad_value_(grads, value)
+
+        self._clip = clip
 
     def step(self, closure: Any = None) -> Any:
         """Run ``closure``, then step the shards its backward did not step."""
