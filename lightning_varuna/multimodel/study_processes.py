@@ -59,7 +59,7 @@ def optimize_in_processes(
     lending = CoreLending(cores, context) if cores is not None else None
     pipes = [context.Pipe(duplex=False) for _ in range(devices)]
     workers = [
-        context.Process(target=_work, args=(study, run_worker, k, lending, pipes), name=f"study worker {k}")
+        context.Process(target=_work, args=(study, run_worker, k, lending, pipes, bool(rows)), name=f"study worker {k}")
         for k in range(devices)
     ]
     start_forked(workers)
@@ -163,9 +163,13 @@ def _work(
     k: int,
     lending: CoreLending | None,
     pipes: list[tuple[Connection, Connection]],
+    displayed: bool,
 ) -> None:
     """Worker process ``k``: pinned to its core (and those lent to it), run the study; send back how its trials
-    ended (or its error)."""
+    ended (or its error). Where the calling process ``displayed`` the study, Lightning's lines of each fit (its cut,
+    `max_steps` reached) are left out: they would print into its bars."""
+    if displayed:
+        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     sending = own_end(pipes, k)
     lent = lending.of(k) if lending is not None else None
     if lent is not None:
