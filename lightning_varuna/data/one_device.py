@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 
 from lightning_varuna.data.resumable import DataProgress
 
-__all__ = ["resumable_on_one_device"]
+__all__ = ["lightning_seed", "resumable_on_one_device"]
 
 
 def resumable_on_one_device(
@@ -52,8 +52,13 @@ def resumable_on_one_device(
     if shuffle is None:
         shuffle = isinstance(sampler, RandomSampler)
     batch_size = batch_size or dataloader.batch_size
-    seed = int(os.getenv("PL_GLOBAL_SEED", 0)) if seed is None else seed
+    seed = lightning_seed() if seed is None else seed
     one_replica: DistributedSampler = DistributedSampler(
         dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed
     )
     return progress.resumable(dataloader, one_replica, batch_size, replicas=1)
+
+
+def lightning_seed() -> int:
+    """The seed `L.seed_everything` set last (``PL_GLOBAL_SEED``), which Lightning's sampler shuffles by; else 0."""
+    return int(os.getenv("PL_GLOBAL_SEED", 0))

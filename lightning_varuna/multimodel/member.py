@@ -4,7 +4,6 @@ whose shards wait for the sweep's devices (`SweepMemberStrategy`, launched in th
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -40,8 +39,6 @@ class SweepMember:
     next_decision: Callable[[pl.Trainer], tuple[float, float]] | None = None
     # torch's generators' state when it was added (`generator_states`): what its draws start from, as alone.
     random_state: list[torch.Tensor] = field(default_factory=list)
-    # `seed_everything`'s seed when it was added, which shuffles its training data as alone (0 if none was set).
-    data_seed: int = field(default_factory=lambda: int(os.getenv("PL_GLOBAL_SEED", 0)))
     resumed: ResumedEpoch | None = None  # a fit resumed from a checkpoint, until its first batch
 
     def resumed_training(self, trainer: pl.Trainer) -> ResumedEpoch | None:
@@ -59,7 +56,6 @@ class SweepMemberStrategy(SpillingStrategy):
     def __init__(self, scheduler: DeviceScheduler, member: SweepMember, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.scheduler, self.sweep_name, self._member = scheduler, member.name, member
-        self.data_seed = member.data_seed
 
     @override
     def _configure_launcher(self) -> None:

@@ -62,7 +62,6 @@ class WorkerStrategy(SpillingStrategy):
     def __init__(self, member: SweepMember, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._member = member
-        self.data_seed = member.data_seed
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

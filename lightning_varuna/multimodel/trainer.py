@@ -190,6 +190,7 @@ class MultiModelTrainer:
         else:
             strategy = SweepMemberStrategy(self.scheduler, member, **spilling)
             progress = SweepMemberCallback(self.scheduler, member, lambda: self._display)
+        strategy.seed_data_order_now()  # as `seed_everything` set it for this model, built and added alone
         trainer_kwargs.setdefault("enable_progress_bar", False)
         trainer_kwargs.setdefault("enable_model_summary", False)
         callbacks = list(trainer_kwargs.pop("callbacks", None) or [])

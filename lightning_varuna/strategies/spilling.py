@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lightning_varuna.checkpoint.layout import run_shape
 from lightning_varuna.data.microbatch import batch_size_of
-from lightning_varuna.data.one_device import resumable_on_one_device
+from lightning_varuna.data.one_device import lightning_seed, resumable_on_one_device
 from lightning_varuna.partition.discovery import buffers_kept
 from lightning_varuna.partition.packing import SegmentMemory, parse_bytes
 from lightning_varuna.partition.skeleton import ModelSkeleton
@@ -147,6 +147,11 @@ class SpillingStrategy(ResumableTraining, SingleDeviceStrategy):
         if self._module.trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
             return dataloader
         return resumable_on_one_device(dataloader, self._data, seed=self.data_seed)
+
+    def seed_data_order_now(self) -> None:
+        """Shuffle the training data with the seed `L.seed_everything` set now, not as the fit starts (a sweep's
+        model, added now and fitted when the sweep fits)."""
+        self.data_seed = lightning_seed()
 
     # ---------------------------------------------------------------------------------------------- set-up
     @override
