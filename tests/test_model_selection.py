@@ -548,12 +548,20 @@ def wait_for_running(folder: Path, trials: int, steps: int, timeout: float = 120
     raise TimeoutError(f"no {trials} running trials reached {steps} steps in {timeout} s")
 
 
-def wait_for_checkpoint(url: Path, timeout: float = 120) -> None:
+def freeze_at_a_checkpointed_trial(group: int, folder: Path, timeout: float = 120) -> optuna.trial.FrozenTrial:
+    """Stop (SIGSTOP) the processes of ``group`` at a moment when one of their trials runs and has committed a
+    checkpoint; that trial. (Seen without stopping them, such a trial could end before a signal that follows lands.)"""
     deadline = time.monotonic() + timeout
-    while not list(url.glob("v*/COMMITTED.json")):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no checkpoint committed at {url} in {timeout} s")
+    while time.monotonic() < deadline:
+        os.killpg(group, signal.SIGSTOP)
+        running = [t for t in study_in(folder).trials if t.state.name == "RUNNING"]
+        checkpoints = [folder / "checkpoints" / f"trial-{t.number}" for t in running]
+        checkpointed = [t for t, url in zip(running, checkpoints) if list(url.glob("v*/COMMITTED.json"))]
+        if checkpointed:
+            return checkpointed[0]
+        os.killpg(group, signal.SIGCONT)
         time.sleep(0.1)
+    raise TimeoutError(f"no running trial had committed a checkpoint under {folder} in {timeout} s")
 
 
 def finish(worker: subprocess.Popen, timeout: float = 300) -> str:
@@ -624,14 +632,14 @@ def test_a_killed_worker_s_trial_is_taken_over_by_another_from_its_checkpoint(tm
     )
     doomed = start_worker(tmp_path, seed=1, **config)
     wait_for_steps(tmp_path, trials=1, steps=10)
-    wait_for_checkpoint(tmp_path / "checkpoints" / "trial-0")
+    killed_in = freeze_at_a_checkpointed_trial(doomed.pid, tmp_path)
     survivor = start_worker(tmp_path, seed=2, **config)
     os.killpg(doomed.pid, signal.SIGKILL)
     doomed.wait()
     finish(survivor)
     study = study_in(tmp_path)
-    taken_over = [t for t in study.trials if t.user_attrs.get(HANDED_OVER) == "no heartbeat"]
-    assert len(taken_over) == 1
+    taken_over = [t.number for t in study.trials if t.user_attrs.get(HANDED_OVER) == "no heartbeat"]
+    assert taken_over == [killed_in.number]
     counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
     assert_every_trial_trained_as_alone(tmp_path, study, 300, dropout=0.1)
@@ -646,18 +654,13 @@ def test_a_killed_worker_process_s_trial_is_taken_over_by_its_sibling(tmp_path):
     worker = start_worker(tmp_path, heartbeat=0.5, grace_period=10, checkpoint_interval=0.2, **config)
     wait_for_steps(tmp_path, trials=2, steps=10)
     assert len(children_of(worker.pid)) == 2
-    deadline = time.monotonic() + 120
-    while True:  # a trial still training that has checkpointed: kill the process that trains it
-        running = [t for t in study_in(tmp_path).trials if t.state.name == "RUNNING"]
-        checkpointed = [t for t in running if list((tmp_path / "checkpoints" / f"trial-{t.number}").glob("v*/COMMIT*"))]
-        if checkpointed or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    os.kill(checkpointed[0].user_attrs["pid"], signal.SIGKILL)
+    killed_in = freeze_at_a_checkpointed_trial(worker.pid, tmp_path)  # the call's process and its workers
+    os.kill(killed_in.user_attrs["pid"], signal.SIGKILL)  # the worker process that trains it
+    os.killpg(worker.pid, signal.SIGCONT)
     output = finish(worker)
     assert "died (exit code -9)" in output
     study = study_in(tmp_path)
-    assert len([t for t in study.trials if t.user_attrs.get(HANDED_OVER) == "no heartbeat"]) == 1
+    assert [t.number for t in study.trials if t.user_attrs.get(HANDED_OVER) == "no heartbeat"] == [killed_in.number]
     counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
     assert_every_trial_trained_as_alone(tmp_path, study, 600)
