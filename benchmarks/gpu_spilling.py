@@ -97,10 +97,10 @@ def lightning_steps(variant: str, args: argparse.Namespace, model: L.LightningMo
             strategy = SpillingStrategy(memory_budget=args.budget, spill_dir=spill_dir)
             result = lightning_fit(strategy, args, model, data)
         except ValueError as refusal:  # too small a budget for this device: the one that fetches ahead
-            named = re.findall(r"`memory_budget=(\d+)`", str(refusal))
-            if len(named) != 2:
+            named = re.findall(r"`memory_budget=(\d+)`", str(refusal))  # the one asked, the smallest, the fetching
+            if len(named) != 3:
                 raise
-            strategy = SpillingStrategy(memory_budget=int(named[1]), spill_dir=spill_dir)
+            strategy = SpillingStrategy(memory_budget=int(named[2]), spill_dir=spill_dir)
             result = lightning_fit(strategy, args, model, data)
     finally:
         if spill_dir:

@@ -126,7 +126,7 @@ def refused_budgets(args: argparse.Namespace) -> tuple[int, int]:
     try:
         trainer.fit(MLP(args.width, args.layers, lr=LR), DataLoader(data, batch_size=args.batch))
     except ValueError as refusal:
-        smallest, prefetching = map(int, re.findall(r"`memory_budget=(\d+)`", str(refusal)))
+        _, smallest, prefetching = map(int, re.findall(r"`memory_budget=(\d+)`", str(refusal)))
         return smallest, prefetching
     raise AssertionError("a budget of 1 byte trained")
 

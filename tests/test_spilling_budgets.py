@@ -58,7 +58,8 @@ def test_packing_refuses_naming_the_smallest_budgets_and_the_segment(kept):
         ValueError, match=r"the segment segment 1 needs 8 B .*`memory_budget=(\d+)`.*`memory_budget=(\d+)`"
     ) as info:
         pack_shards(memory, budget=kept + 7, kept=kept)
-    smallest, with_prefetch = map(int, re.findall(r"`memory_budget=(\d+)`", str(info.value)))
+    asked, smallest, with_prefetch = map(int, re.findall(r"`memory_budget=(\d+)`", str(info.value)))
+    assert asked == kept + 7
     assert (smallest, with_prefetch) == (kept + 8, kept + 11)  # 8 beside the 3 of a neighbour
     assert pack_shards(memory, budget=smallest, kept=kept).overlaps == [False, False]
     assert pack_shards(memory, budget=with_prefetch, kept=kept).overlaps == [True, True]
@@ -119,7 +120,8 @@ def test_the_smallest_budget_a_refusal_names_trains_like_one_device(tmp_path, di
     that keeps prefetch; the first trains exactly like one device, one byte less is refused."""
     with pytest.raises(ValueError, match=r"between `cuts\.3` and the end .*The smallest budget") as info:
         fit(TinyLM(dropout=0.1), SpillingStrategy(memory_budget="20KB"))
-    smallest, with_prefetch = map(int, re.findall(r"`memory_budget=(\d+)`", str(info.value)))
+    asked, smallest, with_prefetch = map(int, re.findall(r"`memory_budget=(\d+)`", str(info.value)))
+    assert asked == 20_000  # in bytes too, as the sizes it is compared with may round alike
     strategy, _ = one_device_and_spilled(smallest, spill_dir=tmp_path if disk else None)
     assert len(strategy.shards) == 5
     with pytest.raises(ValueError, match=f"`memory_budget={smallest}`"):
@@ -225,7 +227,7 @@ def test_a_large_lm_head_cut_apart_sets_the_smallest_budget_and_trains_there():
     loader = DataLoader(TensorDataset(idx, idx.roll(-1, 1)), batch_size=8)
     with pytest.raises(ValueError, match=r"the segment between `model\.model\.norm\.cutpoint` and the end") as info:
         fit(SmallLlama(), SpillingStrategy(memory_budget="10KB"), loader=loader, max_steps=2)
-    smallest = int(re.findall(r"`memory_budget=(\d+)`", str(info.value))[0])
+    smallest = int(re.findall(r"`memory_budget=(\d+)`", str(info.value))[1])
     torch.manual_seed(0)
     reference = SmallLlama()
     model = copy.deepcopy(reference)

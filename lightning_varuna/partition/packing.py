@@ -166,7 +166,7 @@ def _too_small(segments: list[SegmentMemory], budget: int, kept: int, prefetch: 
         else ""
     )
     return (
-        f"`memory_budget` of {format_bytes(budget)} is too small: the segment {largest.name} needs "
+        f"`memory_budget={budget}` ({format_bytes(budget)}) is too small: the segment {largest.name} needs "
         f"{format_bytes(largest.need)} on the device ({state} of parameters, gradients and optimizer state, "
         f"{activations} of activations), next to the {format_bytes(kept)} that stay there throughout (activations "
         f"at CutPoints, buffers, parameters used in several places). The smallest budget that trains this model at "
