@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -97,12 +98,13 @@ def test_trials_train_in_worker_processes_each_as_if_alone(tmp_path, capsys):
     """``processes=True``: each of 2 forked worker processes runs the study's trials (with dropout) one at a time,
     sharing it through its journal; the odd trials are pruned at their first report. Every trial's per-step losses
     equal it trained alone, the outcomes of both processes come back, and the display's line says how the study
-    ended."""
+    ended, under what the workers warned."""
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.log")))
     study = optuna.create_study(storage=storage, sampler=optuna.samplers.RandomSampler(seed=0), pruner=PruneOddTrials())
 
     def build(trial: optuna.trial.Trial) -> dict:
         trial.set_user_attr("pid", os.getpid())
+        warnings.warn(f"trial {trial.number} trains on little data", stacklevel=1)
         kwargs = trial_kwargs(trial, max_steps=12, dropout=0.1)
         kwargs["callbacks"] = [LossLog(tmp_path / "losses" / f"trial-{trial.number}.jsonl")]
         return kwargs
@@ -112,6 +114,7 @@ def test_trials_train_in_worker_processes_each_as_if_alone(tmp_path, capsys):
     assert [(o.number, o.state) for o in outcomes] == [(0, "complete"), (1, "pruned"), (2, "complete"), (3, "pruned")]
     shown = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", capsys.readouterr().err)
     assert re.search(r"study .*: 2 complete, 2 pruned; best val_loss", shown), shown[-2000:]
+    assert sorted(re.findall(r"UserWarning: trial (\d) trains on little data", shown)) == ["0", "1", "2", "3"]
     pids = {t.user_attrs["pid"] for t in study.trials}
     assert len(pids) == 2 and os.getpid() not in pids
     drawn = [tuple(t.params.values()) for t in study.trials]

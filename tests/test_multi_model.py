@@ -1236,7 +1236,7 @@ class WarnsInItsStep(MLP):
             warnings.warn("the loss looks odd")
         return super().training_step(batch, batch_idx)
 
-sweep = MultiModelTrainer(devices=1)
+sweep = MultiModelTrainer(devices={devices}, processes={processes})
 sweep.add(WarnsInItsStep(16, 2), train_dataloaders=regression_data(16), max_steps=4, logger=False, name="warns")
 sweep.add(MLP(16, 2), train_dataloaders=regression_data(16), max_steps=4, logger=False, name="quiet")
 sweep.fit()
@@ -1244,16 +1244,22 @@ sweep.fit()
 
 
 @pytest.mark.slow  # a Python process of its own
-def test_a_warning_prints_above_the_bars_not_into_them(tmp_path):
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_a_warning_prints_above_the_bars_not_into_them(tmp_path, processes):
     """A Python warning from a model's step is printed on a line of its own, above the bars (as Lightning's log lines
-    are), not appended to the text of a bar. (In a process of its own: pytest records the warnings of its tests.)"""
-    script = WARNING_IN_A_SWEEP.format(tests=os.path.dirname(__file__))
+    are), not appended to the text of a bar, also from a worker process (which sends it to the sweep's process).
+    (In a process of its own: pytest records the warnings of its tests.)"""
+    script = WARNING_IN_A_SWEEP.format(
+        tests=os.path.dirname(__file__), devices=2 if processes else 1, processes=processes
+    )
     proc = run_job(["-c", script], tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shown = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", proc.stderr)  # the cursor moves of the bars
     at = shown.index("UserWarning: the loss looks odd")
     line_start = max(shown.rfind("\n", 0, at), shown.rfind("\r", 0, at)) + 1
     assert shown[line_start:at].startswith("<string>:"), repr(shown[line_start - 80 : at])  # no bar before it
+    started = re.search(r"warns: [^\r\n]*/4", shown).start()  # its bar drawn once it knows its steps
+    assert not re.search(r"warns: 0step", shown[started:]), shown[started:]  # never drawn as it was before that
 
 
 class StopAt(L.Callback):

@@ -40,6 +40,7 @@ from lightning_varuna.multimodel.member_callback import step_loss
 from lightning_varuna.multimodel.report import ModelResult, SweepDisplay
 from lightning_varuna.multimodel.scheduler import DeviceSpan, SweepStopped
 from lightning_varuna.multimodel.signals import handled
+from lightning_varuna.multimodel.worker_logs import WorkerLogs
 from lightning_varuna.pipeline.replay import generator_states
 from lightning_varuna.strategies.callback_hooks import callbacks_of
 from lightning_varuna.strategies.spilling import SpillingStrategy
@@ -53,6 +54,8 @@ __all__ = [
     "picklable",
     "start_forked",
 ]
+
+LOGS_PRINTED_EVERY_S = 0.2  # how often the sweep's process prints what its workers logged
 
 
 class WorkerStrategy(SpillingStrategy):
@@ -116,8 +119,9 @@ def fit_in_processes(
     sweep = _ProcessSweep(members, results, display, spans)
     context = multiprocessing.get_context("fork")
     pipes = [context.Pipe() for _ in range(devices)]
+    logs = WorkerLogs(context) if display is not None else None
     workers = [
-        context.Process(target=_work, args=(pipes, k, members), name=f"sweep device {k}", daemon=False)
+        context.Process(target=_work, args=(pipes, k, members, logs), name=f"sweep device {k}", daemon=False)
         for k in range(devices)
     ]
     start_forked(workers)
@@ -131,9 +135,11 @@ def fit_in_processes(
             if worker.is_alive():
                 os.kill(worker.pid, signal.SIGTERM)  # type: ignore[arg-type]
 
-    with handled((signal.SIGINT, signal.SIGTERM), stop), ended_at_exit(workers):
+    with handled((signal.SIGINT, signal.SIGTERM), stop), ended_at_exit(workers, logs):
         while connections:
-            for connection in cast(list[Connection], wait(list(connections))):
+            if logs is not None:
+                logs.print_sent()
+            for connection in cast(list[Connection], wait(list(connections), timeout=LOGS_PRINTED_EVERY_S)):
                 try:
                     message = connection.recv()
                 except EOFError:  # the worker has ended
@@ -209,9 +215,14 @@ def _expected_work(member: SweepMember) -> float:
     return steps * sum(p.numel() for p in member.model.parameters())
 
 
-def _work(pipes: list[tuple[Connection, Connection]], device: int, members: list[SweepMember]) -> None:
-    """Worker process ``device``: fit the model the sweep names next, alone on one thread, until it names none."""
+def _work(
+    pipes: list[tuple[Connection, Connection]], device: int, members: list[SweepMember], logs: WorkerLogs | None
+) -> None:
+    """Worker process ``device``: fit the model the sweep names next, alone on one thread, until it names none; its
+    log lines and warnings go to ``logs`` where given (the sweep's display prints them)."""
     connection = own_end(pipes, device)
+    if logs is not None:
+        logs.send_from_here()
     torch.set_num_threads(1)
     callbacks = [_worker_callback(member.trainer) for member in members]
 
@@ -322,8 +333,11 @@ def own_end(pipes: list[tuple[Connection, Connection]], k: int) -> Connection:
 
 
 @contextmanager
-def ended_at_exit(workers: Sequence[multiprocessing.process.BaseProcess]) -> Iterator[None]:
-    """Wait for the workers as the block ends; if it raised, kill them first (none is left waiting for a model)."""
+def ended_at_exit(
+    workers: Sequence[multiprocessing.process.BaseProcess], logs: WorkerLogs | None = None
+) -> Iterator[None]:
+    """Wait for the workers as the block ends, printing the ``logs`` they send meanwhile (a worker ends once what it
+    sent is read); if the block raised, kill them first (none is left waiting for a model)."""
     try:
         yield
     except BaseException:
@@ -332,4 +346,9 @@ def ended_at_exit(workers: Sequence[multiprocessing.process.BaseProcess]) -> Ite
         raise
     finally:
         for worker in workers:
-            worker.join()
+            while worker.exitcode is None:
+                worker.join(LOGS_PRINTED_EVERY_S)
+                if logs is not None:
+                    logs.print_sent()
+        if logs is not None:
+            logs.print_sent()

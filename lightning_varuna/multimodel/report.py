@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TextIO
 
 import lightning.pytorch as pl
@@ -19,7 +20,14 @@ from lightning_varuna.multimodel.scheduler import DeviceSpan
 
 _GPU_ROWS = 1000  # trace rows of the GPUs' own timing start here
 
-__all__ = ["ModelResult", "StudyDisplay", "SweepDisplay", "device_timeline_trace", "summary_table"]
+__all__ = [
+    "ModelResult",
+    "StudyDisplay",
+    "SweepDisplay",
+    "device_timeline_trace",
+    "summary_table",
+    "warning_shown_by",
+]
 
 
 @dataclass
@@ -83,7 +91,7 @@ class SweepDisplay:
         and Python's warnings above the bars, not into them."""
         loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", None)]
         show = warnings.showwarning
-        warnings.showwarning = _write_warning_above_bars
+        warnings.showwarning = warning_shown_by(partial(tqdm.write, file=sys.stderr, end=""))
         try:
             with logging_redirect_tqdm(loggers=loggers, tqdm_class=tqdm):
                 yield
@@ -151,17 +159,20 @@ class StudyDisplay(SweepDisplay):
             bar.close()
 
 
-def _write_warning_above_bars(
-    message: Warning | str,
-    category: type[Warning],
-    filename: str,
-    lineno: int,
-    file: TextIO | None = None,
-    line: str | None = None,
-) -> None:
-    """`warnings.showwarning` that prints a warning as Python does, above the progress bars."""
-    text = warnings.formatwarning(message, category, filename, lineno, line)
-    tqdm.write(text, file=file or sys.stderr, end="")
+def warning_shown_by(write: Callable[[str], None]) -> Callable[..., None]:
+    """A `warnings.showwarning` that gives ``write`` the warning's text as Python prints it."""
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    return show
 
 
 def summary_table(results: Iterable[ModelResult]) -> str:

@@ -22,6 +22,7 @@ from lightning_varuna.multimodel.processes import ended_at_exit, own_end, pickla
 from lightning_varuna.multimodel.report import StudyDisplay
 from lightning_varuna.multimodel.signals import handled
 from lightning_varuna.multimodel.study import HANDED_OVER, TrialOutcome, progress_line, row_name
+from lightning_varuna.multimodel.worker_logs import WorkerLogs
 
 if TYPE_CHECKING:
     import optuna
@@ -58,8 +59,9 @@ def optimize_in_processes(
     context = multiprocessing.get_context("fork")
     lending = CoreLending(cores, context) if cores is not None else None
     pipes = [context.Pipe(duplex=False) for _ in range(devices)]
+    logs = WorkerLogs(context) if rows else None
     workers = [
-        context.Process(target=_work, args=(study, run_worker, k, lending, pipes, bool(rows)), name=f"study worker {k}")
+        context.Process(target=_work, args=(study, run_worker, k, lending, pipes, logs), name=f"study worker {k}")
         for k in range(devices)
     ]
     start_forked(workers)
@@ -78,8 +80,8 @@ def optimize_in_processes(
     waiting = {receiving: k for k, (receiving, _) in enumerate(pipes)}
     with (
         handled((signal.SIGINT, signal.SIGTERM, signal.SIGUSR1), pass_on),
-        ended_at_exit(workers),
         display.logs_above() if display is not None else nullcontext(),
+        ended_at_exit(workers, logs),
     ):
         while waiting:
             for receiving in cast(list[Connection], wait(list(waiting), timeout=SHOWN_EVERY_S)):
@@ -100,6 +102,8 @@ def optimize_in_processes(
                     outcomes.extend(payload)
                 else:
                     errors.append(payload)
+            if logs is not None:
+                logs.print_sent()
             if view is not None:
                 try:
                     view.show()
@@ -163,13 +167,14 @@ def _work(
     k: int,
     lending: CoreLending | None,
     pipes: list[tuple[Connection, Connection]],
-    displayed: bool,
+    logs: WorkerLogs | None,
 ) -> None:
     """Worker process ``k``: pinned to its core (and those lent to it), run the study; send back how its trials
-    ended (or its error). Where the calling process ``displayed`` the study, Lightning's lines of each fit (its cut,
-    `max_steps` reached) are left out: they would print into its bars."""
-    if displayed:
+    ended (or its error). Where the calling process displays the study, the worker's log lines and warnings go to it
+    as ``logs``, less Lightning's lines of each fit (its cut, `max_steps` reached), one set per trial."""
+    if logs is not None:
         logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+        logs.send_from_here()
     sending = own_end(pipes, k)
     lent = lending.of(k) if lending is not None else None
     if lent is not None:
