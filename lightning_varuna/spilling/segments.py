@@ -14,7 +14,6 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, Source, split_into_all_stages
 from lightning_varuna.partition.trace_cache import trace_key, tracing_own_forward
-from lightning_varuna.partition.tracing import kv_cache_configs, without_kv_cache
 
 __all__ = ["Segments", "WholeModel"]
 
@@ -59,7 +58,6 @@ class WholeModel:
 
     def __init__(self, module: nn.Module) -> None:
         self.module, self._forward = module, module.forward  # its own forward, not one a step patches on later
-        self._kv_cache_configs = kv_cache_configs(module)
         self._params = {name for name, _ in module.named_parameters()}
         self._buffers = {name for name, _ in module.named_buffers()}
         self._by_inputs: dict[TreeSpec, tuple[PipelineGraph, list[nn.Module]]] = {}
@@ -75,10 +73,9 @@ class WholeModel:
         return self._by_inputs[spec]
 
     def run(self, args: tuple, kwargs: dict) -> object:
-        """The model's output for these inputs, from its own forward (without a key-value cache, as when cut: its
-        output has the same structure)."""
-        with without_kv_cache(self._kv_cache_configs):
-            return self._forward(*args, **kwargs)
+        """The model's output for these inputs, from its own forward: as on one device, a Hugging Face model's
+        key/value cache included (where a cut model computes none: its attention then rounds otherwise)."""
+        return self._forward(*args, **kwargs)
 
 
 _, _ONE_VALUE = tree_flatten(0)  # the structure of a single value
