@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
-from models import VOCAB, CountingLM, TinyLM, token_dataset
+from models import DIM, VOCAB, CountingLM, TinyLM, token_dataset
 from spilled_runs import BUDGETS, assert_same_model, fit, losses
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -107,6 +107,33 @@ def check_spilled_like_one_device(model_class: type[L.LightningModule], shards: 
     assert len(strategy.shards) == shards
     torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
     assert_same_model(model, reference)
+
+
+class FreezesItsNormLM(TinyLM):
+    """A BatchNorm over each row's mean state before the head, put in eval mode as each training epoch starts:
+    frozen statistics while the rest trains, as fine-tuning does (after set-up, which traced it in train mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(DIM)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        keep = (idx != 0).unsqueeze(-1).float()
+        x = self.emb(idx)
+        for i, block in enumerate(self.blocks):
+            x = block(x, keep)
+            if i < len(self.cuts):
+                x = self.cuts[i](x)
+        return self.head(x + self.norm(x.mean(1)).unsqueeze(1))
+
+    def on_train_epoch_start(self) -> None:
+        self.norm.eval()
+
+
+def test_a_module_a_hook_puts_in_eval_mode_trains_so_like_one_device():
+    """Each module's mode, not only the model's, picks the trace a step runs: a BatchNorm a hook freezes normalizes
+    with its running statistics and keeps them, as on one device."""
+    check_spilled_like_one_device(FreezesItsNormLM, shards=5)
 
 
 def test_a_model_with_its_batch_size_built_in_trains_like_one_device():

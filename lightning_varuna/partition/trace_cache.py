@@ -14,8 +14,10 @@ __all__ = ["trace_key", "tracing_own_forward"]
 
 
 def trace_key(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """What a trace of ``module(*args, **kwargs)`` is specialized on: the mode and every input's shape and dtype."""
-    return (module.training, *(_leaf_key(leaf) for leaf in tree_leaves((args, kwargs))))
+    """What a trace of ``module(*args, **kwargs)`` is specialized on: the mode of each of its modules (a BatchNorm a
+    hook put in eval mode while the rest trains) and every input's shape and dtype."""
+    modes = tuple(m.training for m in module.modules())
+    return (modes, *(_leaf_key(leaf) for leaf in tree_leaves((args, kwargs))))
 
 
 @contextmanager
