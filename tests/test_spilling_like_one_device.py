@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import random
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -95,7 +96,7 @@ class RowBiasLM(TinyLM):
         return super().forward(idx) + self.row_bias
 
 
-def check_spilled_like_one_device(model_class: type[L.LightningModule], shards: int) -> None:
+def check_spilled_like_one_device(model_class: Callable[[], L.LightningModule], shards: int) -> None:
     """A ``model_class`` trained on one device and one spilled in ``shards`` shards, from the same start: the same
     losses and weights."""
     torch.manual_seed(0)
@@ -134,6 +135,33 @@ def test_a_module_a_hook_puts_in_eval_mode_trains_so_like_one_device():
     """Each module's mode, not only the model's, picks the trace a step runs: a BatchNorm a hook freezes normalizes
     with its running statistics and keeps them, as on one device."""
     check_spilled_like_one_device(FreezesItsNormLM, shards=5)
+
+
+class NormedStemLM(TinyLM):
+    """A BatchNorm over the embeddings, the two also held as ``self.stem`` (as Lightning's `BackboneFinetuning`
+    reads ``self.backbone``): a module under two names, whose buffers torch.export's modules read by the other."""
+
+    def __init__(self, frozen: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(DIM)
+        self.stem = nn.ModuleList([self.emb, self.norm])
+        self.norm.train(not frozen)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        keep = (idx != 0).unsqueeze(-1).float()
+        x = self.norm(self.emb(idx).transpose(1, 2)).transpose(1, 2)
+        for i, block in enumerate(self.blocks):
+            x = block(x, keep)
+            if i < len(self.cuts):
+                x = self.cuts[i](x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["training", "frozen"])
+def test_a_module_held_under_two_names_trains_like_one_device(frozen):
+    """Its BatchNorm's running statistics are the model's, read and updated as on one device (in train mode, once
+    per forward, though its shard computes the forward again in backward; in eval mode, read as they are)."""
+    check_spilled_like_one_device(lambda: NormedStemLM(frozen), shards=5)
 
 
 def test_a_model_with_its_batch_size_built_in_trains_like_one_device():

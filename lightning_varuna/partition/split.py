@@ -175,6 +175,10 @@ def _outputs_needing_gradients(stage_modules: list[nn.Module], stage_inputs: lis
 
 
 def _bind_real_tensors(stage_module: nn.Module, skeleton: ModelSkeleton, real: dict[str, Tensor]) -> None:
+    """Put the model's real parameters and buffers where the stage reads them: its registered ones, and the plain
+    attributes through which torch.export's unflattened modules read a buffer of a module the model holds under
+    two names (a stem also held as ``self.backbone``), which held the stand-ins the model was traced with: those
+    become registered buffers, which a replayed forward swaps for copies as it does the others."""
     for name, _ in list(stage_module.named_parameters(remove_duplicate=False)):
         owner, _, attr = name.rpartition(".")
         stage_module.get_submodule(owner)._parameters[attr] = real[skeleton.canonical(name)]  # type: ignore[assignment]
@@ -183,6 +187,12 @@ def _bind_real_tensors(stage_module: nn.Module, skeleton: ModelSkeleton, real: d
         canonical = skeleton.canonical(name)
         if canonical in real:
             stage_module.get_submodule(owner)._buffers[attr] = real[canonical]
+    for owner_name, owner in stage_module.named_modules(remove_duplicate=False):
+        for attr, value in list(vars(owner).items()):
+            canonical = skeleton.canonical(f"{owner_name}.{attr}" if owner_name else attr)
+            if isinstance(value, Tensor) and canonical in real:
+                del owner.__dict__[attr]
+                owner.register_buffer(attr, real[canonical])
 
 
 # Names a node of a generated forward must not take: its first parameter. (FX already avoids keywords and builtins.)
