@@ -5,6 +5,8 @@ host memory and on disk, with dropout (each call's masks replayed for its own ba
 from __future__ import annotations
 
 import copy
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -18,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_varuna import SpillingStrategy
 from lightning_varuna.demos import MLP
+from lightning_varuna.partition.trace_cache import KEPT_TRACES, Traces, _Value
 
 
 class ConsistencyLM(TinyLM):
@@ -154,3 +157,52 @@ class CallsInAnEpochEndHook(TinyLM):
 def test_a_call_outside_a_step_is_refused_naming_the_module():
     with pytest.raises(RuntimeError, match=r"`blocks\.0\.norm` runs while its parameters are spilled: .*inside"):
         fit(CallsInAnEpochEndHook(), SpillingStrategy(memory_budget=BUDGETS[5]), max_epochs=1, max_steps=-1)
+
+
+class NotedLM(TinyLM):
+    """A forward that takes a value that is not a tensor, other at every step (a note it does not read)."""
+
+    def forward(self, idx: torch.Tensor, note: str = "") -> torch.Tensor:
+        return super().forward(idx)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        idx, y = batch
+        loss = F.cross_entropy(self(idx, f"batch {batch_idx}").flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_value_that_is_not_a_tensor_and_changes_traces_again_with_a_warning_once_like_one_device():
+    """Each new value makes a trace (the trace holds it fixed), as few kept as `KEPT_TRACES` says; the first new
+    one is warned of, with what to do; the model trains as on one device."""
+    torch.manual_seed(0)
+    reference = NotedLM()
+    model = copy.deepcopy(reference)
+    expected = fit(reference, "auto", max_steps=6, accumulate_grad_batches=1, limit_val_batches=0)
+    with pytest.warns(UserWarning, match=r"`NotedLM` is traced again .*'batch 0' before, 'batch 1' now") as warned:
+        trainer = fit(model, SpillingStrategy(memory_budget=BUDGETS[5]), max_steps=6, accumulate_grad_batches=1,
+                      limit_val_batches=0)  # fmt: skip
+    assert len([w for w in warned if "traced again" in str(w.message)]) == 1
+    torch.testing.assert_close(losses(trainer), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_same_model(model, reference)
+
+
+def test_traces_are_kept_up_to_their_number_and_made_again_when_asked_after():
+    made: list[tuple] = []
+
+    def trace_of(key: tuple) -> Callable[[], tuple]:
+        return lambda: made.append(key) or key
+
+    traces: Traces[tuple] = Traces("`M`")
+    keys = [(True, ((2, 3), torch.float32, "cpu"), _Value(repr(n))) for n in range(KEPT_TRACES + 1)]
+    with pytest.warns(UserWarning, match="traced again") as warned:
+        for key in keys:
+            assert traces.get(key, trace_of(key)) == key
+    assert len(warned) == 1 and made == keys
+    traces.get(keys[-1], trace_of(keys[-1]))  # kept
+    traces.get(keys[0], trace_of(keys[0]))  # the least recently used, dropped: made again
+    assert made == [*keys, keys[0]]
+    other_shape = (True, ((4, 3), torch.float32, "cpu"), _Value("0"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # another shape is traced again without a word
+        traces.get(other_shape, trace_of(other_shape))

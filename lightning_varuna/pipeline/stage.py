@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from lightning_varuna.partition.released import guard_released
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, split_into_rank_stages
-from lightning_varuna.partition.trace_cache import trace_key, tracing_own_forward
+from lightning_varuna.partition.trace_cache import Traces, trace_key, tracing_own_forward
 from lightning_varuna.pipeline.runtime import StageRuntime
 from lightning_varuna.pipeline.shared_params import SharedParameters
 from lightning_varuna.pipeline.topology import Topology
@@ -48,7 +48,7 @@ class Stage:
         self._num_stages = topology.num_stages
         self.skeleton = ModelSkeleton(module)
         self._real = dict(_named_tensors(module))
-        self._traced: dict[tuple, tuple[PipelineGraph, dict[int, nn.Module]]] = {}
+        self._traced: Traces[tuple[PipelineGraph, dict[int, nn.Module]]] = Traces(f"`{type(module).__name__}`")
         self.runtime = StageRuntime(topology.stage_indices, topology.ranks_of_stages(), device, message_groups)
         self.shared: SharedParameters
         self._own_parameters: list[Tensor] | None = None
@@ -62,16 +62,17 @@ class Stage:
     def stage_for(self, args: tuple, kwargs: dict, stage: int | None = None) -> tuple[PipelineGraph, nn.Module]:
         """The traced ``stage`` (default: the rank's first) for inputs of this shape and the module's train/eval mode
         (traced once each)."""
-        key = trace_key(self.module, args, kwargs)
-        if key not in self._traced:
-            with tracing_own_forward(self.module, args, kwargs) as (args, kwargs):
-                self._traced[key] = split_into_rank_stages(
-                    self.module, self.skeleton, self._real, args, kwargs, self.boundaries, self.stage_indices
-                )
-            for stage_module in self._traced[key][1].values():
-                stage_module.train(self.module.training)
-        graph, modules = self._traced[key]
+        graph, modules = self._traced.get(trace_key(self.module, args, kwargs), lambda: self._trace(args, kwargs))
         return graph, modules[self.stage_index if stage is None else stage]
+
+    def _trace(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, dict[int, nn.Module]]:
+        with tracing_own_forward(self.module, args, kwargs) as (args, kwargs):
+            graph, modules = split_into_rank_stages(
+                self.module, self.skeleton, self._real, args, kwargs, self.boundaries, self.stage_indices
+            )
+        for stage_module in modules.values():
+            stage_module.train(self.module.training)
+        return graph, modules
 
     def release_other_stages(self, graph: PipelineGraph) -> None:
         """Free the parameters and buffers that this rank's stages do not use. Those no stage uses (a frozen copy

@@ -13,7 +13,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_varuna.partition.skeleton import ModelSkeleton
 from lightning_varuna.partition.split import PipelineGraph, Source, split_into_all_stages
-from lightning_varuna.partition.trace_cache import trace_key, tracing_own_forward
+from lightning_varuna.partition.trace_cache import Traces, trace_key, tracing_own_forward
 
 __all__ = ["Segments", "WholeModel"]
 
@@ -36,20 +36,18 @@ class Segments:
         self.module, self.cutpoints, self.tracing = module, cutpoints, tracing
         self.skeleton = ModelSkeleton(module, device=device)
         self._real: dict[str, Tensor] = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-        self._traced: dict[tuple, tuple[PipelineGraph, list[nn.Module]]] = {}
+        self._traced: Traces[tuple[PipelineGraph, list[nn.Module]]] = Traces(f"`{type(module).__name__}`")
 
     def for_inputs(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, list[nn.Module]]:
         """The graph and segment modules for inputs of this shape in the model's current train/eval mode."""
-        key = trace_key(self.module, args, kwargs)
-        if key not in self._traced:
-            with self.tracing(), tracing_own_forward(self.module, args, kwargs) as (args, kwargs):
-                graph, modules = split_into_all_stages(
-                    self.module, self.skeleton, self._real, args, kwargs, self.cutpoints
-                )
-            for segment in modules:
-                segment.train(self.module.training)
-            self._traced[key] = (graph, modules)
-        return self._traced[key]
+        return self._traced.get(trace_key(self.module, args, kwargs), lambda: self._trace(args, kwargs))
+
+    def _trace(self, args: tuple, kwargs: dict) -> tuple[PipelineGraph, list[nn.Module]]:
+        with self.tracing(), tracing_own_forward(self.module, args, kwargs) as (args, kwargs):
+            graph, modules = split_into_all_stages(self.module, self.skeleton, self._real, args, kwargs, self.cutpoints)
+        for segment in modules:
+            segment.train(self.module.training)
+        return graph, modules
 
 
 class WholeModel:
