@@ -101,10 +101,23 @@ class CountingLM(TinyLM):
         return self.head(x)
 
 
+class StopsItselfLM(TinyLM):
+    """Sets ``trainer.should_stop`` in its training step (after its forward, as a stop decided on the loss does) in
+    the step that makes ``stop_at_step`` optimizer steps."""
+
+    stop_at_step = 0
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step + 1 >= self.stop_at_step:
+            self.trainer.should_stop = True
+        return loss
+
+
 def model_for(config: dict) -> TinyLM:
     """The TinyLM a runner config describes (``scheduler``, ``dropout``, ``dim``, ``blocks``, ``counting``: a
-    `CountingLM`; ``frozen``: the names of submodules to freeze)."""
-    model_class = CountingLM if config.get("counting") else TinyLM
+    `CountingLM`; ``stop_at_step``: a `StopsItselfLM`; ``frozen``: the names of submodules to freeze)."""
+    model_class = CountingLM if config.get("counting") else StopsItselfLM if "stop_at_step" in config else TinyLM
     options = {"blocks": config["blocks"]} if "blocks" in config else {}
     model = model_class(
         scheduler=config.get("scheduler", False),
@@ -114,6 +127,8 @@ def model_for(config: dict) -> TinyLM:
     )
     for name in config.get("frozen", ()):
         model.get_submodule(name).requires_grad_(False)
+    if "stop_at_step" in config:
+        model.stop_at_step = config["stop_at_step"]
     return model
 
 

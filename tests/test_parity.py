@@ -126,6 +126,20 @@ def test_pipelined_training_matches_single_device(tmp_path, name):
     assert_matches_single_device(result, shards, config)
 
 
+def test_a_step_that_sets_should_stop_stops_every_stage_where_one_device_stops(tmp_path):
+    """``self.trainer.should_stop = True`` in ``training_step``, which runs on the last stage (after the forward, as
+    a stop decided on the loss is set), stops every stage after that step, as one device stops: the other stages
+    trained on, waiting for a last stage that had stopped."""
+    config = {**parity_config("P2xD1-1f1b-clip"), "stop_at_step": 4}
+    result, shards = run_pipelined(tmp_path, config)
+    ref, ref_weights = train_reference(config)
+    assert len(result["losses"]) == len(ref["losses"]) == 4
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
+    for rank, shard in enumerate(shards):
+        for name, value in shard.items():
+            torch.testing.assert_close(value, ref_weights[name], rtol=1e-4, atol=1e-5, msg=f"{name} on rank {rank}")
+
+
 STARTED_BY_MULTIPROCESSING = """
 import lightning as L
 import torch

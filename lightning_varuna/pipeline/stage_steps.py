@@ -100,7 +100,9 @@ class StageSteps:
         on_wait = failures.stop_if_job_ended
         with failures.reported():
             outputs = step.run(batch, micro_batch_size, actions[topo.pp_rank], training=training, on_wait=on_wait)
-            summary, outputs = self.results.exchange((step.recorder.summary(), outputs), on_wait)
+            results = (step.recorder.summary(), outputs, module.trainer.should_stop)
+            summary, outputs, stop = self.results.exchange(results, on_wait)
+        module.trainer.should_stop |= stop  # set by the step itself, which ran on the last stage
         replay(module, summary, self._device)
         return tree_map(lambda t: t.to(self._device) if isinstance(t, Tensor) else t, outputs)
 
