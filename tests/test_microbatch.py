@@ -190,6 +190,21 @@ def test_logged_values_combine_over_micro_batches_as_their_reduce_fx():
     assert values == pytest.approx({"loss": 2.0, "rows": 4.0, "peak": 0.9, "low": 0.2})
 
 
+def test_a_batch_size_the_step_passes_is_logged_as_the_batch_s():
+    """``self.log(..., batch_size=len(x))`` in each micro-batch's step: the batch's value is logged with the batch's
+    size, its micro-batches' sum, which weights it in the epoch's mean as on one device (the first micro-batch's
+    weighed batches of other sizes alike)."""
+    recorder, module = LogRecorder(training=False), L.LightningModule()
+    with recorder.capture(module):
+        for rows in (2, 2, 1):
+            recorder.weight = rows / 5
+            module.log("val_loss", torch.tensor(float(rows)), batch_size=rows)
+            module.log("inferred", torch.tensor(1.0))
+    logged = {name: (value, kwargs) for name, value, kwargs in recorder.summary()}
+    assert logged["val_loss"] == (pytest.approx(9 / 5), {"batch_size": 5})
+    assert logged["inferred"][1] == {}  # Lightning infers the whole batch's size
+
+
 def test_a_float64_value_is_logged_to_its_last_digit():
     """Under ``precision="64-true"`` a step logs float64 tensors: the batch's value keeps every digit, as one device
     logs it (before, each was rounded to float32)."""

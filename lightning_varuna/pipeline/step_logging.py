@@ -42,6 +42,12 @@ class _Entry:
     kwargs: dict[str, Any]
     values: list[float] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)  # each micro-batch's, where the step passes ``batch_size``
+
+    def batch_kwargs(self) -> dict[str, Any]:
+        """The ``self.log`` arguments of the batch: a ``batch_size`` the step passed is its micro-batches' sum (what
+        Lightning weights the batch's value by in the epoch's mean)."""
+        return {**self.kwargs, "batch_size": sum(self.batch_sizes)} if self.batch_sizes else self.kwargs
 
     def batch_value(self) -> float:
         """The micro-batches' values combined as ``reduce_fx`` combines steps."""
@@ -104,6 +110,8 @@ class LogRecorder:
         entry = self.entries.setdefault(name, _Entry(kwargs))
         entry.values.append(float(value))
         entry.weights.append(self.weight)
+        if kwargs.get("batch_size") is not None:
+            entry.batch_sizes.append(kwargs["batch_size"])
 
     def _path_of(self, metric: Metric) -> str | None:
         modules = self._module.named_modules() if self._module is not None else ()
@@ -115,7 +123,7 @@ class LogRecorder:
     def summary(self) -> list[tuple[str, float | MetricAt, dict[str, Any]]]:
         """``(name, batch value or metric, log kwargs)`` for every logged name, in the order first logged."""
         return [
-            (name, self._metric_at(name, entry) if name in self.metrics else entry.batch_value(), entry.kwargs)
+            (name, self._metric_at(name, entry) if name in self.metrics else entry.batch_value(), entry.batch_kwargs())
             for name, entry in self.entries.items()
         ]
 
