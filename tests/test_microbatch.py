@@ -6,6 +6,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_varuna.data.microbatch import (
     batch_size_of,
@@ -203,6 +204,22 @@ def test_a_batch_size_the_step_passes_is_logged_as_the_batch_s():
     logged = {name: (value, kwargs) for name, value, kwargs in recorder.summary()}
     assert logged["val_loss"] == (pytest.approx(9 / 5), {"batch_size": 5})
     assert logged["inferred"][1] == {}  # Lightning infers the whole batch's size
+
+
+def test_a_value_a_metric_s_forward_returned_is_the_metric_over_the_whole_batch():
+    """``self.log("acc", self.acc(preds, y))``, torchmetrics' own pattern, in each micro-batch's step: the batch's
+    value is the metric over the batch (a macro accuracy is not a mean of the micro-batches'), as one device logs."""
+    preds, target = torch.tensor([0, 1, 1, 2, 2, 0]), torch.tensor([0, 1, 2, 2, 1, 1])
+    whole = MulticlassAccuracy(num_classes=3)(preds, target).item()
+    module = L.LightningModule()
+    module.acc = MulticlassAccuracy(num_classes=3)
+    recorder = LogRecorder(training=False)
+    with recorder.capture(module):
+        for rows in (slice(0, 3), slice(3, 6)):
+            recorder.weight = 0.5
+            module.log("acc", module.acc(preds[rows], target[rows]))
+    [(_, value, _)] = recorder.summary()
+    assert value == pytest.approx(whole) and whole != pytest.approx(0.5)  # 0.5: the micro-batches' 2/3 and 1/3
 
 
 def test_a_float64_value_is_logged_to_its_last_digit():

@@ -43,6 +43,7 @@ class _Entry:
     values: list[float] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)  # each micro-batch's, where the step passes ``batch_size``
+    returned_by: Metric | None = None  # the metric whose forward returned the values (``self.acc(preds, y)``)
 
     def batch_kwargs(self) -> dict[str, Any]:
         """The ``self.log`` arguments of the batch: a ``batch_size`` the step passed is its micro-batches' sum (what
@@ -80,6 +81,7 @@ class LogRecorder:
     weight: float = 1.0
     _module: pl.LightningModule | None = None
     _states_before: dict[int, dict[str, Tensor | int]] = field(default_factory=dict)  # id(metric) -> its states
+    _metrics: list[Metric] = field(default_factory=list)  # the module's
 
     @contextmanager
     def capture(self, module: pl.LightningModule) -> Iterator[None]:
@@ -90,7 +92,8 @@ class LogRecorder:
 
         module.log = log  # type: ignore[method-assign,assignment]
         self._module = module
-        self._states_before = {id(m): _states_of(m) for m in module.modules() if isinstance(m, Metric)}
+        self._metrics = [m for m in module.modules() if isinstance(m, Metric)]
+        self._states_before = {id(m): _states_of(m) for m in self._metrics}
         try:
             yield
         finally:
@@ -105,9 +108,10 @@ class LogRecorder:
                     self.entries.setdefault(name, _Entry(kwargs))
                     return
             value = value._forward_cache if value._forward_cache is not None else value.compute()
+        returned_by = next((m for m in self._metrics if m._forward_cache is value), None) if self._metrics else None
         if isinstance(value, Tensor):
             value = value.detach().item()
-        entry = self.entries.setdefault(name, _Entry(kwargs))
+        entry = self.entries.setdefault(name, _Entry(kwargs, returned_by=returned_by))
         entry.values.append(float(value))
         entry.weights.append(self.weight)
         if kwargs.get("batch_size") is not None:
@@ -123,9 +127,18 @@ class LogRecorder:
     def summary(self) -> list[tuple[str, float | MetricAt, dict[str, Any]]]:
         """``(name, batch value or metric, log kwargs)`` for every logged name, in the order first logged."""
         return [
-            (name, self._metric_at(name, entry) if name in self.metrics else entry.batch_value(), entry.batch_kwargs())
+            (name, self._metric_at(name, entry) if name in self.metrics else self._batch_value(entry), kwargs)
             for name, entry in self.entries.items()
+            for kwargs in [entry.batch_kwargs()]
         ]
+
+    def _batch_value(self, entry: _Entry) -> float:
+        """A number's value for the batch; of a metric's forward, the metric over the rows the batch added to its
+        states (a macro accuracy is not a mean over micro-batches), where that can be told."""
+        metric = entry.returned_by
+        before = self._states_before.get(id(metric)) if metric is not None else None
+        value = _value_over_what_was_added(metric, before) if metric is not None and before is not None else None
+        return entry.batch_value() if value is None else value
 
     def _metric_at(self, name: str, entry: _Entry) -> MetricAt:
         assert self._module is not None
