@@ -476,19 +476,27 @@ def test_sigterm_stops_every_model_at_a_shard_boundary_and_each_resumes(tmp_path
         """SIGTERM once this model has stepped 3 times and the other has checkpointed (on a busy machine the other
         may not have stepped yet at this one's step 3)."""
 
-        sent = False
+        sent = threading.Event()
 
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             other_saved = (tmp_path / "m1").is_dir() and any((tmp_path / "m1").iterdir())
-            if trainer.global_step >= 3 and other_saved and not self.sent:
-                self.sent = True
+            if trainer.global_step >= 3 and other_saved and not self.sent.is_set():
                 os.kill(os.getpid(), signal.SIGTERM)
+                self.sent.set()
+
+    class WaitsForTheSignal(L.Callback):
+        """Holds the other model after its second step until the signal is sent (on a busy machine it could end
+        all its steps before the first model's third)."""
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step >= 2:
+                SigtermAtStep.sent.wait(timeout=60)
 
     def add_all(sweep: MultiModelTrainer, ckpt_paths: list[str | None]) -> None:
         for i, (model, ckpt_path) in enumerate(zip(models, ckpt_paths)):
             callbacks: list[L.Callback] = [ModelCheckpoint(tmp_path / f"m{i}", every_n_train_steps=1, save_top_k=-1)]
-            if i == 0 and ckpt_path is None:
-                callbacks.append(SigtermAtStep())
+            if ckpt_path is None:
+                callbacks.append(SigtermAtStep() if i == 0 else WaitsForTheSignal())
             sweep.add(
                 model,
                 train_dataloaders=regression_data(32 + 16 * i),
