@@ -265,6 +265,7 @@ def test_a_failure_on_rank_0_alone_leaves_an_on_exception_checkpoint(tmp_path):
     assert (tmp_path / "on_exception.ckpt").is_dir(), proc.stderr[-3000:]
 
 
+@pytest.mark.slow  # waits for the job's hang to be found
 @pytest.mark.parametrize("own_env", [False, True], ids=["forked-from-the-job-server", "fresh-python"])
 def test_a_test_job_that_hangs_fails_with_where_each_of_its_processes_was(tmp_path, own_env):
     """The tests' own harness: a job past its timeout is stopped, and the failure shows its output and the stack of

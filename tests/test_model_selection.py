@@ -321,6 +321,7 @@ def test_a_forked_worker_s_refused_updates_are_not_its_parent_s_mistakes(tmp_pat
     assert [t.state.name for t in study.get_trials()] == ["COMPLETE"]
 
 
+@pytest.mark.slow  # waits out a slow build
 def test_running_trials_say_they_are_alive_while_a_slow_build_holds_the_worker_up(tmp_path):
     """A build that takes four heartbeats (a dataset loaded, a large model made) holds up the worker's loop, not the
     heartbeats of the trial already training: another worker would find it alive and leave it."""

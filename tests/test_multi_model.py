@@ -815,6 +815,7 @@ class StopWithACheckpoint(L.Callback):
             trainer.should_stop = True
 
 
+@pytest.mark.slow  # two sweeps and the models alone
 @pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
 def test_a_model_with_dropout_resumed_from_its_checkpoint_continues_as_uninterrupted(processes, tmp_path):
     """A sweep's models with dropout stop with a checkpoint: mid-epoch before a validation (step 4); mid-epoch between
