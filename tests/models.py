@@ -48,13 +48,16 @@ class TinyLM(L.LightningModule):
         self.lr, self.scheduler = lr, scheduler
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.through_blocks(self.emb(idx), idx))
+
+    def through_blocks(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """``x`` through the blocks, a CutPoint after each but the last, masking the padding of ``idx``."""
         keep = (idx != 0).unsqueeze(-1).float()
-        x = self.emb(idx)
         for i, block in enumerate(self.blocks):
             x = block(x, keep)
             if i < len(self.cuts):
                 x = self.cuts[i](x)
-        return self.head(x)
+        return x
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         idx, y = batch
@@ -92,13 +95,7 @@ class CountingLM(TinyLM):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         self.calls.add_(1)
-        keep = (idx != 0).unsqueeze(-1).float()
-        x = self.emb(idx) / self.calls
-        for i, block in enumerate(self.blocks):
-            x = block(x, keep)
-            if i < len(self.cuts):
-                x = self.cuts[i](x)
-        return self.head(x)
+        return self.head(self.through_blocks(self.emb(idx) / self.calls, idx))
 
 
 class StopsItselfLM(TinyLM):

@@ -119,12 +119,7 @@ class FreezesItsNormLM(TinyLM):
         self.norm = nn.BatchNorm1d(DIM)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        keep = (idx != 0).unsqueeze(-1).float()
-        x = self.emb(idx)
-        for i, block in enumerate(self.blocks):
-            x = block(x, keep)
-            if i < len(self.cuts):
-                x = self.cuts[i](x)
+        x = self.through_blocks(self.emb(idx), idx)
         return self.head(x + self.norm(x.mean(1)).unsqueeze(1))
 
     def on_train_epoch_start(self) -> None:
@@ -148,13 +143,7 @@ class NormedStemLM(TinyLM):
         self.norm.train(not frozen)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        keep = (idx != 0).unsqueeze(-1).float()
-        x = self.norm(self.emb(idx).transpose(1, 2)).transpose(1, 2)
-        for i, block in enumerate(self.blocks):
-            x = block(x, keep)
-            if i < len(self.cuts):
-                x = self.cuts[i](x)
-        return self.head(x)
+        return self.head(self.through_blocks(self.norm(self.emb(idx).transpose(1, 2)).transpose(1, 2), idx))
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["training", "frozen"])
