@@ -139,7 +139,8 @@ def fit_in_processes(
         while connections:
             if logs is not None:
                 logs.print_sent()
-            for connection in cast(list[Connection], wait(list(connections), timeout=LOGS_PRINTED_EVERY_S)):
+            timeout = LOGS_PRINTED_EVERY_S if logs is not None else None  # else a message wakes it
+            for connection in cast(list[Connection], wait(list(connections), timeout=timeout)):
                 try:
                     message = connection.recv()
                 except EOFError:  # the worker has ended

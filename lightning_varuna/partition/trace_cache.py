@@ -34,8 +34,8 @@ class Traces(Generic[T]):
         if key in self._traces:
             self._traces.move_to_end(key)
             return self._traces[key]
-        changed = next((_changed_values(key, kept) for kept in self._traces if _changed_values(key, kept)), None)
-        if changed and not self._warned:
+        changed = None if self._warned else next(filter(None, (_changed_values(key, k) for k in self._traces)), None)
+        if changed:
             self._warned = True
             rank_zero_warn(
                 f"{self.name} is traced again because a value in its inputs that is not a tensor changed ({changed}): "

@@ -108,7 +108,7 @@ class LogRecorder:
                     self.entries.setdefault(name, _Entry(kwargs))
                     return
             value = value._forward_cache if value._forward_cache is not None else value.compute()
-        returned_by = next((m for m in self._metrics if m._forward_cache is value), None) if self._metrics else None
+        returned_by = next((m for m in self._metrics if m._forward_cache is value), None)
         if isinstance(value, Tensor):
             value = value.detach().item()
         entry = self.entries.setdefault(name, _Entry(kwargs, returned_by=returned_by))
