@@ -1,6 +1,6 @@
 """How well the simulator predicts real step times, and whether AutoConfig picks the fastest configuration.
 
-Run from the repository root (about 14 minutes on 2 CPU cores)::
+Run from the repository root (about 16 minutes on 2 CPU cores)::
 
     python benchmarks/simulator_accuracy.py
 
@@ -15,8 +15,8 @@ Run from the repository root (about 14 minutes on 2 CPU cores)::
    N times in turn, and each configuration's step is the median of its runs (its calibration, the median traced step
    of all of them).
 3. Calibrates the profile (``lightning_varuna.profiling.calibration``) with the measured timelines (5 steps; the
-   median counts) of two more configurations per process count and one with replicas for 2 and 4 processes
-   (``CALIBRATION``, none of them among ``CONFIGS``).
+   median counts) of two more configurations per process count (four for 2 processes) and one with replicas for 2
+   and 4 processes (``CALIBRATION``, none of them among ``CONFIGS``).
 4. Prints measured against predicted step time per configuration, from the profile alone and calibrated, the median
    absolute errors, and where AutoConfig's pick among the measured configurations ranks.
 5. Spilled rows, side by side: trains the same GPT on one device with ``SpillingStrategy`` on the host and the disk
@@ -79,12 +79,14 @@ SCHEDULE_CONFIGS = [
     (2, 1, 4, "zbv", 2),
     (2, 1, 2, "zbv", 2),
 ]
-# Two micro-batch sizes per process count (1, 2, 4) and replicas for 2 and 4 processes, held out from CONFIGS: their
-# measured steps calibrate the profile.
+# Two micro-batch sizes per process count (1, 2, 4; four for 2 processes, where most evaluated configurations are)
+# and replicas for 2 and 4 processes, held out from CONFIGS: their measured steps calibrate the profile.
 CALIBRATION = [
     (1, 1, 8, "gpipe"),
     (1, 1, 1, "gpipe"),
     (2, 1, 8, "gpipe"),
+    (2, 1, 4, "gpipe"),
+    (2, 1, 2, "1f1b"),
     (2, 1, 1, "1f1b"),
     (4, 1, 4, "1f1b"),
     (4, 1, 1, "gpipe"),

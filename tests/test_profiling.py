@@ -358,14 +358,18 @@ def test_calibration_recovers_the_costs_a_measured_step_adds(schedule):
     truth = replace(synthetic(), overheads={2: costs})
     measured = [Config(2, 1, 1, schedule, 4), Config(2, 1, 2, "gpipe", 8), Config(1, 2, 2, "gpipe", 8)]
     calibrated = calibrate(synthetic(), [(c, simulate(truth, c, timeline=True).timeline) for c in measured])
-    assert vars(calibrated.overheads[2]) == pytest.approx(vars(costs), abs=1e-6)
+    learned = calibrated.overheads[2]
+    assert [learned.forward(rows) for rows in (1, 2, 3)] == pytest.approx([costs.forward(rows) for rows in (1, 2, 3)])
+    assert [learned.backward(rows) for rows in (1, 2, 3)] == pytest.approx([costs.backward(r) for r in (1, 2, 3)])
+    assert (learned.message_s, learned.step_s, learned.replica_lag) == pytest.approx((0.1, 0.5, 0.25), abs=1e-6)
     for other in (Config(2, 1, 2, "1f1b", 6), Config(2, 1, 1, "varuna", 6), Config(1, 2, 1, "1f1b", 4)):
         assert simulate(calibrated, other).step_s == pytest.approx(simulate(truth, other).step_s, abs=1e-5)
     four = Config(4, 1, 1, "1f1b", 4)  # other process counts are not touched
     assert simulate(calibrated, four).step_s == simulate(synthetic(), four).step_s
     # One micro-batch size: a constant cost per action that reproduces that measured step.
     one = calibrate(synthetic(), [(measured[0], simulate(truth, measured[0], timeline=True).timeline)])
-    assert one.overheads[2].forward_per_row_s == one.overheads[2].backward_per_row_s == 0
+    assert one.overheads[2].forward(1) == one.overheads[2].forward(2)  # constant
+    assert one.overheads[2].backward(1) == one.overheads[2].backward(2)
     assert one.overheads[2].replica_lag == 0  # nothing measured with replicas
     # Calibrated again with that one run, a profile keeps what the run does not teach (the profile's own step runs
     # taught it): the replicas' wait and the weight passes' factor.
@@ -376,6 +380,24 @@ def test_calibration_recovers_the_costs_a_measured_step_adds(schedule):
     assert simulate(one, measured[0]).step_s == pytest.approx(simulate(truth, measured[0]).step_s, abs=1e-5)
     calibrated.save("memory://profiles/calibrated.json")
     assert ModelProfile.load("memory://profiles/calibrated.json") == calibrated
+
+
+def test_calibration_keeps_the_cost_per_action_of_each_micro_batch_size():
+    """Per-action costs that are not a line in the rows (the runtime's and the user's step cost less per row at some
+    sizes than at others) are learned at each measured size, so a configuration at one of them is predicted as
+    measured; between two sizes the cost is linear, beyond them it follows the line fitted to all."""
+    costs = RuntimeOverheads(message_s=0.1, step_s=0.5, by_rows=[(1, 0.2, 0.3), (2, 0.6, 0.9), (4, 0.7, 1.0)])
+    truth = replace(synthetic(), overheads={2: costs})
+    measured = [Config(2, 1, mb, "gpipe", 4 * mb) for mb in (1, 2, 4)]
+    calibrated = calibrate(synthetic(), [(c, simulate(truth, c, timeline=True).timeline) for c in measured])
+    learned = calibrated.overheads[2]
+    assert [x for entry in learned.by_rows for x in entry] == pytest.approx([1, 0.2, 0.3, 2, 0.6, 0.9, 4, 0.7, 1.0])
+    for other in (Config(2, 1, 2, "1f1b", 6), Config(2, 1, 4, "zbv", 16, stages_per_rank=2)):
+        assert simulate(calibrated, other).step_s == pytest.approx(simulate(truth, other).step_s, rel=1e-6)
+    assert learned.forward(3) == pytest.approx(0.65) and learned.backward(3) == pytest.approx(0.95)  # between
+    assert learned.forward(8) == pytest.approx(0.7 + 4 * learned.forward_per_row_s)  # beyond: along the line
+    assert 0 < learned.forward_per_row_s < 0.4
+    assert ModelProfile.from_json(calibrated.to_json()) == calibrated
 
 
 def test_calibration_learns_how_much_longer_deferred_weight_passes_take():

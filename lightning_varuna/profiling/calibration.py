@@ -4,11 +4,12 @@ The profile times each segment alone. A training step also runs the user's ``tra
 the runtime's bookkeeping, messages that wait on busy peers, and per-step work after the last backward. For each
 measured configuration, `calibrate` fits those costs (`RuntimeOverheads`) so that simulating it reproduces its
 measured timeline: the mean forward and backward durations, the pipeline's length and the whole step. Measured
-configurations with as many processes per node are combined: the cost per forward and per backward becomes a line
-in the micro-batch size when they differ in it. Configurations with replicas then teach how long the all-reduce
-waits for the slowest replica, in proportion to the pipeline's length, and configurations whose schedule splits the
-backward (zero-bubble) how much longer than profiled a weight pass takes, deferred behind other work. The simulator
-adds the costs to every configuration run with that many processes per node.
+configurations with as many processes per node are combined: the cost per forward and per backward is kept per
+micro-batch size (linear between two sizes, along a line fitted to all beyond them). Configurations with replicas
+then teach how long the all-reduce waits for the slowest replica, in proportion to the pipeline's length, and
+configurations whose schedule splits the backward (zero-bubble) how much longer than profiled a weight pass takes,
+deferred behind other work. The simulator adds the costs to every configuration run with that many processes per
+node.
 """
 
 from __future__ import annotations
@@ -136,12 +137,18 @@ def _weight_factor(profile: ModelProfile, config: Config, measured: Sequence[Spa
 
 
 def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
-    """One set of costs from the fits of several micro-batch sizes: per forward and per backward a line in the rows
-    (constant with one size), per message and per step the mean."""
+    """One set of costs from the fits of several micro-batch sizes: per forward and per backward the cost at each
+    size (the mean of its fits) and a line in the rows (constant with one size), per message and per step the
+    mean."""
     rows = [mb for mb, _ in fits]
     forward_s, forward_per_row_s = _line(rows, [o.forward_s for _, o in fits])
     backward_s, backward_per_row_s = _line(rows, [o.backward_s for _, o in fits])
     weight_factors = [o.weight_factor for _, o in fits if o.weight_factor is not None]  # if fitted with the rest
+    by_rows = [
+        (size, statistics.mean(o.forward_s for mb, o in fits if mb == size),
+         statistics.mean(o.backward_s for mb, o in fits if mb == size))
+        for size in sorted(set(rows))
+    ]  # fmt: skip
     return RuntimeOverheads(
         forward_s=forward_s,
         backward_s=backward_s,
@@ -150,6 +157,7 @@ def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
         forward_per_row_s=forward_per_row_s,
         backward_per_row_s=backward_per_row_s,
         weight_factor=statistics.mean(weight_factors) if weight_factors else None,
+        by_rows=by_rows,
     )
 
 

@@ -94,13 +94,13 @@ class SpillCosts:
 @dataclass
 class RuntimeOverheads:
     """What a real pipelined step costs beyond the profiled segments, learned from measured steps (`calibrate`):
-    the user's step and the runtime's bookkeeping around each forward and backward (a constant and a part that
-    grows with the micro-batch's rows), the delay of a message over its measured transfer time, the per-step
-    work after the last backward (sharing the logged values, Lightning's hooks), with replicas, how long the
-    gradient all-reduce waits for the slowest one, as a share of the pipeline's length (replicas sharing cores
-    drift apart), and how many times its profiled time a weight pass of a split backward takes when it runs
-    deferred behind other work (learned from a run whose schedule splits the backward; None without one: as
-    profiled)."""
+    the user's step and the runtime's bookkeeping around each forward and backward (at each calibrated micro-batch
+    size; between them, linear; beyond them, along a line fitted to all), the delay of a message over its measured
+    transfer time, the per-step work after the last backward (sharing the logged values, Lightning's hooks), with
+    replicas, how long the gradient all-reduce waits for the slowest one, as a share of the pipeline's length
+    (replicas sharing cores drift apart), and how many times its profiled time a weight pass of a split backward
+    takes when it runs deferred behind other work (learned from a run whose schedule splits the backward; None
+    without one: as profiled)."""
 
     forward_s: float = 0.0
     backward_s: float = 0.0
@@ -110,21 +110,41 @@ class RuntimeOverheads:
     backward_per_row_s: float = 0.0
     replica_lag: float = 0.0
     weight_factor: float | None = None
+    # (rows, per forward s, per backward s) as calibrated at each micro-batch size, by rows; empty: the line alone
+    by_rows: list[tuple[int, float, float]] = field(default_factory=list)
 
     def __str__(self) -> str:
+        if self.by_rows:
+            per_action = ", ".join(f"{f * 1e3:.2f} + {b * 1e3:.2f} ms at {rows}" for rows, f, b in self.by_rows)
+            per_action = f"per forward + backward {per_action} row(s)"
+        else:
+            per_action = (
+                f"per forward {self.forward_s * 1e3:.2f} ms + {self.forward_per_row_s * 1e3:.2f} ms per row, per "
+                f"backward {self.backward_s * 1e3:.2f} ms + {self.backward_per_row_s * 1e3:.2f} ms per row"
+            )
         return (
-            f"per forward {self.forward_s * 1e3:.2f} ms + {self.forward_per_row_s * 1e3:.2f} ms per row, per backward "
-            f"{self.backward_s * 1e3:.2f} ms + {self.backward_per_row_s * 1e3:.2f} ms per row, per message "
-            f"{self.message_s * 1e3:.2f} ms, per step {self.step_s * 1e3:.2f} ms, waiting for replicas "
-            f"{self.replica_lag:.1%} of the pipeline, weight passes "
+            f"{per_action}, per message {self.message_s * 1e3:.2f} ms, per step {self.step_s * 1e3:.2f} ms, waiting "
+            f"for replicas {self.replica_lag:.1%} of the pipeline, weight passes "
             + ("as profiled" if self.weight_factor is None else f"{self.weight_factor:.2f}x their profiled time")
         )
 
     def forward(self, rows: int) -> float:
-        return self.forward_s + rows * self.forward_per_row_s
+        return self._per_action(rows, 1, self.forward_s, self.forward_per_row_s)
 
     def backward(self, rows: int) -> float:
-        return self.backward_s + rows * self.backward_per_row_s
+        return self._per_action(rows, 2, self.backward_s, self.backward_per_row_s)
+
+    def _per_action(self, rows: int, column: int, constant_s: float, per_row_s: float) -> float:
+        """The cost at ``rows``: between two calibrated sizes, on the line through them; beyond them, from the
+        nearest along the slope of the fitted line (without a table, that line)."""
+        table = [(entry[0], entry[column]) for entry in self.by_rows]
+        if not table:
+            return constant_s + rows * per_row_s
+        for (r0, s0), (r1, s1) in zip(table, table[1:]):
+            if r0 <= rows <= r1:
+                return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+        nearest_rows, nearest_s = table[0] if rows < table[0][0] else table[-1]
+        return max(0.0, nearest_s + (rows - nearest_rows) * per_row_s)
 
 
 @dataclass
@@ -219,7 +239,7 @@ class ModelProfile:
             object_broadcast={
                 int(n): {int(d): v for d, v in by_d.items()} for n, by_d in raw.get("object_broadcast", {}).items()
             },
-            overheads={int(n): RuntimeOverheads(**v) for n, v in raw.get("overheads", {}).items()},
+            overheads={int(n): _overheads(v) for n, v in raw.get("overheads", {}).items()},
             spill={
                 tier: SpillCosts(_linear(v["read"]), _linear(v["write"]), v.get("compute_factor", 1.0))
                 for tier, v in raw.get("spill", {}).items()
@@ -246,6 +266,10 @@ def _timings_by_size(raw: dict[str, Any]) -> dict[int, SegmentTiming]:
         split = timing.get("split_shares")  # a list in JSON
         timings[int(mb)] = SegmentTiming(**{**timing, "split_shares": tuple(split) if split else None})
     return timings
+
+
+def _overheads(raw: dict[str, Any]) -> RuntimeOverheads:
+    return RuntimeOverheads(**{**raw, "by_rows": [(int(r), f, b) for r, f, b in raw.get("by_rows", [])]})
 
 
 def _linear(raw: dict[str, Any]) -> LinearCost:
