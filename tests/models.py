@@ -111,10 +111,27 @@ class StopsItselfLM(TinyLM):
         return loss
 
 
+class SetsLearningRateAtEpochEndLM(TinyLM):
+    """Halves its learning rate by hand at each epoch's end and steps its scheduler (if any) once more there: a hook
+    that runs on the last stage alone when pipelined."""
+
+    def on_train_epoch_end(self) -> None:
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] *= 0.5
+        if self.scheduler:
+            self.lr_schedulers().step()
+
+
 def model_for(config: dict) -> TinyLM:
     """The TinyLM a runner config describes (``scheduler``, ``dropout``, ``dim``, ``blocks``, ``counting``: a
-    `CountingLM`; ``stop_at_step``: a `StopsItselfLM`; ``frozen``: the names of submodules to freeze)."""
-    model_class = CountingLM if config.get("counting") else StopsItselfLM if "stop_at_step" in config else TinyLM
+    `CountingLM`; ``stop_at_step``: a `StopsItselfLM`; ``lr_at_epoch_end``: a `SetsLearningRateAtEpochEndLM`;
+    ``frozen``: the names of submodules to freeze)."""
+    model_class = (
+        CountingLM if config.get("counting")
+        else StopsItselfLM if "stop_at_step" in config
+        else SetsLearningRateAtEpochEndLM if config.get("lr_at_epoch_end")
+        else TinyLM
+    )  # fmt: skip
     options = {"blocks": config["blocks"]} if "blocks" in config else {}
     model = model_class(
         scheduler=config.get("scheduler", False),

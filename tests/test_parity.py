@@ -140,6 +140,14 @@ def test_a_step_that_sets_should_stop_stops_every_stage_where_one_device_stops(t
             torch.testing.assert_close(value, ref_weights[name], rtol=1e-4, atol=1e-5, msg=f"{name} on rank {rank}")
 
 
+def test_a_learning_rate_set_at_the_epoch_end_applies_to_every_stage_as_on_one_device(tmp_path):
+    """``on_train_epoch_end`` runs on the last stage only; the learning rate it sets by hand and the scheduler it
+    steps by hand hold on every stage for the next epoch, as on one device (stage 0 trained on at the old rate)."""
+    config = {**parity_config("P2xD2-1f1b-scheduler"), "lr_at_epoch_end": True}
+    result, shards = run_pipelined(tmp_path, config)
+    assert_matches_single_device(result, shards, config)
+
+
 STARTED_BY_MULTIPROCESSING = """
 import lightning as L
 import torch

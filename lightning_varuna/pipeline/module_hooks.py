@@ -7,7 +7,9 @@
   (`step_logging`), so that every rank's checkpoint monitors and a ``sync_dist`` reduction see them. Rank 0 holds
   the last stage of replica 0 (`Topology`), so rank-zero code in the hooks (loggers, ``@rank_zero_only``) runs.
   What the hooks gather themselves (``self.all_gather``, a torchmetrics metric's ``compute()``) is gathered over
-  the last stages of the replicas (``inside``), which hold all of it.
+  the last stages of the replicas (``inside``), which hold all of it. What they set in the optimizers (a learning
+  rate changed by hand) and the learning-rate schedulers (one stepped by hand) is set on the other stages too
+  (`optimizer_settings`); their other effects stay the last stage's.
 - **on_before_optimizer_step** runs on every stage, each seeing its own parameters' gradients. The values it logs
   on the stages are merged and logged on every stage: a name one stage logs is that stage's value, Lightning's
   ``grad_norm`` total (``grad_{p}_norm_total``) is the p-norm of the stages' totals (the norm over all gradients,
@@ -31,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_varuna.hook_wrapping import restore_hooks, wrap_hook
+from lightning_varuna.pipeline.optimizer_settings import load_optimizer_settings, optimizer_settings
 from lightning_varuna.pipeline.step_logging import LogRecorder, MetricAt, replay
 
 __all__ = ["EPOCH_END_HOOKS", "PipelinedModuleHooks", "differing_names", "merge_stage_logs", "metrics_synced_over"]
@@ -73,7 +76,7 @@ class PipelinedModuleHooks:
             wrap_hook(self.module, name, run)
 
     def _on_last_stage(self, hook: Callable[..., None], *args: Any) -> None:
-        logged = None
+        logged, settings = None, None
         if self.is_last_stage:
             recorder = LogRecorder(training=False)  # an epoch-end hook logs for the epoch by default
             with recorder.capture(self.module), self.inside():
@@ -84,7 +87,11 @@ class PipelinedModuleHooks:
                     # A value the hook computed over the last stages only; computed again (over every rank, as
                     # on the other stages) if Lightning computes the metric at the epoch's end.
                     metric._computed = None
-        replay(self.module, self.exchange(logged), self.module.device)
+            settings = optimizer_settings(self.module.trainer)
+        logged, settings = self.exchange((logged, settings))
+        if not self.is_last_stage:
+            load_optimizer_settings(self.module.trainer, settings)
+        replay(self.module, logged, self.module.device)
 
     def _on_every_stage(self, hook: Callable[..., None], *args: Any) -> None:
         recorder = LogRecorder()
