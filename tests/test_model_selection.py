@@ -654,8 +654,8 @@ def test_a_killed_worker_process_s_trial_is_taken_over_by_its_sibling(tmp_path):
     """``processes=True``: one of the two worker processes is killed (SIGKILL) while its trial trains with a
     checkpoint. The other, after the grace period, resumes that trial from its checkpoint; the call returns as the
     study completes its four trials, none run twice, every step as alone."""
-    config = dict(n_trials=4, max_steps=600, devices=2, max_running=2, processes=True, seed=0)
-    worker = start_worker(tmp_path, heartbeat=0.5, grace_period=10, checkpoint_interval=0.2, **config)
+    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, processes=True, seed=0)
+    worker = start_worker(tmp_path, heartbeat=0.5, grace_period=4, checkpoint_interval=0.2, **config)
     wait_for_steps(tmp_path, trials=2, steps=10)
     assert len(children_of(worker.pid)) == 2
     killed_in = freeze_at_a_checkpointed_trial(worker.pid, tmp_path)  # the call's process and its workers
@@ -667,7 +667,7 @@ def test_a_killed_worker_process_s_trial_is_taken_over_by_its_sibling(tmp_path):
     assert [t.number for t in study.trials if t.user_attrs.get(HANDED_OVER) == "no heartbeat"] == [killed_in.number]
     counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
-    assert_every_trial_trained_as_alone(tmp_path, study, 600)
+    assert_every_trial_trained_as_alone(tmp_path, study, 300)
 
 
 @pytest.mark.slow
