@@ -168,7 +168,7 @@ def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
     )
 
 
-def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least-squares intercept and slope, both non-negative (a flat line through the mean with one x)."""
     mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
     spread = sum((x - mean_x) ** 2 for x in xs)
