@@ -148,6 +148,18 @@ class ThreadsLog(L.Callback):
         torch.save(pl_module.state_dict(), self.path.with_suffix(".pt"))
 
 
+class WaitsFor(L.Callback):
+    """Waits after step ``at_step`` until ``path`` exists (at most a minute)."""
+
+    def __init__(self, path: Path, at_step: int) -> None:
+        self.path, self.at_step = path, at_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        deadline = time.monotonic() + 60
+        while trainer.global_step == self.at_step and not self.path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 def wide_trial(trial: optuna.trial.Trial, max_steps: int) -> tuple[L.LightningModule, dict[str, Any]]:
     """A trial's model wide enough for torch to split its steps between threads, and how it is fitted."""
     torch.manual_seed(trial.suggest_int("seed", 0, 0))
@@ -260,9 +272,10 @@ def test_a_trial_that_asks_for_determinism_borrows_no_core(tmp_path):
     def build(trial: optuna.trial.Trial) -> dict:
         until_both_asked(tmp_path, trial)
         model, fit = conv_trial(trial, max_steps=4 if trial.number == 0 else 24)
-        return dict(
-            model=model, callbacks=[ThreadsLog(tmp_path / f"trial-{trial.number}.jsonl")], deterministic=True, **fit
-        )
+        callbacks: list[L.Callback] = [ThreadsLog(tmp_path / f"trial-{trial.number}.jsonl")]
+        if trial.number == 1:  # the short trial ends (and saves its weights) while the long one trains
+            callbacks.append(WaitsFor(tmp_path / "trial-0.pt", at_step=12))
+        return dict(model=model, callbacks=callbacks, deterministic=True, **fit)
 
     sweep = MultiModelTrainer(devices=2, checkpoint_dir=str(tmp_path / "ckpt"), processes=True)
     sweep.optimize(study, build, n_trials=2, monitor="val_loss")
