@@ -4,13 +4,15 @@ selection tests: ``python run_study.py FOLDER CONFIG_JSON``.
 The study lives in ``FOLDER/study.log`` (a journal file), the trials' checkpoints in ``FOLDER/checkpoints``. Every
 trial trains `tests.study_models.regression_mlp` and appends each step's loss to ``FOLDER/losses/trial-<n>.jsonl``
 as it goes (so a killed worker leaves what it trained); the worker prints ``started trial <n>`` as each trial's
-training starts, for the tests to time signals by.
+training starts, for the tests to time signals by. ``die_at_validation: {"trial": n, "step": s}`` kills the worker as
+trial n's validation after step s starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -31,6 +33,17 @@ class SaysStarted(L.Callback):
         print(f"started trial {self.number}", flush=True)
 
 
+class DiesAtValidation(L.Callback):
+    """Kills its worker (SIGKILL) as the validation after global step ``step`` starts."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     folder, config = Path(sys.argv[1]), json.loads(sys.argv[2])
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -44,6 +57,8 @@ def main() -> None:
         trial.set_user_attr("pid", os.getpid())  # the worker process that trains it
         kwargs = trial_kwargs(trial, config["max_steps"], config.get("dropout", 0.0))
         kwargs["callbacks"] = [LossLog(folder / "losses" / f"trial-{trial.number}.jsonl"), SaysStarted(trial.number)]
+        if trial.number == config.get("die_at_validation", {}).get("trial"):
+            kwargs["callbacks"].append(DiesAtValidation(config["die_at_validation"]["step"]))
         return kwargs
 
     sweep = MultiModelTrainer(

@@ -663,6 +663,22 @@ def test_a_killed_worker_s_trial_is_taken_over_by_another_from_its_checkpoint(tm
 
 
 @pytest.mark.slow
+def test_a_worker_killed_after_a_checkpoint_and_before_its_report_loses_no_reported_value(tmp_path):
+    """A worker dies (SIGKILL) as a trial's validation starts, at a step where its checkpoint interval is due. The
+    checkpoint of that step waits for the value's report, so the retry, which does not validate again where it
+    resumes, resumes from the step before and reports the value: every validation's value reaches the study."""
+    config = dict(n_trials=2, max_steps=3 * VAL_EVERY, max_running=1, heartbeat=0.5, grace_period=3)
+    doomed = start_worker(
+        tmp_path, seed=1, checkpoint_interval=0, die_at_validation={"trial": 0, "step": 2 * VAL_EVERY}, **config
+    )
+    assert doomed.wait(timeout=120) == -signal.SIGKILL
+    finish(start_worker(tmp_path, seed=2, checkpoint_interval=0, **config))
+    study = study_in(tmp_path)
+    assert [t.number for t in study.trials if t.user_attrs.get(HANDED_OVER) == "no heartbeat"] == [0]
+    assert_every_trial_trained_as_alone(tmp_path, study, 3 * VAL_EVERY)
+
+
+@pytest.mark.slow
 def test_a_killed_worker_process_s_trial_is_taken_over_by_its_sibling(tmp_path):
     """``processes=True``: one of the two worker processes is killed (SIGKILL) while its trial trains with a
     checkpoint. The other, after the grace period, resumes that trial from its checkpoint; the call returns as the

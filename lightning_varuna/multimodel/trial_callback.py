@@ -1,7 +1,9 @@
 """A trial of an Optuna study, inside its model's Trainer: its ``monitor`` reported after each validation, pruned at
-the next step boundary when the study's pruner says so, checkpointed now and then, and stopped with a checkpoint at a
-step boundary when the sweep is preempted. A trial that another worker handed over (it heard from it too late) ends at
-its next step boundary, neither reporting nor checkpointing again: its retry carries on from its checkpoint."""
+the next step boundary when the study's pruner says so, checkpointed now and then (at a step that validates, after the
+value is reported: a retry resumed from a checkpoint of that step does not validate there again), and stopped with a
+checkpoint at a step boundary when the sweep is preempted. A trial that another worker handed over (it heard from it
+too late) ends at its next step boundary, neither reporting nor checkpointing again: its retry carries on from its
+checkpoint."""
 
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ class TrialCallback(pl.Callback):
         self.save_error: Exception | None = None  # why its last checkpoint could not be written
         self.logged_instead: list[str] | None = None  # what a validation without ``monitor`` had logged
         self._checkpointed_s = time.monotonic()
+        self._save_after_validation = False  # the interval's checkpoint, due at a step that validates
         self._steps = OptimizerSteps()
 
     @override
@@ -74,6 +77,13 @@ class TrialCallback(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or self.handed_over:
             return
+        self._report(trainer)
+        if self._save_after_validation and not (self.handed_over or self.pruned):
+            self.save(trainer)
+        self._save_after_validation = False
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        """Report the validation's ``monitor`` to the trial, and stop the fit if the pruner says so."""
         logged = trainer.callback_metrics.get(self.monitor)
         if logged is None:  # (a value logged at epoch ends only may come later)
             if self.logged_instead is None:
@@ -112,7 +122,10 @@ class TrialCallback(pl.Callback):
             else:
                 _stop_without_validating(trainer)
         elif time.monotonic() - self._checkpointed_s >= self.checkpoint_interval:
-            self.save(trainer)
+            if validates_as_scheduled(trainer):  # after the value is reported: a fit resumed here skips the validation
+                self._save_after_validation = True
+            else:
+                self.save(trainer)
 
     def save(self, trainer: pl.Trainer) -> None:
         """Checkpoint the trial now (its newest complete checkpoint is what a resumed trial continues from); but if
