@@ -350,7 +350,13 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n``) the tests of the one SLURM cluster run in one worker (``--dist loadgroup``)."""
+    """Under pytest-xdist (``-n``) the tests of the one SLURM cluster run in one worker (``--dist loadgroup``), and
+    the longest work is handed out first: the SLURM tests (one unit of minutes), then the other slow tests, then the
+    quick ones, which even out the workers' ends (in file order, a slow test handed out last kept one worker busy
+    while the other had nothing left)."""
     for item in items:
         if "slurm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("slurm"))
+    items.sort(
+        key=lambda item: ("slurm" not in getattr(item, "fixturenames", ()), item.get_closest_marker("slow") is None)
+    )
