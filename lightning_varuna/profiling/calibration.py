@@ -5,11 +5,11 @@ the runtime's bookkeeping, messages that wait on busy peers, and per-step work a
 measured configuration, `calibrate` fits those costs (`RuntimeOverheads`) so that simulating it reproduces its
 measured timeline: the mean forward and backward durations, the pipeline's length and the whole step. Measured
 configurations with as many processes per node are combined: the cost per forward and per backward is kept per
-micro-batch size (linear between two sizes, along a line fitted to all beyond them). Configurations with replicas
-then teach how long the all-reduce waits for the slowest replica, in proportion to the pipeline's length, and
-configurations whose schedule splits the backward (zero-bubble) how much longer than profiled a weight pass takes,
-deferred behind other work (a constant per pass and a factor on its profiled time). The simulator adds the costs
-to every configuration run with that many processes per node.
+micro-batch size (linear between two sizes; beyond them, from the nearest along the slope of a line fitted to all).
+Configurations with replicas then teach how long the all-reduce waits for the slowest replica, in proportion to the
+pipeline's length, and configurations whose schedule splits the backward (zero-bubble) how much longer than profiled
+a weight pass takes, deferred behind other work. The simulator adds the costs to every configuration run with that
+many processes per node.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
     """A copy of ``profile`` whose overheads make the simulation of each measured configuration match its timeline
     (a `PipelineTrace`; of several steps, the median one). Overheads of other process counts are kept, and of a
     process count measured again, what its new runs do not teach: the replicas' wait without a run with replicas, the
-    weight passes' factor without a run that splits the backward."""
+    weight passes' factor without a run that splits the backward. The costs per micro-batch size are those of the new
+    runs alone."""
     by_processes: dict[int, list[tuple[Config, Sequence[Span]]]] = {}
     for config, spans in measured:
         by_processes.setdefault(config.processes_per_node, []).append((config, spans))
@@ -56,9 +57,9 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
         else:
             overheads.replica_lag = before.replica_lag
         if split and unsplit:
-            overheads.weight_s, overheads.weight_factor = _weight_costs(with_overheads, split)
+            overheads.weight_factor = statistics.mean(_weight_factor(with_overheads, c, spans) for c, spans in split)
         elif not split:
-            overheads.weight_s, overheads.weight_factor = before.weight_s, before.weight_factor
+            overheads.weight_factor = before.weight_factor
         combined[processes] = overheads
     return replace(profile, overheads={**profile.overheads, **combined})
 
@@ -107,8 +108,8 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
             lambda x: _mean_duration(predict(replace(fitted, backward_s=x)), Phase.BACKWARD) - backward
         )
         if splits_backward:
-            fitted.weight_s, fitted.weight_factor = _weight_costs(
-                _with_overheads(profile, config.processes_per_node, fitted), [(config, measured)]
+            fitted.weight_factor = _weight_factor(
+                _with_overheads(profile, config.processes_per_node, fitted), config, measured
             )
         if config.pipeline_parallel_size > 1:
             fitted.message_s = _solve(lambda x: _pipeline_length(predict(replace(fitted, message_s=x))) - pipeline)
@@ -123,23 +124,17 @@ def _replica_lag(profile: ModelProfile, config: Config, measured: Sequence[Span]
     return max(0.0, (measured_step_s(measured) - prediction.step_s) / prediction.pipeline_s)
 
 
-def _weight_costs(profile: ModelProfile, runs: Sequence[tuple[Config, Sequence[Span]]]) -> tuple[float, float]:
-    """A constant per weight pass and a factor on its profiled time such that the simulated weight passes of each
-    rank of ``runs`` last as long as the measured ones (their mean, the median over the steps): a line fitted to the
-    ranks' (profiled, measured) pairs."""
-    profiled, measured = [], []
-    for config, spans in runs:
-        processes = config.processes_per_node
-        as_profiled = replace(profile.overheads[processes], weight_s=0.0, weight_factor=1.0)
-        timeline = simulate(_with_overheads(profile, processes, as_profiled), config, timeline=True).timeline
-        for rank in sorted({s.stage for s in timeline if s.phase is Phase.WEIGHT}):
-            profiled.append(statistics.mean(_weight_durations(timeline, rank)))
-            steps = _by_step(spans)
-            measured.append(statistics.median(statistics.mean(_weight_durations(step, rank)) for step in steps))
-    constant_s, factor = _line(profiled, measured)
-    if factor == 0.0:  # one profiled size, or measured times that do not grow with it: a factor alone
-        return 0.0, statistics.mean(measured) / statistics.mean(profiled)
-    return constant_s, factor
+def _weight_factor(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> float:
+    """How many times their profiled time the weight passes of ``config`` take, so that the simulated ones last as
+    long as the measured ones (their mean, the median over the steps)."""
+    weight = statistics.median(statistics.mean(_weight_durations(spans)) for spans in _by_step(measured))
+    processes = config.processes_per_node
+
+    def predict(factor: float) -> Prediction:
+        costs = replace(profile.overheads[processes], weight_factor=factor)
+        return simulate(_with_overheads(profile, processes, costs), config, timeline=True)
+
+    return _solve(lambda x: _mean_duration(predict(x), Phase.WEIGHT) - weight, high=_MAX_WEIGHT_FACTOR)
 
 
 def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
@@ -149,7 +144,7 @@ def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
     rows = [mb for mb, _ in fits]
     forward_s, forward_per_row_s = _line(rows, [o.forward_s for _, o in fits])
     backward_s, backward_per_row_s = _line(rows, [o.backward_s for _, o in fits])
-    weights = [(o.weight_s, o.weight_factor) for _, o in fits if o.weight_factor is not None]  # fitted with the rest
+    weight_factors = [o.weight_factor for _, o in fits if o.weight_factor is not None]  # if fitted with the rest
     by_rows = [
         (size, statistics.mean(o.forward_s for mb, o in fits if mb == size),
          statistics.mean(o.backward_s for mb, o in fits if mb == size))
@@ -162,13 +157,12 @@ def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
         step_s=statistics.mean(o.step_s for _, o in fits),
         forward_per_row_s=forward_per_row_s,
         backward_per_row_s=backward_per_row_s,
-        weight_s=statistics.mean(w for w, _ in weights) if weights else 0.0,
-        weight_factor=statistics.mean(f for _, f in weights) if weights else None,
+        weight_factor=statistics.mean(weight_factors) if weight_factors else None,
         by_rows=by_rows,
     )
 
 
-def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
     """Least-squares intercept and slope, both non-negative (a flat line through the mean with one x)."""
     mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
     spread = sum((x - mean_x) ** 2 for x in xs)
@@ -201,8 +195,8 @@ def _measures(spans: list[Span]) -> tuple[float, float, float, float]:
     )
 
 
-def _weight_durations(spans: Sequence[Span], rank: int) -> list[float]:
-    return [s.end_s - s.start_s for s in spans if s.phase is Phase.WEIGHT and s.stage == rank]
+def _weight_durations(spans: Sequence[Span]) -> list[float]:
+    return [s.end_s - s.start_s for s in spans if s.phase is Phase.WEIGHT]
 
 
 def _splits_backward(spans: Sequence[Span]) -> bool:

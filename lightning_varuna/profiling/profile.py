@@ -95,12 +95,12 @@ class SpillCosts:
 class RuntimeOverheads:
     """What a real pipelined step costs beyond the profiled segments, learned from measured steps (`calibrate`):
     the user's step and the runtime's bookkeeping around each forward and backward (at each calibrated micro-batch
-    size; between them, linear; beyond them, along a line fitted to all), the delay of a message over its measured
-    transfer time, the per-step work after the last backward (sharing the logged values, Lightning's hooks), with
-    replicas, how long the gradient all-reduce waits for the slowest one, as a share of the pipeline's length
-    (replicas sharing cores drift apart), and how many times its profiled time a weight pass of a split backward
-    takes when it runs deferred behind other work, with a constant per pass (learned from runs whose schedule splits
-    the backward; None without one: as profiled)."""
+    size; between them, linear; beyond them, from the nearest along the slope of a line fitted to all), the delay of
+    a message over its measured transfer time, the per-step work after the last backward (sharing the logged values,
+    Lightning's hooks), with replicas, how long the gradient all-reduce waits for the slowest one, as a share of the
+    pipeline's length (replicas sharing cores drift apart), and how many times its profiled time a weight pass of a
+    split backward takes when it runs deferred behind other work (learned from a run whose schedule splits the
+    backward; None without one: as profiled)."""
 
     forward_s: float = 0.0
     backward_s: float = 0.0
@@ -110,7 +110,6 @@ class RuntimeOverheads:
     backward_per_row_s: float = 0.0
     replica_lag: float = 0.0
     weight_factor: float | None = None
-    weight_s: float = 0.0  # added to each weight pass with ``weight_factor``
     # (rows, per forward s, per backward s) as calibrated at each micro-batch size, by rows; empty: the line alone
     by_rows: list[tuple[int, float, float]] = field(default_factory=list)
 
@@ -126,11 +125,7 @@ class RuntimeOverheads:
         return (
             f"{per_action}, per message {self.message_s * 1e3:.2f} ms, per step {self.step_s * 1e3:.2f} ms, waiting "
             f"for replicas {self.replica_lag:.1%} of the pipeline, weight passes "
-            + (
-                "as profiled"
-                if self.weight_factor is None
-                else f"{self.weight_factor:.2f}x their profiled time + {self.weight_s * 1e3:.2f} ms"
-            )
+            + ("as profiled" if self.weight_factor is None else f"{self.weight_factor:.2f}x their profiled time")
         )
 
     def forward(self, rows: int) -> float:

@@ -277,9 +277,7 @@ def _run_pipeline(
         input_part, weight_part = cost.split_s
         if action.phase is Phase.BACKWARD:  # a first stage's input takes no gradient: its input part does nothing
             return 0.0 if stage == 0 else input_part + overheads.backward(sizes[m])
-        if overheads.weight_factor is None:
-            return weight_part
-        return weight_part * overheads.weight_factor + overheads.weight_s
+        return weight_part * (1.0 if overheads.weight_factor is None else overheads.weight_factor)
 
     def ready_at(rank: int, action: Action) -> float | None:
         """When ``rank`` may start ``action``: its dependencies finished and their messages arrived."""
