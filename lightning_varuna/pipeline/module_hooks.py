@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_varuna.hook_wrapping import restore_hooks, wrap_hook
-from lightning_varuna.pipeline.optimizer_settings import load_optimizer_settings, optimizer_settings
+from lightning_varuna.pipeline.optimizer_settings import OptimizerSettings, load_optimizer_settings, optimizer_settings
 from lightning_varuna.pipeline.step_logging import LogRecorder, MetricAt, replay
 
 __all__ = ["EPOCH_END_HOOKS", "PipelinedModuleHooks", "differing_names", "merge_stage_logs", "metrics_synced_over"]
@@ -76,7 +76,8 @@ class PipelinedModuleHooks:
             wrap_hook(self.module, name, run)
 
     def _on_last_stage(self, hook: Callable[..., None], *args: Any) -> None:
-        logged, settings = None, None
+        logged: Logged | None = None
+        settings: OptimizerSettings | TypeError | None = None
         if self.is_last_stage:
             recorder = LogRecorder(training=False)  # an epoch-end hook logs for the epoch by default
             with recorder.capture(self.module), self.inside():
@@ -87,9 +88,14 @@ class PipelinedModuleHooks:
                     # A value the hook computed over the last stages only; computed again (over every rank, as
                     # on the other stages) if Lightning computes the metric at the epoch's end.
                     metric._computed = None
-            settings = optimizer_settings(self.module.trainer)
+            try:
+                settings = optimizer_settings(self.module.trainer)
+            except TypeError as error:  # raised on every stage, not only here (the others would wait for it)
+                settings = error
         logged, settings = self.exchange((logged, settings))
-        if not self.is_last_stage:
+        if isinstance(settings, TypeError):
+            raise settings
+        if not self.is_last_stage and settings is not None:
             load_optimizer_settings(self.module.trainer, settings)
         replay(self.module, logged, self.module.device)
 
