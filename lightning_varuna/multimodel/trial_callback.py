@@ -80,7 +80,6 @@ class TrialCallback(pl.Callback):
         self._report(trainer)
         if self._save_after_validation and not (self.handed_over or self.pruned):
             self.save(trainer)
-        self._save_after_validation = False
 
     def _report(self, trainer: pl.Trainer) -> None:
         """Report the validation's ``monitor`` to the trial, and stop the fit if the pruner says so."""
@@ -141,6 +140,7 @@ class TrialCallback(pl.Callback):
             self.save_error = error
             raise
         self._checkpointed_s = time.monotonic()
+        self._save_after_validation = False
 
     def keep_if_best(self, value: float) -> None:
         """Keep ``value`` as the trial's best reported ``monitor`` if it is (a number, and better)."""
