@@ -14,21 +14,28 @@ __all__ = ["restore_hooks", "wrap_hook"]
 
 
 def wrap_hook(obj: object, name: str, run: Callable[..., Any]) -> None:
-    """Make ``obj.<name>(*args, **kwargs)`` call ``run(own hook, *args, **kwargs)`` until `restore_hooks`."""
-    setattr(obj, name, _Wrapped(run, getattr(type(obj), name).__get__(obj)))
+    """Make ``obj.<name>(*args, **kwargs)`` call ``run(own hook, *args, **kwargs)`` until `restore_hooks`. The own hook
+    is the one ``obj`` has now: a function set on the instance (``model.on_train_epoch_end = ...``) included."""
+    setattr(obj, name, _Wrapped(run, getattr(obj, name), vars(obj).get(name)))
 
 
 def restore_hooks(obj: object) -> None:
-    """Give ``obj`` its own hooks back (after `wrap_hook`)."""
-    for name in [name for name, value in vars(obj).items() if isinstance(value, _Wrapped)]:
-        delattr(obj, name)
+    """Give ``obj`` its own hooks back (after `wrap_hook`): those of its class, or those set on the instance."""
+    for name, wrapped in [(name, value) for name, value in vars(obj).items() if isinstance(value, _Wrapped)]:
+        own = wrapped.own
+        while isinstance(own, _Wrapped):  # wrapped twice
+            own = own.own
+        if own is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, own)
 
 
 class _Wrapped:
-    """An object's own hook, run by ``run(hook, *args, **kwargs)``."""
+    """An object's own hook, run by ``run(hook, *args, **kwargs)``; ``own``: the instance's attribute it replaced."""
 
-    def __init__(self, run: Callable[..., Any], hook: Callable[..., Any]) -> None:
-        self.run, self.hook = run, hook
+    def __init__(self, run: Callable[..., Any], hook: Callable[..., Any], own: Any) -> None:
+        self.run, self.hook, self.own = run, hook, own
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(self.hook, *args, **kwargs)
