@@ -16,7 +16,9 @@ Run from the repository root (about 16 minutes on 2 CPU cores)::
    of all of them).
 3. Calibrates the profile (``lightning_varuna.profiling.calibration``) with the measured timelines (5 steps; the
    median counts) of two more configurations per process count (four for 2 processes) and one with replicas for 2
-   and 4 processes (``CALIBRATION``, none of them among ``CONFIGS``).
+   and 4 processes (``CALIBRATION``, none of them among ``CONFIGS``). ``--only schedules`` measures and calibrates
+   with the runs of ``CALIBRATION`` on 2 processes and ``SCHEDULE_CALIBRATION`` (the new schedules at 1 and 8 rows),
+   then ``SCHEDULE_CONFIGS`` (at 2 and 4 rows); about 15 minutes with ``--repeats 3``.
 4. Prints measured against predicted step time per configuration, from the profile alone and calibrated, the median
    absolute errors, and where AutoConfig's pick among the measured configurations ranks.
 5. Spilled rows, side by side: trains the same GPT on one device with ``SpillingStrategy`` on the host and the disk
@@ -94,9 +96,17 @@ CALIBRATION = [
     (1, 4, 2, "gpipe"),
     (2, 2, 8, "1f1b"),
 ]
-# Held out from SCHEDULE_CONFIGS: with ``--only schedules`` these runs of schedules that split the backward calibrate
-# too, teaching how much longer than profiled a deferred weight pass takes.
-SPLIT_CALIBRATION = [(2, 1, 8, "zero-bubble", 1), (2, 1, 1, "zbv", 2)]
+# Held out from SCHEDULE_CONFIGS: with ``--only schedules`` these runs of the new schedules calibrate too (with the
+# runs of CALIBRATION on 2 processes, as many as every schedule configuration has), at the sizes SCHEDULE_CONFIGS
+# does not use: they teach how much longer than profiled a deferred weight pass takes, and add to the costs per action.
+SCHEDULE_CALIBRATION = [
+    (2, 1, 8, "zero-bubble", 1),
+    (2, 1, 1, "zero-bubble", 1),
+    (2, 1, 8, "interleaved-1f1b", 2),
+    (2, 1, 1, "interleaved-1f1b", 2),
+    (2, 1, 8, "zbv", 2),
+    (2, 1, 1, "zbv", 2),
+]
 CALIBRATED_PROFILE = RESULTS / "gpt.calibrated.profile.json"
 SPILLED_PROFILE = RESULTS / "gpt.spilled.profile.json"
 # (tier, budget): a budget is a multiple of the smallest that fetches every shard ahead for the profile's packing
@@ -321,7 +331,10 @@ def main() -> None:
     TRACES.mkdir(parents=True, exist_ok=True)
     measure(CONFIGS[0], args.warmup, args.steps)  # discarded: the first run after start is slower on this VM
     configs = SCHEDULE_CONFIGS if args.only == "schedules" else CONFIGS
-    calibration = CALIBRATION + SPLIT_CALIBRATION if args.only == "schedules" else CALIBRATION
+    if args.only == "schedules":
+        calibration = [c for c in CALIBRATION if c[:2] == (2, 1)] + SCHEDULE_CALIBRATION
+    else:
+        calibration = CALIBRATION
     runs: dict[tuple, list[float]] = {}
     traced: dict[tuple, tuple[Config, list[Span]]] = {}  # of the calibration's configurations: every repeat's steps
     for repeat in range(args.repeats):
@@ -349,7 +362,7 @@ def main() -> None:
         )
         (TRACES / f"{_name(config)}.predicted.json").write_text(calibrated_prediction.chrome_trace())
         measured = step_s[config]
-        row = dict(config=list(config), measured_ms=measured * 1e3)
+        row = dict(config=list(config), measured_ms=measured * 1e3, runs_ms=[t * 1e3 for t in runs[config]])
         for key, predicted in (("", prediction.step_s), ("calibrated_", calibrated_prediction.step_s)):
             row[f"{key}predicted_ms"] = predicted * 1e3
             row[f"{key}error"] = (predicted - measured) / measured
@@ -357,7 +370,8 @@ def main() -> None:
         name = f"P={P} D={D} mb={mb} {schedule}" + (f" V={V}" if V > 1 else "")
         print(
             f"{name:<24} {measured * 1e3:>12.1f} {row['predicted_ms']:>11.1f} {row['error']:>+7.1%} "
-            f"{row['calibrated_predicted_ms']:>14.1f} {row['calibrated_error']:>+7.1%}",
+            f"{row['calibrated_predicted_ms']:>14.1f} {row['calibrated_error']:>+7.1%}   runs: "
+            + " ".join(f"{t:.1f}" for t in row["runs_ms"]),
             flush=True,
         )
     median_error = statistics.median(abs(r["error"]) for r in rows)

@@ -278,6 +278,21 @@ def test_zero_bubble_takes_each_stage_s_split_from_the_profile():
     }
 
 
+@pytest.mark.parametrize(
+    ("schedule", "per_rank", "after"),
+    [("1f1b", 1, 1), ("zero-bubble", 1, 2), ("zbv", 2, 1)],  # zero-bubble: the last stage's weight pass ends last
+)
+def test_the_other_stages_work_on_a_step_s_results_after_the_last_stage_sent_them(schedule, per_rank, after):
+    """The last stage works on a step's results (its output, the logged values) and sends them; each other stage works
+    on them once received. Where the last stage's rank finishes its part last, the step ends two such works after
+    it; else one after the rank that finishes last (which has the results by then)."""
+    profile = synthetic()  # its messages take no time
+    config = Config(2, 1, 1, schedule, 4, stages_per_rank=per_rank)
+    bare = simulate(profile, config)
+    profile.overheads = {2: RuntimeOverheads(step_s=0.5)}
+    assert simulate(profile, config).pipeline_s == pytest.approx(bare.pipeline_s + after * 0.5)
+
+
 def test_replicas_add_the_allreduce_and_share_the_cores():
     alone = simulate(synthetic(), Config(1, 1, 1, "1f1b", 4))
     crowded = simulate(synthetic(cores=1), Config(1, 2, 1, "1f1b", 8))  # 2 processes on 1 core

@@ -4,12 +4,12 @@ The profile times each segment alone. A training step also runs the user's ``tra
 the runtime's bookkeeping, messages that wait on busy peers, and per-step work after the last backward. For each
 measured configuration, `calibrate` fits those costs (`RuntimeOverheads`) so that simulating it reproduces its
 measured timeline: the mean forward and backward durations, the pipeline's length and the whole step. Measured
-configurations with as many processes per node are combined: the cost per forward and per backward is kept per
-micro-batch size (linear between two sizes; beyond them, from the nearest along the slope of a line fitted to all).
-Configurations with replicas then teach how long the all-reduce waits for the slowest replica, in proportion to the
-pipeline's length, and configurations whose schedule splits the backward (zero-bubble) how much longer than profiled
-a weight pass takes, deferred behind other work. The simulator adds the costs to every configuration run with that
-many processes per node.
+configurations with as many processes per node are combined, whatever their schedule: the cost per forward and per
+backward is kept per micro-batch size (linear between two sizes; beyond them, from the nearest along the slope of a
+line fitted to all). Configurations with replicas then teach how long the all-reduce waits for the slowest replica,
+in proportion to the pipeline's length, and configurations whose schedule splits the backward (zero-bubble) how much
+longer than profiled a weight pass takes, deferred behind other work. The simulator adds the costs to every
+configuration run with that many processes per node.
 """
 
 from __future__ import annotations
@@ -41,24 +41,20 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
         by_processes.setdefault(config.processes_per_node, []).append((config, spans))
     combined = {}
     for processes, runs in by_processes.items():
-        # A split backward's weight passes are learned apart, with the costs the other runs teach (if there are any
-        # others: else with those costs, in `_fit`).
-        split = [(c, spans) for c, spans in runs if _splits_backward(spans)]
-        unsplit = [(c, spans) for c, spans in runs if not _splits_backward(spans)]
-        runs = unsplit or runs
         # Replicas wait for each other at the all-reduce; the costs of a step are learned from runs without them.
         alone = [(c, spans) for c, spans in runs if c.data_parallel_size == 1] or runs
         overheads = _combine([(c.micro_batch_size, _fit(profile, c, spans)) for c, spans in alone])
         replicated = [(c, spans) for c, spans in runs if c.data_parallel_size > 1]
+        split = [(c, spans) for c, spans in runs if _splits_backward(spans)]
         with_overheads = _with_overheads(profile, processes, overheads)  # sees what is set on ``overheads`` below
         before = profile.overheads.get(processes, RuntimeOverheads())  # what the new runs do not teach is kept
         if replicated:
             overheads.replica_lag = statistics.mean(_replica_lag(with_overheads, c, spans) for c, spans in replicated)
         else:
             overheads.replica_lag = before.replica_lag
-        if split and unsplit:
+        if split:  # with the costs that all the runs teach
             overheads.weight_factor = statistics.mean(_weight_factor(with_overheads, c, spans) for c, spans in split)
-        elif not split:
+        else:
             overheads.weight_factor = before.weight_factor
         combined[processes] = overheads
     return replace(profile, overheads={**profile.overheads, **combined})
@@ -113,7 +109,7 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
             )
         if config.pipeline_parallel_size > 1:
             fitted.message_s = _solve(lambda x: _pipeline_length(predict(replace(fitted, message_s=x))) - pipeline)
-    fitted.step_s = max(0.0, step - predict(fitted).step_s)
+    fitted.step_s = _solve(lambda x: predict(replace(fitted, step_s=x)).step_s - step)
     return fitted
 
 
@@ -144,7 +140,6 @@ def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
     rows = [mb for mb, _ in fits]
     forward_s, forward_per_row_s = _line(rows, [o.forward_s for _, o in fits])
     backward_s, backward_per_row_s = _line(rows, [o.backward_s for _, o in fits])
-    weight_factors = [o.weight_factor for _, o in fits if o.weight_factor is not None]  # if fitted with the rest
     by_rows = [
         (size, statistics.mean(o.forward_s for mb, o in fits if mb == size),
          statistics.mean(o.backward_s for mb, o in fits if mb == size))
@@ -157,7 +152,6 @@ def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
         step_s=statistics.mean(o.step_s for _, o in fits),
         forward_per_row_s=forward_per_row_s,
         backward_per_row_s=backward_per_row_s,
-        weight_factor=statistics.mean(weight_factors) if weight_factors else None,
         by_rows=by_rows,
     )
 

@@ -149,9 +149,8 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
     overheads = profile.overheads.get(processes_per_node, RuntimeOverheads())
     rank_of = partial(rank_of_stage, num_ranks=P, v_shape=v_shape)
     spans, ends = _run_pipeline(actions, sizes, stages, profile, processes_per_node, sharing, overheads, rank_of)
-    pipeline_s = max(ends) + overheads.step_s
-    if P > 1:  # the last stage's step output and logged values go to the other stages
-        pipeline_s += _object_broadcast(profile, processes_per_node, P)
+    broadcast_s = _object_broadcast(profile, processes_per_node, P) if P > 1 else 0.0
+    pipeline_s = _results_shared(ends, rank_of(num_stages - 1), overheads.step_s, broadcast_s)
     segments_of = [
         [i for s in stages_of_rank(r, P, config.stages_per_rank, v_shape) for i in range(bounds[s], bounds[s + 1])]
         for r in range(P)
@@ -330,6 +329,16 @@ def _run_pipeline(
                 position[s] += 1
                 finished[(done.stage_on(s), done.phase, done.microbatch)] = now
     return spans, free_at
+
+
+def _results_shared(ends: list[float], last_rank: int, post_s: float, broadcast_s: float) -> float:
+    """When every rank is done with the step's results (its output and logged values), each having finished its
+    part of the pipeline at ``ends``: the last stage's rank works on them for ``post_s``, then they travel to the
+    other ranks (``broadcast_s``), which work on them as long once their own part is done. A last stage that
+    finishes last (a deferred weight pass: zero-bubble) thus makes the others wait twice ``post_s``."""
+    sent = ends[last_rank] + post_s
+    others = [max(end, sent + broadcast_s) + post_s for rank, end in enumerate(ends) if rank != last_rank]
+    return max([sent, *others])
 
 
 def _peak_activations(actions: list[Action], rank: int, stages: list[_Stage]) -> int:
