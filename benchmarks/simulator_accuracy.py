@@ -16,9 +16,9 @@ Run from the repository root (about 16 minutes on 2 CPU cores)::
    of all of them).
 3. Calibrates the profile (``lightning_varuna.profiling.calibration``) with the measured timelines (5 steps; the
    median counts) of two more configurations per process count (four for 2 processes) and one with replicas for 2
-   and 4 processes (``CALIBRATION``, none of them among ``CONFIGS``). ``--only schedules`` measures and calibrates
-   with the runs of ``CALIBRATION`` on 2 processes and ``SCHEDULE_CALIBRATION`` (the new schedules at 1 and 8 rows),
-   then ``SCHEDULE_CONFIGS`` (at 2 and 4 rows); about 15 minutes with ``--repeats 3``.
+   and 4 processes (``CALIBRATION``, none of them among ``CONFIGS``). ``--only schedules`` calibrates with
+   ``SCHEDULE_CALIBRATION`` (2 processes: GPipe and 1F1B at 1 to 8 rows, the new schedules at 1 and 8) and evaluates
+   ``SCHEDULE_CONFIGS`` (the new schedules at 2 and 4 rows); about 18 minutes with ``--repeats 3``.
 4. Prints measured against predicted step time per configuration, from the profile alone and calibrated, the median
    absolute errors, and where AutoConfig's pick among the measured configurations ranks.
 5. Spilled rows, side by side: trains the same GPT on one device with ``SpillingStrategy`` on the host and the disk
@@ -96,10 +96,10 @@ CALIBRATION = [
     (1, 4, 2, "gpipe"),
     (2, 2, 8, "1f1b"),
 ]
-# Held out from SCHEDULE_CONFIGS: with ``--only schedules`` these runs of the new schedules calibrate too (with the
-# runs of CALIBRATION on 2 processes, as many as every schedule configuration has), at the sizes SCHEDULE_CONFIGS
-# does not use: they teach how much longer than profiled a deferred weight pass takes, and add to the costs per action.
-SCHEDULE_CALIBRATION = [
+# Held out from SCHEDULE_CONFIGS: with ``--only schedules`` these runs calibrate, all on 2 processes (as many as every
+# schedule configuration has): GPipe and 1F1B at every size, and the new schedules at the sizes SCHEDULE_CONFIGS
+# does not use. Those teach how much longer than profiled a deferred weight pass takes; all add to the costs per action.
+SCHEDULE_CALIBRATION = [(2, 1, mb, schedule, 1) for mb in (8, 4, 2, 1) for schedule in ("gpipe", "1f1b")] + [
     (2, 1, 8, "zero-bubble", 1),
     (2, 1, 1, "zero-bubble", 1),
     (2, 1, 8, "interleaved-1f1b", 2),
@@ -331,10 +331,7 @@ def main() -> None:
     TRACES.mkdir(parents=True, exist_ok=True)
     measure(CONFIGS[0], args.warmup, args.steps)  # discarded: the first run after start is slower on this VM
     configs = SCHEDULE_CONFIGS if args.only == "schedules" else CONFIGS
-    if args.only == "schedules":
-        calibration = [c for c in CALIBRATION if c[:2] == (2, 1)] + SCHEDULE_CALIBRATION
-    else:
-        calibration = CALIBRATION
+    calibration = SCHEDULE_CALIBRATION if args.only == "schedules" else CALIBRATION
     runs: dict[tuple, list[float]] = {}
     traced: dict[tuple, tuple[Config, list[Span]]] = {}  # of the calibration's configurations: every repeat's steps
     for repeat in range(args.repeats):

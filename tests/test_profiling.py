@@ -415,6 +415,22 @@ def test_calibration_keeps_the_cost_per_action_of_each_micro_batch_size():
     assert ModelProfile.from_json(calibrated.to_json()) == calibrated
 
 
+def test_calibration_learns_where_the_profile_over_estimates_a_micro_batch_size():
+    """Actions that run faster than profiled at some size (a profile's noise, caches) give that size a negative cost
+    per action, so that its configurations are predicted as measured; no action takes less than no time."""
+    costs = RuntimeOverheads(message_s=0.1, step_s=0.5, by_rows=[(1, 0.2, 0.3), (2, -0.5, -0.8)])
+    truth = replace(synthetic(), overheads={2: costs})
+    measured = [Config(2, 1, mb, "gpipe", 4 * mb) for mb in (1, 2)]
+    calibrated = calibrate(synthetic(), [(c, simulate(truth, c, timeline=True).timeline) for c in measured])
+    learned = calibrated.overheads[2]
+    assert [x for entry in learned.by_rows for x in entry] == pytest.approx([1, 0.2, 0.3, 2, -0.5, -0.8])
+    other = Config(2, 1, 2, "1f1b", 6)
+    assert simulate(calibrated, other).step_s == pytest.approx(simulate(truth, other).step_s, rel=1e-6)
+    faster = replace(truth, overheads={2: RuntimeOverheads(by_rows=[(1, -100.0, -100.0)])})
+    timeline = simulate(faster, Config(2, 1, 1, "1f1b", 4), timeline=True).timeline
+    assert {s.end_s - s.start_s for s in timeline if s.name[0] in "FB"} == {0.0}
+
+
 def test_calibration_learns_how_much_longer_deferred_weight_passes_take():
     """A zero-bubble step "measured" with weight passes 1.5x their profiled time teaches that factor; it then
     predicts the other split schedules, and runs without weight passes leave it unknown (as profiled)."""

@@ -95,7 +95,8 @@ class SpillCosts:
 class RuntimeOverheads:
     """What a real pipelined step costs beyond the profiled segments, learned from measured steps (`calibrate`):
     the user's step and the runtime's bookkeeping around each forward and backward (at each calibrated micro-batch
-    size; between them, linear; beyond them, from the nearest along the slope of a line fitted to all), the delay of
+    size; between them, linear; beyond them, from the nearest along the slope of a line fitted to all; negative at a
+    size where the profile over-estimates the compute), the delay of
     a message over its measured transfer time, the per-step work after the last backward (sharing the logged values,
     Lightning's hooks), with replicas, how long the gradient all-reduce waits for the slowest one, as a share of the
     pipeline's length (replicas sharing cores drift apart), and how many times its profiled time a weight pass of a
@@ -144,7 +145,7 @@ class RuntimeOverheads:
             if r0 <= rows <= r1:
                 return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
         nearest_rows, nearest_s = table[0] if rows < table[0][0] else table[-1]
-        return max(0.0, nearest_s + (rows - nearest_rows) * per_row_s)
+        return nearest_s + (rows - nearest_rows) * per_row_s
 
 
 @dataclass

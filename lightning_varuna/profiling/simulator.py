@@ -264,18 +264,19 @@ def _run_pipeline(
     now = 0.0
 
     def duration(rank: int, action: Action) -> float:
+        """The action's profiled time and its calibrated cost (which may be negative: never below no time)."""
         stage, m = action.stage_on(rank), action.microbatch
         cost = microbatches[m][stage]
         if action.phase is Phase.FORWARD:
             forward = cost.forward_no_grad_s if (stage, m) in recomputed else cost.forward_s
-            return forward + overheads.forward(sizes[m])
+            return max(0.0, forward + overheads.forward(sizes[m]))
         if action.phase is Phase.RECOMPUTE:
             return cost.forward_s
         if (stage, m) not in split:
-            return cost.backward_s + overheads.backward(sizes[m])
+            return max(0.0, cost.backward_s + overheads.backward(sizes[m]))
         input_part, weight_part = cost.split_s
         if action.phase is Phase.BACKWARD:  # a first stage's input takes no gradient: its input part does nothing
-            return 0.0 if stage == 0 else input_part + overheads.backward(sizes[m])
+            return 0.0 if stage == 0 else max(0.0, input_part + overheads.backward(sizes[m]))
         return weight_part * (1.0 if overheads.weight_factor is None else overheads.weight_factor)
 
     def ready_at(rank: int, action: Action) -> float | None:
