@@ -283,12 +283,15 @@ def test_zero_bubble_takes_each_stage_s_split_from_the_profile():
     [("1f1b", 1, 1), ("zero-bubble", 1, 2), ("zbv", 2, 1)],  # zero-bubble: the last stage's weight pass ends last
 )
 def test_the_other_stages_work_on_a_step_s_results_after_the_last_stage_sent_them(schedule, per_rank, after):
-    """The last stage works on a step's results (its output, the logged values) and sends them; each other stage works
-    on them once received. Where the last stage's rank finishes its part last, the step ends two such works after
-    it; else one after the rank that finishes last (which has the results by then)."""
-    profile = synthetic()  # its messages take no time
+    """The last stage works on a step's results (its output, the logged values) and sends them; each other stage
+    receives them once its part is done and works on them. Where the last stage's rank finishes its part last, the
+    step ends two such works after it; else one after the rank that finishes last."""
+    profile = synthetic()
+    profile.object_broadcast = {2: {2: 0.25}}
     config = Config(2, 1, 1, schedule, 4, stages_per_rank=per_rank)
-    bare = simulate(profile, config)
+    bare = simulate(profile, config, timeline=True)
+    ends = [max(s.end_s for s in bare.timeline if s.stage == rank and s.phase is not None) for rank in (0, 1)]
+    assert bare.pipeline_s == pytest.approx(max(ends) + 0.25)  # received once the other rank's part is done
     profile.overheads = {2: RuntimeOverheads(step_s=0.5)}
     assert simulate(profile, config).pipeline_s == pytest.approx(bare.pipeline_s + after * 0.5)
 
@@ -418,14 +421,15 @@ def test_calibration_keeps_the_cost_per_action_of_each_micro_batch_size():
 def test_calibration_learns_where_the_profile_over_estimates_a_micro_batch_size():
     """Actions that run faster than profiled at some size (a profile's noise, caches) give that size a negative cost
     per action, so that its configurations are predicted as measured; no action takes less than no time."""
-    costs = RuntimeOverheads(message_s=0.1, step_s=0.5, by_rows=[(1, 0.2, 0.3), (2, -0.5, -0.8)])
+    costs = RuntimeOverheads(message_s=0.1, step_s=0.5, by_rows=[(1, -0.8, -0.6), (2, -0.5, -0.3)])
     truth = replace(synthetic(), overheads={2: costs})
     measured = [Config(2, 1, mb, "gpipe", 4 * mb) for mb in (1, 2)]
     calibrated = calibrate(synthetic(), [(c, simulate(truth, c, timeline=True).timeline) for c in measured])
     learned = calibrated.overheads[2]
-    assert [x for entry in learned.by_rows for x in entry] == pytest.approx([1, 0.2, 0.3, 2, -0.5, -0.8])
+    assert [x for entry in learned.by_rows for x in entry] == pytest.approx([1, -0.8, -0.6, 2, -0.5, -0.3])
     other = Config(2, 1, 2, "1f1b", 6)
     assert simulate(calibrated, other).step_s == pytest.approx(simulate(truth, other).step_s, rel=1e-6)
+    assert learned.forward(4) == pytest.approx(-0.5 + 2 * 0.3)  # beyond: along the rising line, negative or not
     faster = replace(truth, overheads={2: RuntimeOverheads(by_rows=[(1, -100.0, -100.0)])})
     timeline = simulate(faster, Config(2, 1, 1, "1f1b", 4), timeline=True).timeline
     assert {s.end_s - s.start_s for s in timeline if s.name[0] in "FB"} == {0.0}
@@ -448,6 +452,12 @@ def test_calibration_learns_how_much_longer_deferred_weight_passes_take():
     assert ModelProfile.from_json(calibrated.to_json()) == calibrated
     unsplit = calibrate(synthetic(), [(gpipe, simulate(truth, gpipe, timeline=True).timeline)])
     assert unsplit.overheads[2].weight_factor is None
+    # A one-stage split backward's input parts compute nothing: its run teaches the rest, but no backward cost.
+    one_stage, one_process = Config(1, 1, 1, "zero-bubble", 4), replace(synthetic(), overheads={1: costs})
+    alone = calibrate(synthetic(), [(one_stage, simulate(one_process, one_stage, timeline=True).timeline)])
+    assert alone.overheads[1].weight_factor == pytest.approx(1.5, rel=1e-4)
+    assert (alone.overheads[1].forward(1), alone.overheads[1].backward(1)) == pytest.approx((0.3, 0.0), abs=1e-6)
+    assert simulate(alone, one_stage).step_s == pytest.approx(simulate(one_process, one_stage).step_s, rel=1e-4)
     # Runs that all split the backward teach the other costs and the weight passes' together.
     alone = calibrate(synthetic(), [(zero_bubble, simulate(truth, zero_bubble, timeline=True).timeline)])
     assert alone.overheads[2].weight_factor == pytest.approx(1.5, rel=1e-4)

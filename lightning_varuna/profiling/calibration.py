@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from lightning_varuna.pipeline.schedules import Phase
+from lightning_varuna.pipeline.schedules import Action, Phase
 from lightning_varuna.profiling.profile import ModelProfile, RuntimeOverheads
 from lightning_varuna.profiling.simulator import Config, Prediction, simulate
 from lightning_varuna.profiling.spilled import SpilledConfig, simulate_spilled
@@ -41,21 +41,23 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
         by_processes.setdefault(config.processes_per_node, []).append((config, spans))
     combined = {}
     for processes, runs in by_processes.items():
-        # Replicas wait for each other at the all-reduce; the costs of a step are learned from runs without them.
+        # Replicas wait for each other at the all-reduce; the costs of a step are learned from runs without them,
+        # and from runs whose backwards compute something (a one-stage split backward's input parts do not).
         alone = [(c, spans) for c, spans in runs if c.data_parallel_size == 1] or runs
+        alone = [(c, spans) for c, spans in alone if _computed_backwards(spans)] or alone
         overheads = _combine([(c.micro_batch_size, _fit(profile, c, spans)) for c, spans in alone])
         replicated = [(c, spans) for c, spans in runs if c.data_parallel_size > 1]
         split = [(c, spans) for c, spans in runs if _splits_backward(spans)]
         with_overheads = _with_overheads(profile, processes, overheads)  # sees what is set on ``overheads`` below
         before = profile.overheads.get(processes, RuntimeOverheads())  # what the new runs do not teach is kept
-        if replicated:
-            overheads.replica_lag = statistics.mean(_replica_lag(with_overheads, c, spans) for c, spans in replicated)
-        else:
-            overheads.replica_lag = before.replica_lag
         if split:  # with the costs that all the runs teach
             overheads.weight_factor = statistics.mean(_weight_factor(with_overheads, c, spans) for c, spans in split)
         else:
             overheads.weight_factor = before.weight_factor
+        if replicated:
+            overheads.replica_lag = statistics.mean(_replica_lag(with_overheads, c, spans) for c, spans in replicated)
+        else:
+            overheads.replica_lag = before.replica_lag
         combined[processes] = overheads
     return replace(profile, overheads={**profile.overheads, **combined})
 
@@ -95,9 +97,11 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
 
     splits_backward = _splits_backward(measured)
     # The profile may over-estimate an action at some sizes (measured on the CPU: GPT's forwards at 8 rows about 8%
-    # faster in a pipeline than profiled): a cost per action may be negative, down to no time for the shortest.
+    # faster in a pipeline than profiled): a cost per action may be negative, down to minus the shortest action as
+    # simulated without costs (the simulator never lets an action take less than no time).
     profiled = predict(RuntimeOverheads()).timeline
-    least_forward, least_backward = (_shortest(profiled, phase) for phase in (Phase.FORWARD, Phase.BACKWARD))
+    least_forward = min(s.end_s - s.start_s for s in profiled if s.phase is Phase.FORWARD)
+    least_backward = min(_computed_backwards(profiled), default=0.0)
 
     fitted = RuntimeOverheads()
     for _ in range(_ROUNDS):
@@ -105,17 +109,20 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
             lambda x: _mean_duration(predict(replace(fitted, forward_s=x)), Phase.FORWARD) - forward,
             low=-least_forward,
         )
-        fitted.backward_s = _solve(
-            lambda x: _mean_duration(predict(replace(fitted, backward_s=x)), Phase.BACKWARD) - backward,
-            low=-least_backward,
-        )
+        if least_backward:  # else no backward computes anything
+            fitted.backward_s = _solve(
+                lambda x: (
+                    statistics.mean(_computed_backwards(predict(replace(fitted, backward_s=x)).timeline)) - backward
+                ),
+                low=-least_backward,
+            )
         if splits_backward:
             fitted.weight_factor = _weight_factor(
                 _with_overheads(profile, config.processes_per_node, fitted), config, measured
             )
         if config.pipeline_parallel_size > 1:
             fitted.message_s = _solve(lambda x: _pipeline_length(predict(replace(fitted, message_s=x))) - pipeline)
-    fitted.step_s = _solve(lambda x: predict(replace(fitted, step_s=x)).step_s - step)
+    fitted.step_s = _solve(lambda x: predict(replace(fitted, step_s=x)).step_s - step, high=step)
     return fitted
 
 
@@ -163,13 +170,14 @@ def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
 
 
 def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
-    """Least-squares intercept and slope, both non-negative (a flat line through the mean with one x)."""
+    """Least-squares intercept and slope: the slope non-negative (else a flat line through the mean, as with one x),
+    and where no y is negative, the intercept too (else through the origin)."""
     mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
     spread = sum((x - mean_x) ** 2 for x in xs)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
     if slope <= 0:
         return mean_y, 0.0
-    if mean_y - slope * mean_x < 0:  # through the origin instead
+    if mean_y - slope * mean_x < 0 and min(ys) >= 0:  # through the origin instead
         return 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
     return mean_y - slope * mean_x, slope
 
@@ -189,10 +197,23 @@ def _measures(spans: list[Span]) -> tuple[float, float, float, float]:
     start = min(s.start_s for s in spans)
     return (
         statistics.mean(s.end_s - s.start_s for s in computed if s.phase is Phase.FORWARD),
-        statistics.mean(s.end_s - s.start_s for s in computed if s.phase is Phase.BACKWARD),
+        statistics.mean(_computed_backwards(spans) or [0.0]),
         max(s.end_s for s in computed) - start,
         max(s.end_s for s in spans) - start,
     )
+
+
+def _computed_backwards(spans: Sequence[Span]) -> list[float]:
+    """The durations of the backwards that compute something: of a split backward, the input parts of every stage but
+    the first (whose input takes no gradient: the runtime's input part there does nothing, the simulator's takes no
+    time)."""
+    first_stage_does_nothing = _splits_backward(spans)
+    return [
+        s.end_s - s.start_s
+        for s in spans
+        if s.phase is Phase.BACKWARD
+        and not (first_stage_does_nothing and isinstance(s.work, Action) and s.work.stage_on(s.stage) == 0)
+    ]
 
 
 def _weight_durations(spans: Sequence[Span]) -> list[float]:
@@ -214,12 +235,6 @@ def _pipeline_length(prediction: Prediction) -> float:
 
 def _mean_duration(prediction: Prediction, phase: Phase) -> float:
     return statistics.mean(s.end_s - s.start_s for s in prediction.timeline if s.phase is phase)
-
-
-def _shortest(timeline: list[Span], phase: Phase) -> float:
-    """The shortest action of ``phase`` that takes any time (a first stage's input part of a split backward takes
-    none)."""
-    return min(d for d in (s.end_s - s.start_s for s in timeline if s.phase is phase) if d > 0)
 
 
 def _solve(excess: Callable[[float], float], low: float = 0.0, high: float = 1.0, steps: int = 40) -> float:

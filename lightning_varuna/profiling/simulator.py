@@ -334,11 +334,12 @@ def _run_pipeline(
 
 def _results_shared(ends: list[float], last_rank: int, post_s: float, broadcast_s: float) -> float:
     """When every rank is done with the step's results (its output and logged values), each having finished its
-    part of the pipeline at ``ends``: the last stage's rank works on them for ``post_s``, then they travel to the
-    other ranks (``broadcast_s``), which work on them as long once their own part is done. A last stage that
-    finishes last (a deferred weight pass: zero-bubble) thus makes the others wait twice ``post_s``."""
+    part of the pipeline at ``ends``: the last stage's rank works on them for ``post_s`` and sends them; each other
+    rank receives them once its own part is done (it posts the receive then: ``broadcast_s``) and works on them as
+    long. A last stage that finishes last (a deferred weight pass: zero-bubble) thus makes the others wait twice
+    ``post_s``."""
     sent = ends[last_rank] + post_s
-    others = [max(end, sent + broadcast_s) + post_s for rank, end in enumerate(ends) if rank != last_rank]
+    others = [max(end, sent) + broadcast_s + post_s for rank, end in enumerate(ends) if rank != last_rank]
     return max([sent, *others])
 
 

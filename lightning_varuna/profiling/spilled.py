@@ -124,7 +124,10 @@ def simulate_spilled(profile: ModelProfile, config: SpilledConfig, *, timeline: 
     run.start_step(timeline)
     recompute_s = _walk_step(run, config, packing, forward, backward, optimizer)
     overheads = profile.overheads.get(1, RuntimeOverheads())
-    overhead_s = overheads.step_s + overheads.forward(rows) + overheads.backward(rows)
+    # A cost per action below the profile (negative) takes at most the compute away, as in the pipeline simulator.
+    overhead_s = (
+        overheads.step_s + max(overheads.forward(rows), -sum(forward)) + max(overheads.backward(rows), -sum(backward))
+    )
     step_s = run.now - run.started + overhead_s
     pairs = [a + b for a, b, fits in _neighbours(memory, packing) if fits]
     alone = [sum(memory[s].need for s in shard) for shard in shards]
