@@ -1,7 +1,9 @@
 """The private Optuna APIs lightning-varuna relies on, all in one place (verified with optuna 5.0).
 
 A sweep reads and marks trials of other workers by number, which Optuna's public API does only for the trials a
-process asked itself (`optuna.trial.Trial`); the storage does it by trial id. tests/test_model_selection.py.
+process asked itself (`optuna.trial.Trial`); the storage does it by trial id. A trial asked beyond the study's size
+is given back unless it was enqueued (`was_enqueued`), which Optuna records in a system attribute of the trial.
+tests/test_model_selection.py.
 
 `optimize(processes=True)` forks worker processes that share the study through its storage, which a study keeps
 private (`shareable_storage`); each becomes a worker of its own (`as_new_worker`): a journal names each log's writer
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["as_new_worker", "frozen_trial", "pruner_settings", "set_user_attr", "shareable_storage"]
+__all__ = ["as_new_worker", "frozen_trial", "pruner_settings", "set_user_attr", "shareable_storage", "was_enqueued"]
 
 
 def frozen_trial(study: optuna.Study, number: int) -> optuna.trial.FrozenTrial:
@@ -32,6 +34,11 @@ def frozen_trial(study: optuna.Study, number: int) -> optuna.trial.FrozenTrial:
 def set_user_attr(study: optuna.Study, number: int, key: str, value: Any) -> None:
     """Set a user attribute of trial ``number`` (running or waiting) of ``study``; raises if it has finished."""
     study._storage.set_trial_user_attr(_trial_id(study, number), key, value)
+
+
+def was_enqueued(study: optuna.Study, number: int) -> bool:
+    """Whether trial ``number`` of ``study`` was enqueued (`optuna.Study.enqueue_trial`), not drawn by the sampler."""
+    return "fixed_params" in frozen_trial(study, number).system_attrs
 
 
 def shareable_storage(study: optuna.Study) -> bool:

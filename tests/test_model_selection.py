@@ -42,7 +42,7 @@ from lightning_varuna.demos import MLP  # noqa: E402
 from lightning_varuna.multimodel.core_lending import CoreLending  # noqa: E402
 from lightning_varuna.multimodel.devices import torch_threads  # noqa: E402
 from lightning_varuna.multimodel.report import StudyDisplay  # noqa: E402
-from lightning_varuna.multimodel.study import HANDED_OVER, HEARTBEAT, RESUMES  # noqa: E402
+from lightning_varuna.multimodel.study import HANDED_OVER, HEARTBEAT, RESUMES, SURPLUS, StudyRunner  # noqa: E402
 from lightning_varuna.multimodel.trial_callback import TrialCallback  # noqa: E402
 
 RUNNER = str(Path(__file__).with_name("run_study.py"))
@@ -115,16 +115,63 @@ def test_trials_train_in_worker_processes_each_as_if_alone(tmp_path, capsys):
     shown = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", capsys.readouterr().err)
     assert re.search(r"study .*: 2 complete, 2 pruned; best val_loss", shown), shown[-2000:]
     assert sorted(re.findall(r"UserWarning: trial (\d) trains on little data", shown)) == ["0", "1", "2", "3"]
-    pids = {t.user_attrs["pid"] for t in study.trials}
+    # Both workers may have asked at once for the last trial: one asked beyond the four was given back unbuilt.
+    trials = [t for t in study.trials if SURPLUS not in t.user_attrs]
+    assert all(t.state.name == "FAIL" and "pid" not in t.user_attrs for t in study.trials if t not in trials)
+    pids = {t.user_attrs["pid"] for t in trials}
     assert len(pids) == 2 and os.getpid() not in pids
-    drawn = [tuple(t.params.values()) for t in study.trials]
+    drawn = [tuple(t.params.values()) for t in trials]
     assert len(set(drawn)) == 4, f"the workers' seeded samplers drew alike: {drawn}"
-    for trial in study.trials:
+    for trial in trials:
         losses, _ = train_alone(trial.params["layers"], trial.params["lr"], 12, dropout=0.1)
         logged = logged_losses(tmp_path / "losses" / f"trial-{trial.number}.jsonl")
         steps = 4 if trial.number % 2 else 12
         assert sorted(logged) == list(range(1, steps + 1))
         torch.testing.assert_close(list(logged.values()), losses[:steps], rtol=1e-5, atol=1e-6)
+
+
+def test_workers_that_ask_at_once_give_back_a_trial_beyond_n_trials(tmp_path):
+    """Two workers both count a study of ``n_trials=2`` one short (it holds one finished trial) and both ask at that
+    moment: the trial numbered beyond the two is given back unbuilt (told FAIL, marked `SURPLUS`, not counted), the
+    other trains. A trial the user enqueues into the full study still runs."""
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    distributions = {"layers": optuna.distributions.IntDistribution(2, 5)}
+    study.add_trial(optuna.trial.create_trial(params={"layers": 2}, distributions=distributions, value=1.0))
+    built: list[int] = []
+
+    def build(trial: optuna.trial.Trial) -> dict:
+        built.append(trial.number)
+        return trial_kwargs(trial, max_steps=VAL_EVERY)
+
+    both_counted = threading.Barrier(2)
+
+    def worker(asking_together: bool) -> None:
+        asked = [False]
+
+        def idle(idle: bool) -> None:  # told "not idle" after counting the study and before asking
+            if asking_together and not idle and not asked[0]:
+                asked[0] = True
+                both_counted.wait(timeout=60)
+
+        sweep = MultiModelTrainer(accelerator="cpu", devices=1, enable_progress_bar=False)
+        StudyRunner(
+            sweep, study, build, 2, "val_loss", "last", str(tmp_path / "ckpt"), 300.0, 10.0, 120.0, 1,
+            threading.Event(), idle=idle,
+        ).run()  # fmt: skip
+
+    workers = [threading.Thread(target=worker, args=(True,)) for _ in range(2)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join(timeout=120)
+    assert [(t.number, t.state.name, SURPLUS in t.user_attrs) for t in study.trials] == [
+        (0, "COMPLETE", False), (1, "COMPLETE", False), (2, "FAIL", True),
+    ]  # fmt: skip
+    assert built == [1]
+
+    study.enqueue_trial({"layers": 3, "lr": 0.01})
+    worker(asking_together=False)
+    assert built == [1, 3] and study.trials[3].state.name == "COMPLETE" and study.trials[3].params["layers"] == 3
 
 
 class ThreadsLog(L.Callback):
@@ -592,6 +639,11 @@ def study_in(folder: Path) -> optuna.Study:
     return optuna.load_study(study_name="study", storage=storage)
 
 
+def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """The trials that count toward ``n_trials``: neither handed over to a retry nor given back as surplus."""
+    return [t for t in study.trials if HANDED_OVER not in t.user_attrs and SURPLUS not in t.user_attrs]
+
+
 def assert_every_trial_trained_as_alone(
     folder: Path, study: optuna.Study, max_steps: int, dropout: float = 0.0
 ) -> None:
@@ -600,6 +652,9 @@ def assert_every_trial_trained_as_alone(
     those of the trials it continues included."""
     by_number = {t.number: t for t in study.trials}
     for trial in study.trials:
+        if SURPLUS in trial.user_attrs:  # asked as another worker asked too, beyond n_trials: given back unbuilt
+            assert trial.state.name == "FAIL" and not trial.params, trial.number
+            continue
         reported = sorted(trial.intermediate_values)
         assert all(step % VAL_EVERY == 0 for step in reported), (trial.number, reported)
         losses, _ = train_alone(trial.params["layers"], trial.params["lr"], max_steps, dropout)
@@ -634,7 +689,7 @@ def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path):
     assert len(interrupted) == 2
     finish(start_worker(tmp_path, **config))
     study = study_in(tmp_path)
-    counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
+    counted = counted_trials(study)
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
     assert_every_trial_trained_as_alone(tmp_path, study, 300, dropout=0.1)
 
@@ -657,7 +712,7 @@ def test_a_killed_worker_s_trial_is_taken_over_by_another_from_its_checkpoint(tm
     study = study_in(tmp_path)
     taken_over = [t.number for t in study.trials if t.user_attrs.get(HANDED_OVER) == "no heartbeat"]
     assert taken_over == [killed_in.number]
-    counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
+    counted = counted_trials(study)
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
     assert_every_trial_trained_as_alone(tmp_path, study, 300, dropout=0.1)
 
@@ -694,7 +749,7 @@ def test_a_killed_worker_process_s_trial_is_taken_over_by_its_sibling(tmp_path):
     assert "died (exit code -9)" in output
     study = study_in(tmp_path)
     assert [t.number for t in study.trials if t.user_attrs.get(HANDED_OVER) == "no heartbeat"] == [killed_in.number]
-    counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
+    counted = counted_trials(study)
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
     assert_every_trial_trained_as_alone(tmp_path, study, 300)
 
@@ -718,6 +773,6 @@ def test_a_slurm_job_array_runs_one_study_and_a_preempted_task_s_trial_continues
     study = study_in(tmp_path)
     preempted = [t for t in study.trials if t.user_attrs.get(HANDED_OVER) == "preempted"]
     assert len(preempted) == 1, output[-6000:]
-    counted = [t for t in study.trials if HANDED_OVER not in t.user_attrs]
+    counted = counted_trials(study)
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
     assert_every_trial_trained_as_alone(tmp_path, study, 300)

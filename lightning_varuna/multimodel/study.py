@@ -13,6 +13,10 @@ attribute `HANDED_OVER`, and a trial with the same parameters is enqueued carryi
 and its checkpoint). Whichever worker asks next gets it, resumes from that checkpoint, and reports the intermediate
 values of the trial it continues first, so the pruner sees one history. Handed-over trials do not count as failures
 toward ``n_trials``.
+
+How the study keeps its size. A worker asks for a trial while the study holds fewer than ``n_trials``; two workers
+that count at the same moment may both ask. The trial numbered beyond ``n_trials`` among those that count is then
+given back before it is built: told FAIL with the attribute `SURPLUS`, and not counted.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 from queue import Empty, Queue
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lightning_varuna._optuna_private import frozen_trial, set_user_attr
+from lightning_varuna._optuna_private import frozen_trial, set_user_attr, was_enqueued
 from lightning_varuna.checkpoint.layout import IncompleteCheckpointError, open_complete
 from lightning_varuna.multimodel.report import ModelResult, StudyDisplay
 from lightning_varuna.multimodel.trial_callback import TrialCallback
@@ -45,6 +49,7 @@ __all__ = [
     "HANDED_OVER",
     "HEARTBEAT",
     "RESUMES",
+    "SURPLUS",
     "StudyRunner",
     "Sweep",
     "TrialOutcome",
@@ -58,6 +63,7 @@ HEARTBEAT = "lightning_varuna.heartbeat"  # when the worker running the trial la
 CHECKPOINT = "lightning_varuna.checkpoint"  # the URL of the trial's checkpoint
 RESUMES = "lightning_varuna.resumes"  # of a retry: {"trial": the number it continues, "checkpoint": that one's URL}
 HANDED_OVER = "lightning_varuna.handed_over"  # of a trial continued by a retry: why ("preempted", "no heartbeat")
+SURPLUS = "lightning_varuna.surplus"  # of a trial asked beyond n_trials as another worker asked too: never built
 IDLE_POLL_S = 0.1  # how often a worker with no trial of its own looks whether others' trials still run (the study
 # ends this late after its last trial at most: a worker that has nothing to do waits for the others' trials to end)
 
@@ -222,6 +228,8 @@ class StudyRunner:
         if self.idle is not None:  # its core, if lent, is taken back before the trial is built
             self.idle(False)
         trial = self.study.ask()
+        if self._give_back_if_surplus(trial):
+            return False
         resumes = trial.user_attrs.get(RESUMES)
         url = join(self.checkpoint_dir, f"trial-{trial.number}")
         trial.set_user_attr(CHECKPOINT, url)
@@ -405,11 +413,31 @@ class StudyRunner:
 
     # ---------------------------------------------------------------------------------------------- counting
     def _size(self) -> int:
-        """The study's trials that count toward ``n_trials``: all but those handed over to a retry (one marked for
-        it that its own worker told first does count)."""
-        FAIL = self._optuna.trial.TrialState.FAIL
+        return len(self._counted())
+
+    def _counted(self) -> list[optuna.trial.FrozenTrial]:
+        """The study's trials that count toward ``n_trials``: all but those given back as surplus, and those handed
+        over once their retry is enqueued (the retry counts in their place, so the study never counts one short)."""
         trials = self.study.get_trials(deepcopy=False)
-        return sum(1 for t in trials if HANDED_OVER not in t.user_attrs or t.state != FAIL)
+        continued = {t.user_attrs[RESUMES]["trial"] for t in trials if RESUMES in t.user_attrs}
+        return [t for t in trials if SURPLUS not in t.user_attrs and t.number not in continued]
+
+    def _give_back_if_surplus(self, trial: optuna.trial.Trial) -> bool:
+        """Give back ``trial`` if the sampler drew it beyond ``n_trials``: other workers asked at the same moment,
+        and at least ``n_trials`` trials that count are numbered before it. A trial that was waiting (a retry, one
+        the user enqueued) is always run."""
+        if was_enqueued(self.study, trial.number):
+            return False
+        before = sum(1 for t in self._counted() if t.number < trial.number)
+        if before < self.n_trials:
+            return False
+        trial.set_user_attr(SURPLUS, True)
+        self.study.tell(trial, state=self._optuna.trial.TrialState.FAIL)
+        log.info(
+            f"Trial {trial.number} was asked while other workers asked too, beyond the study's {self.n_trials} "
+            "trials: it is given back unbuilt (told FAIL, marked surplus, not counted)."
+        )
+        return True
 
     def _waiting(self) -> bool:
         return bool(self.study.get_trials(deepcopy=False, states=(self._optuna.trial.TrialState.WAITING,)))
