@@ -266,13 +266,14 @@ def test_zero_bubble_takes_each_stage_s_split_from_the_profile():
     durations = {(s.stage, s.name[0]): round(s.end_s - s.start_s, 9) for s in timeline if s.name[0] in "BW"}
     backward = 2.0 * 2  # 2 segments of 2 s each per stage
     assert durations == {(0, "B"): 0.0, (0, "W"): backward, (1, "B"): 0.75 * backward, (1, "W"): 0.5 * backward}
-    # Calibrated: a backward's cost goes to the input parts that compute something, the weight passes take longer.
+    # Calibrated: a backward's cost goes to the backwards that compute something (the input parts, and the first
+    # stage's weight part, its whole backward), the weight passes split from a backward take longer.
     profile.overheads = {2: RuntimeOverheads(backward_s=0.25, weight_factor=1.5)}
     timeline = simulate(profile, Config(2, 1, 1, "zero-bubble", 4), timeline=True).timeline
     durations = {(s.stage, s.name[0]): round(s.end_s - s.start_s, 9) for s in timeline if s.name[0] in "BW"}
     assert durations == {
         (0, "B"): 0.0,
-        (0, "W"): 1.5 * backward,
+        (0, "W"): backward + 0.25,
         (1, "B"): 0.75 * backward + 0.25,
         (1, "W"): 1.5 * 0.5 * backward,
     }
@@ -452,16 +453,38 @@ def test_calibration_learns_how_much_longer_deferred_weight_passes_take():
     assert ModelProfile.from_json(calibrated.to_json()) == calibrated
     unsplit = calibrate(synthetic(), [(gpipe, simulate(truth, gpipe, timeline=True).timeline)])
     assert unsplit.overheads[2].weight_factor is None
-    # A one-stage split backward's input parts compute nothing: its run teaches the rest, but no backward cost.
+    # A one-stage split backward's weight parts are whole backwards (its input takes no gradient): its run teaches
+    # the costs per action, and no weight factor.
     one_stage, one_process = Config(1, 1, 1, "zero-bubble", 4), replace(synthetic(), overheads={1: costs})
     alone = calibrate(synthetic(), [(one_stage, simulate(one_process, one_stage, timeline=True).timeline)])
-    assert alone.overheads[1].weight_factor == pytest.approx(1.5, rel=1e-4)
-    assert (alone.overheads[1].forward(1), alone.overheads[1].backward(1)) == pytest.approx((0.3, 0.0), abs=1e-6)
+    assert alone.overheads[1].weight_factor is None
+    assert (alone.overheads[1].forward(1), alone.overheads[1].backward(1)) == pytest.approx((0.3, 0.2), abs=1e-6)
     assert simulate(alone, one_stage).step_s == pytest.approx(simulate(one_process, one_stage).step_s, rel=1e-4)
     # Runs that all split the backward teach the other costs and the weight passes' together.
     alone = calibrate(synthetic(), [(zero_bubble, simulate(truth, zero_bubble, timeline=True).timeline)])
     assert alone.overheads[2].weight_factor == pytest.approx(1.5, rel=1e-4)
     assert simulate(alone, zero_bubble).step_s == pytest.approx(simulate(truth, zero_bubble).step_s, rel=1e-4)
+
+
+def test_calibration_learns_the_optimizer_step_and_the_reduction_from_their_own_spans():
+    """A step "measured" with an optimizer step 0.6x its profiled time and a reduction of the tied weights 0.3 s
+    longer than its transfer teaches both apart from the per-step cost: a schedule that puts the tied weights on one
+    rank (zbv: nothing to reduce) is then predicted as measured, which one per-step cost for all could not do."""
+    tied = synthetic(segments=4)
+    for segment in tied.segments:
+        segment.optimizer_step_s = {1: 0.5}
+    tied.segments[0].parameters["embedding"] = tied.segments[-1].parameters["embedding"] = 1000  # and the head
+    costs = RuntimeOverheads(0.3, 0.2, 0.1, 0.5, optimizer_factor=0.6, reduce_s=0.3)
+    truth = replace(tied, overheads={2: costs})
+    one_f_one_b, zbv = Config(2, 1, 2, "1f1b", 8), Config(2, 1, 2, "zbv", 8, stages_per_rank=2)
+    assert simulate(truth, one_f_one_b).allreduce_s > 0.3 and simulate(truth, zbv).allreduce_s == 0
+    calibrated = calibrate(tied, [(one_f_one_b, simulate(truth, one_f_one_b, timeline=True).timeline)])
+    learned = calibrated.overheads[2]
+    assert (learned.optimizer_factor, learned.reduce_s, learned.step_s) == pytest.approx((0.6, 0.3, 0.5), abs=1e-6)
+    assert simulate(calibrated, zbv).step_s == pytest.approx(simulate(truth, zbv).step_s, rel=1e-6)
+    nothing_reduced = calibrate(tied, [(zbv, simulate(truth, zbv, timeline=True).timeline)])
+    assert nothing_reduced.overheads[2].reduce_s is None  # not learned: the transfer alone, as profiled
+    assert ModelProfile.from_json(calibrated.to_json()) == calibrated
 
 
 def test_step_runs_cover_each_process_count_s_schedules_and_replicas():

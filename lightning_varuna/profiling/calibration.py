@@ -3,12 +3,14 @@
 The profile times each segment alone. A training step also runs the user's ``training_step`` around every forward,
 the runtime's bookkeeping, messages that wait on busy peers, and per-step work after the last backward. For each
 measured configuration, `calibrate` fits those costs (`RuntimeOverheads`) so that simulating it reproduces its
-measured timeline: the mean forward and backward durations, the pipeline's length and the whole step. Measured
+measured timeline: the mean forward and backward durations, the pipeline's length, the optimizer step, the
+reduction of the gradients (and tied weights) on the rank that reaches it last, and the whole step. Measured
 configurations with as many processes per node are combined, whatever their schedule: the cost per forward and per
 backward is kept per micro-batch size (linear between two sizes; beyond them, from the nearest along the slope of a
 line fitted to all). Configurations with replicas then teach how long the all-reduce waits for the slowest replica,
 in proportion to the pipeline's length, and configurations whose schedule splits the backward (zero-bubble) how much
-longer than profiled a weight pass takes, deferred behind other work. The simulator adds the costs to every
+longer than profiled a weight pass takes, deferred behind other work (a first stage's weight pass is its whole
+backward: its input takes no gradient). The simulator adds the costs to every
 configuration run with that many processes per node.
 """
 
@@ -34,20 +36,18 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
     """A copy of ``profile`` whose overheads make the simulation of each measured configuration match its timeline
     (a `PipelineTrace`; of several steps, the median one). Overheads of other process counts are kept, and of a
     process count measured again, what its new runs do not teach: the replicas' wait without a run with replicas, the
-    weight passes' factor without a run that splits the backward. The costs per micro-batch size are those of the new
-    runs alone."""
+    weight passes' factor without a run that splits the backward of a stage after the first. The costs per micro-batch
+    size are those of the new runs alone."""
     by_processes: dict[int, list[tuple[Config, Sequence[Span]]]] = {}
     for config, spans in measured:
         by_processes.setdefault(config.processes_per_node, []).append((config, spans))
     combined = {}
     for processes, runs in by_processes.items():
-        # Replicas wait for each other at the all-reduce; the costs of a step are learned from runs without them,
-        # and from runs whose backwards compute something (a one-stage split backward's input parts do not).
+        # Replicas wait for each other at the all-reduce; the costs of a step are learned from runs without them.
         alone = [(c, spans) for c, spans in runs if c.data_parallel_size == 1] or runs
-        alone = [(c, spans) for c, spans in alone if _computed_backwards(spans)] or alone
         overheads = _combine([(c.micro_batch_size, _fit(profile, c, spans)) for c, spans in alone])
         replicated = [(c, spans) for c, spans in runs if c.data_parallel_size > 1]
-        split = [(c, spans) for c, spans in runs if _splits_backward(spans)]
+        split = [(c, spans) for c, spans in runs if _weight_durations(spans)]
         with_overheads = _with_overheads(profile, processes, overheads)  # sees what is set on ``overheads`` below
         before = profile.overheads.get(processes, RuntimeOverheads())  # what the new runs do not teach is kept
         if split:  # with the costs that all the runs teach
@@ -95,13 +95,13 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
     def predict(overheads: RuntimeOverheads) -> Prediction:
         return simulate(_with_overheads(profile, config.processes_per_node, overheads), config, timeline=True)
 
-    splits_backward = _splits_backward(measured)
+    splits_weights = bool(_weight_durations(measured))
     # The profile may over-estimate an action at some sizes (measured on the CPU: GPT's forwards at 8 rows about 8%
     # faster in a pipeline than profiled): a cost per action may be negative, down to minus the shortest action as
     # simulated without costs (the simulator never lets an action take less than no time).
     profiled = predict(RuntimeOverheads()).timeline
     least_forward = min(s.end_s - s.start_s for s in profiled if s.phase is Phase.FORWARD)
-    least_backward = min(_computed_backwards(profiled), default=0.0)
+    least_backward = min(_computed_backwards(profiled))
 
     fitted = RuntimeOverheads()
     for _ in range(_ROUNDS):
@@ -109,21 +109,42 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
             lambda x: _mean_duration(predict(replace(fitted, forward_s=x)), Phase.FORWARD) - forward,
             low=-least_forward,
         )
-        if least_backward:  # else no backward computes anything
-            fitted.backward_s = _solve(
-                lambda x: (
-                    statistics.mean(_computed_backwards(predict(replace(fitted, backward_s=x)).timeline)) - backward
-                ),
-                low=-least_backward,
-            )
-        if splits_backward:
+        fitted.backward_s = _solve(
+            lambda x: statistics.mean(_computed_backwards(predict(replace(fitted, backward_s=x)).timeline)) - backward,
+            low=-least_backward,
+        )
+        if splits_weights:
             fitted.weight_factor = _weight_factor(
                 _with_overheads(profile, config.processes_per_node, fitted), config, measured
             )
         if config.pipeline_parallel_size > 1:
             fitted.message_s = _solve(lambda x: _pipeline_length(predict(replace(fitted, message_s=x))) - pipeline)
+    fitted.optimizer_factor = _optimizer_factor(predict(fitted), measured)
+    fitted.reduce_s = _reduce_cost(predict(fitted), measured)
     fitted.step_s = _solve(lambda x: predict(replace(fitted, step_s=x)).step_s - step, high=step)
     return fitted
+
+
+def _reduce_cost(prediction: Prediction, measured: Sequence[Span]) -> float | None:
+    """How much longer than simulated the step's reduction takes on the rank that starts it last (it waits for no
+    other; the median over the steps); None if the simulated step reduces nothing."""
+    if prediction.allreduce_s <= 0:
+        return None
+    steps = [[s for s in spans if s.work == "all-reduce"] for spans in _by_step(measured)]
+    last = [max(spans, key=lambda s: s.start_s) for spans in steps if spans]
+    if not last:
+        return None
+    return statistics.median(s.end_s - s.start_s for s in last) - prediction.allreduce_s
+
+
+def _optimizer_factor(prediction: Prediction, measured: Sequence[Span]) -> float:
+    """How many times its simulated time the measured optimizer step takes (on the slowest rank, the median over
+    the steps); 1 if the timeline has none."""
+    steps = [[s.end_s - s.start_s for s in spans if s.work == "optimizer"] for spans in _by_step(measured)]
+    measured_s = [max(durations) for durations in steps if durations]
+    if not measured_s or prediction.optimizer_s <= 0:
+        return 1.0
+    return statistics.median(measured_s) / prediction.optimizer_s
 
 
 def _replica_lag(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> float:
@@ -143,7 +164,7 @@ def _weight_factor(profile: ModelProfile, config: Config, measured: Sequence[Spa
         costs = replace(profile.overheads[processes], weight_factor=factor)
         return simulate(_with_overheads(profile, processes, costs), config, timeline=True)
 
-    return _solve(lambda x: _mean_duration(predict(x), Phase.WEIGHT) - weight, high=_MAX_WEIGHT_FACTOR)
+    return _solve(lambda x: statistics.mean(_weight_durations(predict(x).timeline)) - weight, high=_MAX_WEIGHT_FACTOR)
 
 
 def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
@@ -163,10 +184,18 @@ def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
         backward_s=backward_s,
         message_s=statistics.mean(o.message_s for _, o in fits),
         step_s=statistics.mean(o.step_s for _, o in fits),
+        optimizer_factor=statistics.mean(o.optimizer_factor for _, o in fits),
+        reduce_s=_mean_learned([o.reduce_s for _, o in fits]),
         forward_per_row_s=forward_per_row_s,
         backward_per_row_s=backward_per_row_s,
         by_rows=by_rows,
     )
+
+
+def _mean_learned(values: list[float | None]) -> float | None:
+    """The mean of the values learned (not None); None if none was."""
+    learned = [value for value in values if value is not None]
+    return statistics.mean(learned) if learned else None
 
 
 def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
@@ -197,27 +226,32 @@ def _measures(spans: list[Span]) -> tuple[float, float, float, float]:
     start = min(s.start_s for s in spans)
     return (
         statistics.mean(s.end_s - s.start_s for s in computed if s.phase is Phase.FORWARD),
-        statistics.mean(_computed_backwards(spans) or [0.0]),
+        statistics.mean(_computed_backwards(spans)),
         max(s.end_s for s in computed) - start,
         max(s.end_s for s in spans) - start,
     )
 
 
 def _computed_backwards(spans: Sequence[Span]) -> list[float]:
-    """The durations of the backwards that compute something: of a split backward, the input parts of every stage but
-    the first (whose input takes no gradient: the runtime's input part there does nothing, the simulator's takes no
-    time)."""
-    first_stage_does_nothing = _splits_backward(spans)
+    """The durations of the backwards that compute something. Of a split backward, a first stage's weight pass is its
+    whole backward (its input takes no gradient: the runtime's input part there does nothing, the simulator's takes
+    no time)."""
+    split = _splits_backward(spans)
     return [
         s.end_s - s.start_s
         for s in spans
-        if s.phase is Phase.BACKWARD
-        and not (first_stage_does_nothing and isinstance(s.work, Action) and s.work.stage_on(s.stage) == 0)
+        if (s.phase is Phase.BACKWARD and not (split and _on_first_stage(s)))
+        or (s.phase is Phase.WEIGHT and _on_first_stage(s))
     ]
 
 
 def _weight_durations(spans: Sequence[Span]) -> list[float]:
-    return [s.end_s - s.start_s for s in spans if s.phase is Phase.WEIGHT]
+    """The durations of the weight passes split from a backward (not a first stage's: its whole backward)."""
+    return [s.end_s - s.start_s for s in spans if s.phase is Phase.WEIGHT and not _on_first_stage(s)]
+
+
+def _on_first_stage(span: Span) -> bool:
+    return isinstance(span.work, Action) and span.work.stage_on(span.stage) == 0
 
 
 def _splits_backward(spans: Sequence[Span]) -> bool:

@@ -162,9 +162,12 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
         allreduce_s += overheads.replica_lag * pipeline_s
     for name, holders in _tied_parameters(profile, segments_of).items():  # tied weights: summed across their ranks
         allreduce_s += _allreduce(profile, processes_per_node, holders)(_parameter_bytes(profile, name))
+    if allreduce_s and overheads.reduce_s is not None:
+        allreduce_s = max(0.0, allreduce_s + overheads.reduce_s)
     optimizer_s = (
         max(sum(profile.optimizer_step_s(i, threads) for i in segments) for segments in segments_of)
         * sharing.slowdown_all_busy
+        * overheads.optimizer_factor
     )
     step_s = pipeline_s + allreduce_s + optimizer_s
     busy = [sum(sp.end_s - sp.start_s for sp in spans if sp.stage == r) for r in range(P)]
@@ -275,8 +278,10 @@ def _run_pipeline(
         if (stage, m) not in split:
             return max(0.0, cost.backward_s + overheads.backward(sizes[m]))
         input_part, weight_part = cost.split_s
-        if action.phase is Phase.BACKWARD:  # a first stage's input takes no gradient: its input part does nothing
-            return 0.0 if stage == 0 else max(0.0, input_part + overheads.backward(sizes[m]))
+        if stage == 0:  # a first stage's input takes no gradient: its input part does nothing, its weight part is all
+            return 0.0 if action.phase is Phase.BACKWARD else max(0.0, cost.backward_s + overheads.backward(sizes[m]))
+        if action.phase is Phase.BACKWARD:
+            return max(0.0, input_part + overheads.backward(sizes[m]))
         return weight_part * (1.0 if overheads.weight_factor is None else overheads.weight_factor)
 
     def ready_at(rank: int, action: Action) -> float | None:
