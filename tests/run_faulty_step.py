@@ -5,7 +5,8 @@
 ``FAULT`` happens on the global ranks in ``RANKS`` (comma-separated): ``twice`` calls ``self(...)`` twice, ``skip``
 returns a loss without calling it, ``die`` SIGKILLs the process, ``stall`` creates the file ``MARKER`` and waits in
 the step, before its forward, until the process received SIGTERM (a slow stage, while the other waits for it),
-``slow`` does as ``stall`` and then takes 1 s more before each forward (the other stage gives up waiting meanwhile).
+``slow`` does as ``stall`` and then takes 1 s more before each forward (the other stage gives up waiting meanwhile),
+``unpicklable`` returns a function beside the loss.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class FaultyLM(TinyLM):
         logits = self(idx)
         if faulty and self.fault == "twice":
             logits = logits + self(idx)
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        return {"loss": loss, "describe": lambda: "a function"} if faulty and self.fault == "unpicklable" else loss
 
 
 def main(fault: str, ranks: str, marker: str | None = None) -> None:

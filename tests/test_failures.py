@@ -35,6 +35,7 @@ NO_FORWARD = (
 )
 KILLED = r"PeerFailure: stopped \(RuntimeError: .*\) because rank 1 \(process \d+\) failed: killed by SIGKILL"
 # The other rank may first see its connection to the failed rank break: it quotes that too, in parentheses.
+UNPICKLABLE = r"TypeError: A pipelined step's results .* cannot be pickled \(.*lambda.*\)\. Return tensors, numbers"
 STOPPED_BY = r"PeerFailure: stopped( \(.*\))? because rank {rank} \(pipeline stage {stage} of replica 0\) failed: "
 
 
@@ -103,8 +104,10 @@ def _raise(error: BaseException) -> None:
         ("skip", "0,1", NO_FORWARD, NO_FORWARD),
         # A rank killed by a signal leaves no notice: rank 0 names it from its exit status.
         ("die", "1", KILLED, None),
+        # The last stage (rank 0) cannot send the step's results: it fails, and rank 1 learns of it while it waits.
+        ("unpicklable", "0,1", UNPICKLABLE, STOPPED_BY.format(rank=0, stage=1) + UNPICKLABLE),
     ],
-    ids=["second-forward", "no-forward-on-rank-1", "no-forward-on-all", "killed"],
+    ids=["second-forward", "no-forward-on-rank-1", "no-forward-on-all", "killed", "unpicklable-results"],
 )  # fmt: skip
 def test_a_failing_rank_ends_the_job_with_its_error_last(tmp_path, fault, ranks, last_error, other_rank_says):
     proc = run_job([RUNNER, fault, ranks], tmp_path, timeout=180)

@@ -40,7 +40,7 @@ class StepResults:
             return results
         if self._is_last:
             self.flush(on_wait)
-            data = torch.frombuffer(bytearray(pickle.dumps(results)), dtype=torch.uint8)
+            data = torch.frombuffer(bytearray(_pickled(results)), dtype=torch.uint8)
             size = torch.tensor([data.numel()], dtype=torch.int64)
             for rank in (r for r in self._ranks if r != self._source):
                 self._sending += [dist.isend(size, rank, self._group), dist.isend(data, rank, self._group)]
@@ -60,3 +60,14 @@ class StepResults:
         sending, self._sending = self._sending, []
         if sending:
             self._waiter.call(lambda: [work.wait() for work in sending], on_wait)
+
+
+def _pickled(results: Any) -> bytes:
+    try:
+        return pickle.dumps(results)
+    except Exception as error:
+        raise TypeError(
+            "A pipelined step's results (what the step returns beside its loss, and what it logs) are sent from the "
+            f"last stage to the other stages, and these cannot be pickled ({type(error).__name__}: {error}). Return "
+            "tensors, numbers, strings, and lists or dicts of them."
+        ) from error
