@@ -35,7 +35,7 @@ NO_FORWARD = (
 )
 KILLED = r"PeerFailure: stopped \(RuntimeError: .*\) because rank 1 \(process \d+\) failed: killed by SIGKILL"
 # The other rank may first see its connection to the failed rank break: it quotes that too, in parentheses.
-UNPICKLABLE = r"TypeError: A pipelined step's results .* cannot be pickled \(.*lambda.*\)\. Return tensors, numbers"
+UNPICKLABLE = r"TypeError: A pipelined step's results .* cannot be pickled \(.*lambda.*\)\. Return and log tensors"
 STOPPED_BY = r"PeerFailure: stopped( \(.*\))? because rank {rank} \(pipeline stage {stage} of replica 0\) failed: "
 
 

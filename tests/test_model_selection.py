@@ -46,7 +46,6 @@ from lightning_varuna.multimodel.study import HANDED_OVER, HEARTBEAT, RESUMES, S
 from lightning_varuna.multimodel.trial_callback import TrialCallback  # noqa: E402
 
 RUNNER = str(Path(__file__).with_name("run_study.py"))
-LONG = 144  # the steps of a trial that a test interrupts (12 epochs): long enough to be caught running
 
 
 class PruneOddTrials(optuna.pruners.BasePruner):
@@ -165,6 +164,7 @@ def test_workers_that_ask_at_once_give_back_a_trial_beyond_n_trials(tmp_path):
         thread.start()
     for thread in workers:
         thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in workers), "a worker did not end"
     assert [(t.number, t.state.name, SURPLUS in t.user_attrs) for t in study.trials] == [
         (0, "COMPLETE", False), (1, "COMPLETE", False), (2, "FAIL", True),
     ]  # fmt: skip
@@ -681,7 +681,7 @@ def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path):
     (their retries continue from the checkpoints), completes the study's four trials and asks no more; every step
     equals the trial trained alone, dropout masks included. (A threaded sweep's preempted trial resumed by another
     worker: the SLURM test.)"""
-    config = dict(n_trials=4, max_steps=LONG, devices=2, max_running=2, seed=0, processes=True, dropout=0.1)
+    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, seed=0, processes=True, dropout=0.1)
     first = start_worker(tmp_path, **config)
     wait_for_running(tmp_path, trials=2, steps=10)
     first.send_signal(signal.SIGTERM)
@@ -692,7 +692,7 @@ def test_a_preempted_study_resumes_its_trials_on_the_next_run_exactly(tmp_path):
     study = study_in(tmp_path)
     counted = counted_trials(study)
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
-    assert_every_trial_trained_as_alone(tmp_path, study, LONG, dropout=0.1)
+    assert_every_trial_trained_as_alone(tmp_path, study, 300, dropout=0.1)
 
 
 @pytest.mark.slow
@@ -701,7 +701,7 @@ def test_a_killed_worker_s_trial_is_taken_over_by_another_from_its_checkpoint(tm
     checkpointed. The other, after the grace period without a heartbeat, hands that trial over to a retry that
     resumes from its last checkpoint; the study completes its four trials, none run twice, every step as alone."""
     config = dict(
-        n_trials=4, max_steps=LONG, max_running=1, heartbeat=0.5, grace_period=3, checkpoint_interval=0.5, dropout=0.1
+        n_trials=4, max_steps=300, max_running=1, heartbeat=0.5, grace_period=3, checkpoint_interval=0.5, dropout=0.1
     )
     doomed = start_worker(tmp_path, seed=1, **config)
     wait_for_steps(tmp_path, trials=1, steps=10)
@@ -715,7 +715,7 @@ def test_a_killed_worker_s_trial_is_taken_over_by_another_from_its_checkpoint(tm
     assert taken_over == [killed_in.number]
     counted = counted_trials(study)
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
-    assert_every_trial_trained_as_alone(tmp_path, study, LONG, dropout=0.1)
+    assert_every_trial_trained_as_alone(tmp_path, study, 300, dropout=0.1)
 
 
 @pytest.mark.slow
@@ -739,7 +739,7 @@ def test_a_killed_worker_process_s_trial_is_taken_over_by_its_sibling(tmp_path):
     """``processes=True``: one of the two worker processes is killed (SIGKILL) while its trial trains with a
     checkpoint. The other, after the grace period, resumes that trial from its checkpoint; the call returns as the
     study completes its four trials, none run twice, every step as alone."""
-    config = dict(n_trials=4, max_steps=LONG, devices=2, max_running=2, processes=True, seed=0)
+    config = dict(n_trials=4, max_steps=300, devices=2, max_running=2, processes=True, seed=0)
     worker = start_worker(tmp_path, heartbeat=0.5, grace_period=4, checkpoint_interval=0.2, **config)
     wait_for_steps(tmp_path, trials=2, steps=10)
     assert len(children_of(worker.pid)) == 2
@@ -752,7 +752,7 @@ def test_a_killed_worker_process_s_trial_is_taken_over_by_its_sibling(tmp_path):
     assert [t.number for t in study.trials if t.user_attrs.get(HANDED_OVER) == "no heartbeat"] == [killed_in.number]
     counted = counted_trials(study)
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
-    assert_every_trial_trained_as_alone(tmp_path, study, LONG)
+    assert_every_trial_trained_as_alone(tmp_path, study, 300)
 
 
 @pytest.mark.slow
@@ -761,12 +761,12 @@ def test_a_slurm_job_array_runs_one_study_and_a_preempted_task_s_trial_continues
     they run one study. SLURM's notice of a preemption (SIGUSR1) to one task checkpoints its trial and hands it over;
     the other task resumes it from the checkpoint. The study completes its four trials, none run twice, every step
     as alone."""
-    config = dict(n_trials=4, max_steps=LONG, max_running=1)
+    config = dict(n_trials=4, max_steps=300, max_running=1)
     command = f"srun {sys.executable} {RUNNER} {tmp_path} '{json.dumps(config)}'"
     output = f"--output={tmp_path}/slurm-%A_%a.out"  # each task's own output, as slurm.output names it
     job = slurm.sbatch(command, "--array=0-1", "--ntasks=1", output, cwd=tmp_path, env=clean_env())
     tasks = [f"{job}_0", f"{job}_1"]
-    wait_for_steps(tmp_path, trials=2, steps=10)  # both tasks train a trial
+    wait_for_running(tmp_path, trials=2, steps=10)  # both tasks train a trial
     subprocess.run(["scancel", "--signal=USR1", tasks[0]], env=slurm.env, check=True)
     states = [slurm.wait_until_ended(task, 300) for task in tasks]
     output = "\n".join(slurm.output(f"{job}_{i}", tmp_path) for i in (0, 1))
@@ -776,4 +776,4 @@ def test_a_slurm_job_array_runs_one_study_and_a_preempted_task_s_trial_continues
     assert len(preempted) == 1, output[-6000:]
     counted = counted_trials(study)
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
-    assert_every_trial_trained_as_alone(tmp_path, study, LONG)
+    assert_every_trial_trained_as_alone(tmp_path, study, 300)

@@ -32,7 +32,7 @@ from lightning_varuna.profiling.profile import (
 from lightning_varuna.profiling.profiler import profile_model, resize_batch
 from lightning_varuna.profiling.segments import measure_segments, measure_split_backward
 from lightning_varuna.profiling.simulator import Config, simulate
-from lightning_varuna.profiling.trace import read_chrome_trace
+from lightning_varuna.profiling.trace import Span, read_chrome_trace
 from lightning_varuna.step_runs import step_run_configs
 
 
@@ -484,6 +484,15 @@ def test_calibration_learns_the_optimizer_step_and_the_reduction_from_their_own_
     assert simulate(calibrated, zbv).step_s == pytest.approx(simulate(truth, zbv).step_s, rel=1e-6)
     nothing_reduced = calibrate(tied, [(zbv, simulate(truth, zbv, timeline=True).timeline)])
     assert nothing_reduced.overheads[2].reduce_s is None  # not learned: the transfer alone, as profiled
+    # On 4 stages only the first and the last reduce (the tied weights); the middle ones' reductions, which sum
+    # nothing and may start last, do not teach the cost.
+    four = Config(4, 1, 1, "1f1b", 4)
+    truth = replace(tied, overheads={4: costs})
+    measured = simulate(truth, four, timeline=True).timeline
+    assert {s.stage for s in measured if s.work == "all-reduce"} == {0, 3}
+    end = max(s.end_s for s in measured if s.work == "all-reduce")
+    measured += [Span(rank, "all-reduce", end, end + 1e-5) for rank in (1, 2)]
+    assert calibrate(tied, [(four, measured)]).overheads[4].reduce_s == pytest.approx(0.3, abs=1e-6)
     assert ModelProfile.from_json(calibrated.to_json()) == calibrated
 
 

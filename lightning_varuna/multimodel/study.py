@@ -416,11 +416,11 @@ class StudyRunner:
         return len(self._counted())
 
     def _counted(self) -> list[optuna.trial.FrozenTrial]:
-        """The study's trials that count toward ``n_trials``: all but those given back as surplus, and those handed
-        over once their retry is enqueued (the retry counts in their place, so the study never counts one short)."""
+        """The trials that count toward ``n_trials``: one per line of a trial and its retries (the trial that
+        started it, handed over or not: a retry counts in its place, whenever it is enqueued), none given back as
+        surplus."""
         trials = self.study.get_trials(deepcopy=False)
-        continued = {t.user_attrs[RESUMES]["trial"] for t in trials if RESUMES in t.user_attrs}
-        return [t for t in trials if SURPLUS not in t.user_attrs and t.number not in continued]
+        return [t for t in trials if SURPLUS not in t.user_attrs and RESUMES not in t.user_attrs]
 
     def _give_back_if_surplus(self, trial: optuna.trial.Trial) -> bool:
         """Give back ``trial`` if the sampler drew it beyond ``n_trials``: other workers asked at the same moment,

@@ -21,7 +21,7 @@ from lightning_varuna.multimodel.devices import cores_for
 from lightning_varuna.multimodel.processes import ended_at_exit, own_end, picklable, start_forked
 from lightning_varuna.multimodel.report import StudyDisplay
 from lightning_varuna.multimodel.signals import handled
-from lightning_varuna.multimodel.study import HANDED_OVER, TrialOutcome, progress_line, row_name
+from lightning_varuna.multimodel.study import HANDED_OVER, SURPLUS, TrialOutcome, progress_line, row_name
 from lightning_varuna.multimodel.worker_logs import WorkerLogs
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class _StoredStudyView:
         self.shown: dict[int, str] = {}  # trial number -> its row's name
 
     def show(self) -> None:
-        trials = self.study.get_trials(deepcopy=False)
+        trials = [t for t in self.study.get_trials(deepcopy=False) if SURPLUS not in t.user_attrs]  # never trained
         for trial in trials:
             if trial.state == self._states.RUNNING:
                 self._running(trial)

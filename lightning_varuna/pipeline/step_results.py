@@ -65,9 +65,9 @@ class StepResults:
 def _pickled(results: Any) -> bytes:
     try:
         return pickle.dumps(results)
-    except Exception as error:
+    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as error:  # what pickling a value raises
         raise TypeError(
-            "A pipelined step's results (what the step returns beside its loss, and what it logs) are sent from the "
-            f"last stage to the other stages, and these cannot be pickled ({type(error).__name__}: {error}). Return "
-            "tensors, numbers, strings, and lists or dicts of them."
+            "A pipelined step's results (what the step returns, beside a training step's loss, and what it logs) are "
+            f"sent from the last stage to the other stages, and these cannot be pickled ({type(error).__name__}: "
+            f"{error}). Return and log tensors, numbers, strings, and lists or dicts of them."
         ) from error

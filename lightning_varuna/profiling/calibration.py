@@ -36,7 +36,8 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
     """A copy of ``profile`` whose overheads make the simulation of each measured configuration match its timeline
     (a `PipelineTrace`; of several steps, the median one). Overheads of other process counts are kept, and of a
     process count measured again, what its new runs do not teach: the replicas' wait without a run with replicas, the
-    weight passes' factor without a run that splits the backward of a stage after the first. The costs per micro-batch
+    weight passes' factor without a run that splits the backward of a stage after the first, the optimizer step's
+    factor and the reduction's cost without a run that traced them. The costs per micro-batch
     size are those of the new runs alone."""
     by_processes: dict[int, list[tuple[Config, Sequence[Span]]]] = {}
     for config, spans in measured:
@@ -54,6 +55,10 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
             overheads.weight_factor = statistics.mean(_weight_factor(with_overheads, c, spans) for c, spans in split)
         else:
             overheads.weight_factor = before.weight_factor
+        if overheads.optimizer_factor is None:
+            overheads.optimizer_factor = before.optimizer_factor
+        if overheads.reduce_s is None:
+            overheads.reduce_s = before.reduce_s
         if replicated:
             overheads.replica_lag = statistics.mean(_replica_lag(with_overheads, c, spans) for c, spans in replicated)
         else:
@@ -101,7 +106,7 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
     # simulated without costs (the simulator never lets an action take less than no time).
     profiled = predict(RuntimeOverheads()).timeline
     least_forward = min(s.end_s - s.start_s for s in profiled if s.phase is Phase.FORWARD)
-    least_backward = min(_computed_backwards(profiled))
+    least_backward = min(_computed_backwards(profiled), default=0.0)
 
     fitted = RuntimeOverheads()
     for _ in range(_ROUNDS):
@@ -126,25 +131,33 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
 
 
 def _reduce_cost(prediction: Prediction, measured: Sequence[Span]) -> float | None:
-    """How much longer than simulated the step's reduction takes on the rank that starts it last (it waits for no
-    other; the median over the steps); None if the simulated step reduces nothing."""
-    if prediction.allreduce_s <= 0:
+    """How much longer than simulated the step's reduction takes on the rank that reduces and starts it last (it
+    waits for no other; the median over the steps); None if the simulated step reduces nothing."""
+    reducing = {s.stage for s in prediction.timeline if s.work == "all-reduce"}
+    last = _started_last(measured, "all-reduce", reducing)
+    if not reducing or not last:
         return None
-    steps = [[s for s in spans if s.work == "all-reduce"] for spans in _by_step(measured)]
-    last = [max(spans, key=lambda s: s.start_s) for spans in steps if spans]
-    if not last:
-        return None
-    return statistics.median(s.end_s - s.start_s for s in last) - prediction.allreduce_s
+    return statistics.median(last) - prediction.allreduce_s
 
 
-def _optimizer_factor(prediction: Prediction, measured: Sequence[Span]) -> float:
-    """How many times its simulated time the measured optimizer step takes (on the slowest rank, the median over
-    the steps); 1 if the timeline has none."""
-    steps = [[s.end_s - s.start_s for s in spans if s.work == "optimizer"] for spans in _by_step(measured)]
-    measured_s = [max(durations) for durations in steps if durations]
-    if not measured_s or prediction.optimizer_s <= 0:
-        return 1.0
-    return statistics.median(measured_s) / prediction.optimizer_s
+def _optimizer_factor(prediction: Prediction, measured: Sequence[Span]) -> float | None:
+    """How many times its simulated time the optimizer step takes on the rank that starts it last (the median over
+    the steps); None if the measured timeline has none."""
+    last = _started_last(measured, "optimizer", {s.stage for s in prediction.timeline})
+    if not last or prediction.optimizer_s <= 0:
+        return None
+    return statistics.median(last) / prediction.optimizer_s
+
+
+def _started_last(measured: Sequence[Span], work: str, ranks: set[int]) -> list[float]:
+    """Per measured step, the duration of the ``work`` span that started last on ``ranks``."""
+    durations = []
+    for spans in _by_step(measured):
+        candidates = [s for s in spans if s.work == work and s.stage in ranks]
+        if candidates:
+            last = max(candidates, key=lambda s: s.start_s)
+            durations.append(last.end_s - last.start_s)
+    return durations
 
 
 def _replica_lag(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> float:
@@ -184,7 +197,7 @@ def _combine(fits: list[tuple[int, RuntimeOverheads]]) -> RuntimeOverheads:
         backward_s=backward_s,
         message_s=statistics.mean(o.message_s for _, o in fits),
         step_s=statistics.mean(o.step_s for _, o in fits),
-        optimizer_factor=statistics.mean(o.optimizer_factor for _, o in fits),
+        optimizer_factor=_mean_learned([o.optimizer_factor for _, o in fits]),
         reduce_s=_mean_learned([o.reduce_s for _, o in fits]),
         forward_per_row_s=forward_per_row_s,
         backward_per_row_s=backward_per_row_s,
@@ -226,7 +239,7 @@ def _measures(spans: list[Span]) -> tuple[float, float, float, float]:
     start = min(s.start_s for s in spans)
     return (
         statistics.mean(s.end_s - s.start_s for s in computed if s.phase is Phase.FORWARD),
-        statistics.mean(_computed_backwards(spans)),
+        statistics.mean(_computed_backwards(spans) or [0.0]),
         max(s.end_s for s in computed) - start,
         max(s.end_s for s in spans) - start,
     )

@@ -102,9 +102,9 @@ class RuntimeOverheads:
     pipeline's length (replicas sharing cores drift apart), and how many times its profiled time a weight pass of a
     split backward takes when it runs deferred behind other work (learned from a run whose schedule splits the
     backward; None without one: as profiled), how many times its profiled time the optimizer step takes (the
-    profile times it alone, not beside the step's other ranks), and the cost of the step's reduction (of the
-    gradients over the replicas, of tied weights over their stages) beyond its measured transfer (None: not
-    learned, no measured step reduced anything)."""
+    profile times it alone, not beside the step's other ranks; None: as profiled), and what the step's reduction
+    (of the gradients over the replicas, of tied weights over their stages) costs a step beyond its measured
+    transfer (None: as profiled, no measured step reduced anything)."""
 
     forward_s: float = 0.0
     backward_s: float = 0.0
@@ -114,7 +114,7 @@ class RuntimeOverheads:
     backward_per_row_s: float = 0.0
     replica_lag: float = 0.0
     weight_factor: float | None = None
-    optimizer_factor: float = 1.0
+    optimizer_factor: float | None = None
     reduce_s: float | None = None
     # (rows, per forward s, per backward s) as calibrated at each micro-batch size, by rows; empty: the line alone
     by_rows: list[tuple[int, float, float]] = field(default_factory=list)
@@ -132,8 +132,10 @@ class RuntimeOverheads:
             f"{per_action}, per message {self.message_s * 1e3:.2f} ms, per step {self.step_s * 1e3:.2f} ms, waiting "
             f"for replicas {self.replica_lag:.1%} of the pipeline, weight passes "
             + ("as profiled" if self.weight_factor is None else f"{self.weight_factor:.2f}x their profiled time")
-            + f", the optimizer {self.optimizer_factor:.2f}x its profiled time, per reduction "
-            + ("as profiled" if self.reduce_s is None else f"{self.reduce_s * 1e3:.2f} ms")
+            + ", the optimizer step "
+            + ("as profiled" if self.optimizer_factor is None else f"{self.optimizer_factor:.2f}x its profiled time")
+            + ", the reduction "
+            + ("as profiled" if self.reduce_s is None else f"{self.reduce_s * 1e3:+.2f} ms a step")
         )
 
     def forward(self, rows: int) -> float:

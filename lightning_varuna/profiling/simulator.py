@@ -156,18 +156,19 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
         for r in range(P)
     ]
     rank_params = [_stage_parameters(profile, segments) for segments in segments_of]
-    allreduce_s = 0.0
+    allreduce_s, reducing = 0.0, set(range(P)) if D > 1 else set()
     if D > 1:
         allreduce_s = max(_allreduce(profile, processes_per_node, D)(b) for b in rank_params)
         allreduce_s += overheads.replica_lag * pipeline_s
     for name, holders in _tied_parameters(profile, segments_of).items():  # tied weights: summed across their ranks
-        allreduce_s += _allreduce(profile, processes_per_node, holders)(_parameter_bytes(profile, name))
+        allreduce_s += _allreduce(profile, processes_per_node, len(holders))(_parameter_bytes(profile, name))
+        reducing |= holders
     if allreduce_s and overheads.reduce_s is not None:
         allreduce_s = max(0.0, allreduce_s + overheads.reduce_s)
     optimizer_s = (
         max(sum(profile.optimizer_step_s(i, threads) for i in segments) for segments in segments_of)
         * sharing.slowdown_all_busy
-        * overheads.optimizer_factor
+        * (1.0 if overheads.optimizer_factor is None else overheads.optimizer_factor)
     )
     step_s = pipeline_s + allreduce_s + optimizer_s
     busy = [sum(sp.end_s - sp.start_s for sp in spans if sp.stage == r) for r in range(P)]
@@ -179,7 +180,7 @@ def simulate(profile: ModelProfile, config: Config, *, timeline: bool = False) -
         for r in range(P)
     ]
     if timeline:
-        spans += [Span(s, "all-reduce", pipeline_s, pipeline_s + allreduce_s) for s in range(P) if allreduce_s]
+        spans += [Span(s, "all-reduce", pipeline_s, pipeline_s + allreduce_s) for s in sorted(reducing) if allreduce_s]
         spans += [Span(s, "optimizer", pipeline_s + allreduce_s, step_s) for s in range(P)]
     return Prediction(
         config=config,
@@ -405,14 +406,14 @@ def _object_broadcast(profile: ModelProfile, processes: int, width: int) -> floa
     return min(options, key=lambda item: (abs(item[1] - width), abs(item[0] - processes)))[2]
 
 
-def _tied_parameters(profile: ModelProfile, segments_of: list[list[int]]) -> dict[str, int]:
-    """Parameters held by more than one rank (``segments_of``: each rank's segments), and by how many."""
+def _tied_parameters(profile: ModelProfile, segments_of: list[list[int]]) -> dict[str, set[int]]:
+    """Parameters held by more than one rank (``segments_of``: each rank's segments), and by which."""
     holders: dict[str, set[int]] = {}
     for rank, segments in enumerate(segments_of):
         for i in segments:
             for name in profile.segments[i].parameters:
                 holders.setdefault(name, set()).add(rank)
-    return {name: len(ranks) for name, ranks in holders.items() if len(ranks) > 1}
+    return {name: ranks for name, ranks in holders.items() if len(ranks) > 1}
 
 
 def _parameter_bytes(profile: ModelProfile, name: str) -> int:
