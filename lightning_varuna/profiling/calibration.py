@@ -37,8 +37,8 @@ def calibrate(profile: ModelProfile, measured: Sequence[tuple[Config, Sequence[S
     (a `PipelineTrace`; of several steps, the median one). Overheads of other process counts are kept, and of a
     process count measured again, what its new runs do not teach: the replicas' wait without a run with replicas, the
     weight passes' factor without a run that splits the backward of a stage after the first, the optimizer step's
-    factor and the reduction's cost without a run that traced them. The costs per micro-batch
-    size are those of the new runs alone."""
+    factor and the reduction's cost without a run that traced them. The costs per micro-batch size are those of the
+    new runs alone."""
     by_processes: dict[int, list[tuple[Config, Sequence[Span]]]] = {}
     for config, spans in measured:
         by_processes.setdefault(config.processes_per_node, []).append((config, spans))
@@ -124,8 +124,9 @@ def _fit(profile: ModelProfile, config: Config, measured: Sequence[Span]) -> Run
             )
         if config.pipeline_parallel_size > 1:
             fitted.message_s = _solve(lambda x: _pipeline_length(predict(replace(fitted, message_s=x))) - pipeline)
-    fitted.optimizer_factor = _optimizer_factor(predict(fitted), measured)
-    fitted.reduce_s = _reduce_cost(predict(fitted), measured)
+    as_profiled = predict(fitted)  # the optimizer step and the reduction without their costs
+    fitted.optimizer_factor = _optimizer_factor(as_profiled, measured)
+    fitted.reduce_s = _reduce_cost(as_profiled, measured)
     fitted.step_s = _solve(lambda x: predict(replace(fitted, step_s=x)).step_s - step, high=step)
     return fitted
 
